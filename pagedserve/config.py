@@ -1,0 +1,58 @@
+"""One config tree for the engine, built from CLI flags, a YAML file in ``configs/`` or ``LLM(...)``
+keyword arguments. Field names are vLLM's."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(_Config):
+    model: str = "demo"
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str | None = None  # None | "int4" (or a checkpoint's own quantization_config)
+    quant_group_size: int = Field(32, description="int4 group size: 32, 64 or 128")
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    seed: int = 0
+    served_model_name: str | None = None
+
+
+class CacheConfig(_Config):
+    block_size: int = Field(16, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    num_kv_pages: int | None = Field(None, ge=1)  # overrides the computed pool size
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Config):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+
+
+class DeviceConfig(_Config):
+    device: str = "kunlun-emu"
+
+
+class EngineConfig(_Config):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Flat vLLM-style keyword arguments (``block_size=16, max_num_seqs=8``) into the tree."""
+        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                    "device": DeviceConfig}
+        tree: dict[str, dict] = {name: {} for name in sections}
+        for key, value in kwargs.items():
+            owner = next((n for n, c in sections.items() if key in c.model_fields), None)
+            if owner is None:
+                known = sorted(f for c in sections.values() for f in c.model_fields)
+                raise TypeError(f"unknown engine argument {key!r}; known: {', '.join(known)}")
+            tree[owner][key] = value
+        return cls(**tree)

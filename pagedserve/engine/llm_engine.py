@@ -1,0 +1,372 @@
+"""The step loop: add requests, schedule, run the model, turn sampled tokens into outputs.
+
+It knows nothing of devices (the HAL does), file formats (``models/`` does) or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.hal import get_device
+from pagedserve.hal.memory import format_bytes
+from pagedserve.models import Tokenizer, load_config, load_state_dict
+from pagedserve.models.glm4 import GlmForCausalLM
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be served with this engine's limits; the message gives the numbers."""
+
+
+@dataclass
+class RequestGroup:
+    """One user request: ``n`` sequences sampled from one prompt."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    seqs: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    texts: list[str]
+    pending_forks: list[Request] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs) and not self.pending_forks
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == "demo":
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}")
+        return DEMO_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model!r} is not a model directory (no config.json there); pass a local "
+            f"Hugging Face directory or 'demo' (nothing is downloaded)"
+        )
+    return path
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if dtype == "auto":
+        dtype = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.model.seed)
+        self.model_path = resolve_model_path(config.model.model)
+        self.model_config = load_config(self.model_path)
+        self.dtype = resolve_dtype(config.model.dtype, self.model_config.torch_dtype)
+        self.device = get_device(config.device.device)
+        self.tokenizer = self._load_tokenizer()
+        self.model = self._load_model()
+        self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
+        self._check_max_model_len()
+        self.block_size = config.cache.block_size
+        kv_cache = self._allocate_kv_cache()
+        self.num_kv_pages = kv_cache.shape[2]
+        self.block_manager = BlockManager(
+            self.num_kv_pages, self.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
+        self.groups: dict[str, RequestGroup] = {}
+        self.eos_token_ids = frozenset(
+            self.model_config.eos_token_ids + (self.tokenizer.eos_token_ids if self.tokenizer else [])
+        )
+        self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
+        logger.info("%s", self.describe())
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def _load_tokenizer(self) -> Tokenizer | None:
+        path = Path(self.config.model.tokenizer or self.model_path)
+        if not (path / "tokenizer.json").is_file():
+            logger.warning("no tokenizer.json in %s: only token-id prompts are accepted", path)
+            return None
+        return Tokenizer(path)
+
+    def _load_model(self) -> GlmForCausalLM:
+        state_dict = load_state_dict(self.model_path, self.model_config, self.dtype)
+        model = GlmForCausalLM(self.model_config, self.device, self.dtype)
+        model.load_weights(state_dict)
+        return model
+
+    def _check_max_model_len(self) -> None:
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context of {limit} "
+                f"tokens (max_position_embeddings); use --max-model-len {limit} or less"
+            )
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        c, cache = self.model_config, self.config.cache
+        page_bytes = self.block_size * self.kv_bytes_per_token()
+        num_pages = cache.num_kv_pages or self.device.num_kv_pages_available(
+            page_bytes, cache.gpu_memory_utilization
+        )
+        if num_pages < 1:
+            raise ValueError(
+                f"no room for KV pages on {self.device.name}: one page needs "
+                f"{format_bytes(page_bytes)}; raise --gpu-memory-utilization or use a larger --device"
+            )
+        return self.device.allocate_kv_cache(
+            c.num_hidden_layers, num_pages, self.block_size, c.num_key_value_heads, c.head_dim,
+            self.dtype,
+        )
+
+    def describe(self) -> str:
+        max_concurrency = self.num_kv_pages * self.block_size / self.max_model_len
+        return (
+            f"device {self.device.describe()}; model {self.model_path.name} "
+            f"({self.model_config.architecture}, {self.dtype}); KV cache {self.num_kv_pages} pages "
+            f"x {self.block_size} tokens; max_model_len {self.max_model_len}; max concurrency at "
+            f"max_model_len {max_concurrency:.2f}x"
+        )
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        prompt: str | None = None, arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request, or raise ``RequestRejectedError`` saying why it can never run."""
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = self._with_max_tokens(prompt_token_ids, params)
+        self._check_fits(prompt_token_ids, params)
+        seqs = [self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
+                for i in range(params.n)]
+        group = RequestGroup(
+            request_id, prompt, params, seqs,
+            detokenizers=[self._detokenizer(prompt_token_ids, s.sampling_params) for s in seqs],
+            texts=[""] * params.n,
+            pending_forks=seqs[1:],
+        )
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(prompt_token_ids)
+        self.groups[request_id] = group
+        self.scheduler.add_request(seqs[0])
+        self.stats["prompt_tokens_total"] += len(prompt_token_ids)
+
+    def _new_seq(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float | None,
+    ) -> Request:
+        if index and params.seed is not None:
+            params = SamplingParams(**{**vars(params), "seed": params.seed + index})
+        seq_id = request_id if index == 0 else f"{request_id}#{index}"
+        return Request(seq_id, list(prompt_token_ids), params, self.eos_token_ids,
+                       arrival_time=arrival_time or time.monotonic())
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer else None
+
+    def _with_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        if params.max_tokens is not None:
+            return params
+        room = max(self.max_model_len - len(prompt_ids), 1)
+        return SamplingParams(**{**vars(params), "max_tokens": room})
+
+    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n_prompt, total = len(prompt_ids), len(prompt_ids) + params.max_tokens
+        if n_prompt == 0:
+            raise RequestRejectedError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejectedError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if total > self.max_model_len:
+            raise RequestRejectedError(
+                f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
+                f"{params.max_tokens}), but max_model_len is {self.max_model_len}; shorten the "
+                f"prompt, lower max_tokens, or start the server with a larger --max-model-len"
+            )
+        if not self.block_manager.can_fit(total):
+            capacity = self.num_kv_pages * self.block_size
+            raise RequestRejectedError(
+                f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
+                f"{params.max_tokens}), but the whole KV cache holds {capacity} tokens "
+                f"({self.num_kv_pages} pages of {self.block_size}); lower max_tokens or give the "
+                f"cache more memory (--gpu-memory-utilization, --num-kv-pages, a larger --device)"
+            )
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            group.pending_forks.clear()
+            for seq in group.seqs:
+                if not seq.status.finished:
+                    self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        forks = self._forks_this_step(sched)
+        result = self.runner.execute_model(sched, forks)
+        return self._update(sched, forks, result)
+
+    def _forks_this_step(self, sched: SchedulerOutput) -> dict[str, list[Request]]:
+        """Siblings of an ``n > 1`` request fork off its pages once its prompt is computed."""
+        forks = {}
+        for s in sched.scheduled:
+            group = self.groups.get(s.request.request_id)
+            if group and group.pending_forks and s.completes_sequence:
+                forks[s.request.request_id] = group.pending_forks
+        return forks
+
+    def _update(
+        self, sched: SchedulerOutput, forks: dict[str, list[Request]], result: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        touched: dict[str, RequestGroup] = {}
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            group = self.groups[rid]
+            group.prompt_logprobs[start : start + len(entries)] = entries
+        for parent_id, children in forks.items():
+            parent = self.groups[parent_id].seqs[0]
+            for child in children:
+                self.block_manager.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.scheduler.admit_forked(child)
+            self.groups[parent_id].pending_forks = []
+        for seq_id, token in result.sampled_token_ids.items():
+            group, index = self._group_of(seq_id)
+            self._append_token(group, index, token, result.logprobs[seq_id])
+            touched[group.request_id] = group
+        return [self._make_output(g) for g in touched.values()]
+
+    def _group_of(self, seq_id: str) -> tuple[RequestGroup, int]:
+        rid, _, index = seq_id.partition("#")
+        return self.groups[rid], int(index or 0)
+
+    def _append_token(
+        self, group: RequestGroup, index: int, token: int, logprobs: dict[int, float] | None
+    ) -> None:
+        seq = group.seqs[index]
+        seq.append_output_token(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.stats["generation_tokens_total"] += 1
+        stop_str = None
+        detok = group.detokenizers[index]
+        if detok is not None:
+            delta, stop_str = detok.add_token(token)
+            group.texts[index] += delta
+        status = self._check_stop(seq, token, stop_str)
+        if status is not None:
+            if detok is not None and stop_str is None:
+                group.texts[index] += detok.flush()
+            self._finish_seq(seq, status)
+
+    def _check_stop(self, seq: Request, token: int, stop_str: str | None) -> RequestStatus | None:
+        p = seq.sampling_params
+        if stop_str is not None:
+            seq.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish_seq(self, seq: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(seq, status)
+        self.runner.free_request(seq.request_id)
+
+    def _make_output(self, group: RequestGroup) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=i, text=group.texts[i], token_ids=list(seq.output_token_ids),
+                cumulative_logprob=_cumulative(seq),
+                logprobs=seq.logprobs if seq.sampling_params.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+            )
+            for i, seq in enumerate(group.seqs)
+        ]
+        finished = group.finished
+        if finished:
+            del self.groups[group.request_id]
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt,
+            prompt_token_ids=first.prompt_token_ids, outputs=outputs, finished=finished,
+            prompt_logprobs=group.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+            metrics=_metrics(first),
+        )
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": bm.usage,
+            "num_kv_pages": self.num_kv_pages,
+            "num_free_kv_pages": bm.num_free_pages,
+            "prefix_cache_queries_total": bm.prefix_cache_queries,
+            "prefix_cache_hits_total": bm.prefix_cache_hits,
+            "num_preemptions_total": self.scheduler.num_preemptions,
+            **self.stats,
+        }
+
+
+def _cumulative(seq: Request) -> float | None:
+    if seq.sampling_params.logprobs is None:
+        return None
+    return float(sum(lp[t] for lp, t in zip(seq.logprobs, seq.output_token_ids)))
+
+
+def _metrics(seq: Request) -> dict[str, float]:
+    m = {"arrival_time": seq.arrival_time}
+    if seq.first_token_time is not None:
+        m["first_token_time"] = seq.first_token_time
+    return m

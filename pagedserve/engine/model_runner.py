@@ -1,0 +1,136 @@
+"""Turns a ``SchedulerOutput`` into one flat, unpadded batch, runs the model and samples.
+
+Only the last position of each sequence that completes this step goes through ``lm_head`` (plus the
+prompt positions of requests that asked for prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampler import Sampler, SamplingMetadata
+from pagedserve.engine.scheduler import SchedulerOutput
+from pagedserve.hal import AttentionMetadata, Device
+from pagedserve.models.glm4 import GlmForCausalLM
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    logits_indices: list[int]  # one row per sequence that samples this step
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+    # request id -> (first prompt position predicted, logprobs of the following prompt tokens)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: GlmForCausalLM, device: Device, kv_cache: torch.Tensor, block_size: int):
+        self.model = model
+        self.device = device
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def execute_model(
+        self, sched: SchedulerOutput, forks: dict[str, list[Request]] | None = None
+    ) -> ModelRunnerOutput:
+        """``forks`` maps a request id to the ``n > 1`` siblings that sample from its first logits."""
+        self.device.copy_pages(sched.page_copies)
+        inp = self.prepare_inputs(sched)
+        hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_cache)
+        out = ModelRunnerOutput()
+        self._compute_prompt_logprobs(sched, hidden, inp, out)
+        samplers = [s.request for s in sched.scheduled if s.completes_sequence]
+        if not samplers:
+            return out
+        rows, requests = [], []
+        for req, row in zip(samplers, inp.logits_indices):
+            for r in [req, *(forks or {}).get(req.request_id, [])]:
+                rows.append(row)
+                requests.append(r)
+        logits = self.model.compute_logits(hidden[rows])
+        result = self.sampler(logits, self._sampling_metadata(requests))
+        for r, token, lp in zip(requests, result.sampled_token_ids, result.logprobs):
+            out.sampled_token_ids[r.request_id] = token
+            out.logprobs[r.request_id] = lp
+        return out
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc, seq_lens, logits_indices = [0], [], []
+        for s in sched.scheduled:
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids += s.request.all_token_ids[start:end]
+            positions += range(start, end)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            if s.completes_sequence:
+                logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(s.block_table) for s in sched.scheduled)
+        block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
+                                     for s in sched.scheduled], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        owner = torch.repeat_interleave(
+            torch.arange(len(seq_lens)), torch.tensor([s.num_new_tokens for s in sched.scheduled])
+        )
+        slot_mapping = block_tables[owner, pos // bs] * bs + pos % bs
+        dev = self.device.torch_device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables.to(dev),
+            block_size=bs,
+        )
+        return ModelInput(torch.tensor(input_ids, device=dev), pos.to(dev), meta, logits_indices)
+
+    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r) for r in requests],
+            eos_token_ids=[r.eos_token_ids for r in requests],
+        )
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        if req.request_id not in self.generators:
+            self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+        return self.generators[req.request_id]
+
+    def _compute_prompt_logprobs(
+        self, sched: SchedulerOutput, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput
+    ) -> None:
+        for i, s in enumerate(sched.scheduled):
+            req, top_n = s.request, s.request.sampling_params.prompt_logprobs
+            start = req.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if top_n is None or end <= start:
+                continue
+            row0 = inp.attn_metadata.query_start_loc[i]
+            logits = self.model.compute_logits(hidden[row0 : row0 + end - start])
+            targets = req.prompt_token_ids[start + 1 : end + 1]
+            out.prompt_logprobs[req.request_id] = (
+                start + 1, self.sampler.compute_prompt_logprobs(logits, targets, top_n)
+            )
+
+    def free_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

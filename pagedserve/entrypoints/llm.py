@@ -1,0 +1,95 @@
+"""The offline API, as vLLM's ``LLM``: ``generate`` over a batch of prompts, ``chat``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str = "demo", **kwargs: Any):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``; a prompt is a string or ``{"prompt_token_ids": [...]}``."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+        encoded = [self._encode(p) for p in prompts]
+        for ids, sp in zip(encoded, sampling_params):  # reject before queueing anything
+            self.llm_engine._check_fits(ids, self.llm_engine._with_max_tokens(ids, sp))
+        request_ids = []
+        for prompt, ids, sp in zip(prompts, encoded, sampling_params):
+            request_ids.append(str(self._counter))
+            self._counter += 1
+            text = prompt if isinstance(prompt, str) else None
+            self.llm_engine.add_request(request_ids[-1], ids, sp, prompt=text)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self._tokenizer()
+        prompts = [
+            {"prompt_token_ids": tok.encode(
+                tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                add_special_tokens=False)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenizer(self):
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError(
+                "this model directory has no tokenizer.json: pass prompts as "
+                '{"prompt_token_ids": [...]} or add a tokenizer'
+            )
+        return tok
+
+    def _encode(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError('a dict prompt needs "prompt_token_ids": [int, ...]')
+            return list(prompt["prompt_token_ids"])
+        return self._tokenizer().encode(prompt)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[rid] for rid in request_ids]

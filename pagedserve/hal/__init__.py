@@ -1,0 +1,34 @@
+"""Hardware abstraction layer: every device detail lives below this line."""
+
+from pagedserve.hal.device import Device, DevicePreset, available_presets, load_device_preset
+from pagedserve.hal.kernels import AttentionMetadata
+from pagedserve.hal.memory import DeviceOutOfMemoryError, MemoryAttr
+
+DEFAULT_DEVICE = "kunlun-emu"
+
+
+def get_device(name: str = DEFAULT_DEVICE) -> Device:
+    """A device from a backend name (``kunlun-emu``, ``cpu``, ``cuda``) or a preset name / YAML path."""
+    from pagedserve.hal.cpu import CpuDevice
+    from pagedserve.hal.cuda import CudaDevice
+    from pagedserve.hal.kunlun_emu import KunlunEmuDevice
+
+    preset = load_device_preset(name)
+    backends = {"kunlun-emu": KunlunEmuDevice, "cpu": CpuDevice, "cuda": CudaDevice}
+    if preset.backend not in backends:
+        raise ValueError(f"device preset {preset.name!r} names unknown backend {preset.backend!r}; "
+                         f"backends: {', '.join(backends)}")
+    return backends[preset.backend](preset)
+
+
+__all__ = [
+    "AttentionMetadata",
+    "DEFAULT_DEVICE",
+    "Device",
+    "DeviceOutOfMemoryError",
+    "DevicePreset",
+    "MemoryAttr",
+    "available_presets",
+    "get_device",
+    "load_device_preset",
+]

@@ -1,0 +1,72 @@
+"""Plain PyTorch on the host CPU, with a batched decode path for paged attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.hal.device import Device, DevicePreset
+from pagedserve.hal.kernels import AttentionMetadata, gather_context
+
+
+class CpuDevice(Device):
+    backend = "cpu"
+
+    def __init__(self, preset: DevicePreset):
+        super().__init__(preset, "cpu")
+
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        qs, query_lens = meta.query_start_loc, meta.query_lens
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        out = torch.empty_like(q)
+        if decode:
+            rows = torch.tensor([qs[i] for i in decode])
+            seq_lens = torch.tensor([meta.seq_lens[i] for i in decode])
+            out[rows] = decode_attention(
+                q[rows], k_cache, v_cache, meta.block_tables[decode], seq_lens, scale
+            ).to(q.dtype)
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                sl = slice(qs[i], qs[i + 1])
+                k = gather_context(k_cache, meta.block_tables[i], meta.seq_lens[i])
+                v = gather_context(v_cache, meta.block_tables[i], meta.seq_lens[i])
+                out[sl] = prefill_attention(q[sl], k, v, scale).to(q.dtype)
+        return out
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query per sequence, all sequences at once: q [B, H, D] -> [B, H, D] (fp32).
+
+    Gathers each sequence's pages into a [B, C, KV, D] context padded to the longest one; measured
+    faster in fp32 than bf16 on this CPU (see README), so the context is upcast.
+    """
+    B, H, D = q.shape
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    max_ctx = int(seq_lens.max())
+    pages = block_tables[:, : -(-max_ctx // block_size)]
+    k = k_cache[pages].flatten(1, 2)[:, :max_ctx].float()  # [B, C, KV, D]
+    v = v_cache[pages].flatten(1, 2)[:, :max_ctx].float()
+    qg = q.float().view(B, num_kv, H // num_kv, D)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KV, G, C]
+    pad = torch.arange(max_ctx) >= seq_lens.unsqueeze(1)  # [B, C]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, KV, G, D]
+    return out.reshape(B, H, D)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [L, H, D] at the last L positions of a context k, v [C, KV, D]; fp32 SDPA with GQA."""
+    L, C = q.shape[0], k.shape[0]
+    qt, kt, vt = (t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if L == C:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        allowed = torch.arange(C).unsqueeze(0) <= torch.arange(C - L, C).unsqueeze(1)
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)

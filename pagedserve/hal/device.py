@@ -1,0 +1,202 @@
+"""The one interface the engine and the model see: memory tiers, the KV page pool and the kernels.
+
+A backend subclasses ``Device`` and overrides what it does faster; every override is held to the
+reference in ``kernels.py`` by the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from pagedserve.hal import kernels
+from pagedserve.hal.kernels import AttentionMetadata
+from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "devices"
+
+# Used when no YAML preset of that name exists (e.g. an installed package without configs/).
+BUILTIN_PRESETS: dict[str, dict] = {
+    "kunlun-emu": {
+        "backend": "kunlun-emu",
+        "description": "CPU emulation of a Kunlun XPU: 8 GiB HBM split into KV and weight tiers",
+        "tiers": {"kv": "4GiB", "weight": "4GiB", "host": "8GiB"},
+        "kv_memory_attr": "cached",
+    },
+    "cpu": {
+        "backend": "cpu",
+        "description": "plain PyTorch on the host CPU",
+        "tiers": {"kv": "4GiB", "weight": 0, "host": 0},
+        "kv_memory_attr": "cached",
+    },
+    "cuda": {
+        "backend": "cuda",
+        "description": "an NVIDIA GPU through PyTorch",
+        "tiers": {"kv": "16GiB", "weight": 0, "host": 0},
+        "kv_memory_attr": "cached",
+    },
+}
+
+
+@dataclass
+class DevicePreset:
+    name: str
+    backend: str
+    description: str = ""
+    tiers: dict[str, int] = field(default_factory=dict)
+    kv_memory_attr: MemoryAttr = MemoryAttr.CACHED
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> DevicePreset:
+        tiers = {k: parse_bytes(v) for k, v in (d.get("tiers") or {}).items()}
+        for required in ("kv", "weight", "host"):
+            tiers.setdefault(required, 0)
+        return cls(
+            name=d.get("name", name),
+            backend=d.get("backend", name),
+            description=d.get("description", ""),
+            tiers=tiers,
+            kv_memory_attr=MemoryAttr(d.get("kv_memory_attr", "cached")),
+        )
+
+
+def available_presets() -> list[str]:
+    names = set(BUILTIN_PRESETS)
+    if DEVICE_CONFIG_DIR.is_dir():
+        names |= {p.stem for p in DEVICE_CONFIG_DIR.glob("*.yaml")}
+    return sorted(names)
+
+
+def load_device_preset(name_or_path: str) -> DevicePreset:
+    """A preset by name (``configs/devices/NAME.yaml`` or a built-in) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return DevicePreset.from_dict(path.stem, yaml.safe_load(path.read_text()))
+    path = DEVICE_CONFIG_DIR / f"{name_or_path}.yaml"
+    if path.is_file():
+        return DevicePreset.from_dict(name_or_path, yaml.safe_load(path.read_text()))
+    if name_or_path in BUILTIN_PRESETS:
+        return DevicePreset.from_dict(name_or_path, BUILTIN_PRESETS[name_or_path])
+    raise ValueError(
+        f"unknown device {name_or_path!r}; choose one of {', '.join(available_presets())} "
+        f"(--device), or give the path of a preset YAML file"
+    )
+
+
+class Device:
+    """Base backend: charges every allocation to a memory tier and runs the reference kernels."""
+
+    backend = "base"
+
+    def __init__(self, preset: DevicePreset, torch_device: str = "cpu"):
+        self.preset = preset
+        self.torch_device = torch.device(torch_device)
+        self.tiers = {
+            name: MemoryTier(name, cap, flag="--gpu-memory-utilization" if name == "kv" else "--device")
+            for name, cap in preset.tiers.items()
+        }
+        self._handles: dict[int, tuple[str, int]] = {}
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_memory_attr: MemoryAttr | None = None
+        self.num_faults_detected = 0
+
+    @property
+    def name(self) -> str:
+        return self.preset.name
+
+    # ---- memory -------------------------------------------------------------------------------
+    def to_device(
+        self, t: torch.Tensor, tier: str, tag: str, attr: MemoryAttr = MemoryAttr.CACHED
+    ) -> torch.Tensor:
+        """Place a tensor on the device, charged to ``tier``."""
+        handle = self.tiers[tier].reserve(t.numel() * t.element_size(), tag, attr)
+        out = t.to(self.torch_device).contiguous()
+        self._handles[id(out)] = (tier, handle)
+        return out
+
+    def empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, tier: str, tag: str,
+        attr: MemoryAttr = MemoryAttr.CACHED,
+    ) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        handle = self.tiers[tier].reserve(nbytes, tag, attr)
+        out = torch.zeros(shape, dtype=dtype, device=self.torch_device)
+        self._handles[id(out)] = (tier, handle)
+        return out
+
+    def free(self, t: torch.Tensor) -> None:
+        tier, handle = self._handles.pop(id(t))
+        self.tiers[tier].release(handle)
+
+    def num_kv_pages_available(self, page_bytes: int, utilization: float) -> int:
+        """How many pages of ``page_bytes`` the KV tier can give within ``utilization`` of it."""
+        tier = self.tiers["kv"]
+        budget = tier.capacity * utilization - tier.used if tier.capacity else 0
+        return max(int(budget // page_bytes), 0)
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, attr: MemoryAttr | None = None,
+    ) -> torch.Tensor:
+        """The KV page pool: [layers, 2 (K, V), num_pages, block_size, kv_heads, head_dim].
+
+        Page frame ``p`` is index ``p`` of dim 2: one page holds ``block_size`` tokens of every layer.
+        """
+        attr = attr or self.preset.kv_memory_attr
+        if attr is MemoryAttr.UNCACHED:
+            logger.warning(
+                "the KV page pool on %s is allocated UNCACHED: every attention read goes to memory "
+                "uncached and decode slows down; set kv_memory_attr: cached in the device preset",
+                self.name,
+            )
+        shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
+        self.kv_cache = self.empty(shape, dtype, "kv", "kv_cache", attr)
+        self.kv_memory_attr = attr
+        return self.kv_cache
+
+    def memory_stats(self) -> dict:
+        return {name: tier.stats() for name, tier in self.tiers.items()}
+
+    def describe(self) -> str:
+        parts = [
+            f"{name} {format_bytes(t.used)} / {format_bytes(t.capacity) if t.capacity else 'unbounded'}"
+            for name, t in self.tiers.items()
+        ]
+        return f"{self.name} ({self.backend}): " + ", ".join(parts)
+
+    def synchronize(self) -> None:
+        pass
+
+    # ---- kernels (reference implementations; backends override) -------------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return kernels.linear(x, w, b)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return kernels.rms_norm(x, w, eps)
+
+    def apply_rotary(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        return kernels.apply_rotary(x, positions, cos_sin)
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        assert self.kv_cache is not None, "copy_pages before the KV cache was allocated"
+        kernels.copy_pages(self.kv_cache, copies)

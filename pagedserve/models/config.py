@@ -1,0 +1,151 @@
+"""GLM-4 model configuration read from a checkpoint's config.json (HF `glm`/`glm4` or THUDM `chatglm`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("glm", "glm4", "chatglm")
+QUANT_CONFIG_FILES = ("quant_config.json", "quantize_config.json")
+
+
+@dataclass
+class GlmConfig:
+    architecture: str  # "glm" (GlmForCausalLM, GLM-4-9B) or "glm4" (Glm4ForCausalLM, GLM-4-0414)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1.5625e-07
+    attention_bias: bool = True
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    quantization_config: dict | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def verify(self) -> None:
+        if self.architecture not in ("glm", "glm4"):
+            raise ValueError(f"architecture must be 'glm' or 'glm4', got {self.architecture!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"rotary_dim = head_dim ({self.head_dim}) * partial_rotary_factor "
+                f"({self.partial_rotary_factor}) = {self.rotary_dim}; it must be even and in "
+                f"(0, head_dim]"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GlmConfig:
+        model_type = d.get("model_type")
+        if model_type in ("glm", "glm4"):
+            return cls(**_hf_fields(d, model_type))
+        if model_type == "chatglm":
+            return cls(**_chatglm_fields(d))
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_config(model_dir: str | Path) -> GlmConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a model directory needs a config.json")
+    d = json.loads(path.read_text())
+    if d.get("quantization_config") is None:
+        d["quantization_config"] = _read_quant_config(model_dir)
+    return GlmConfig.from_dict(d)
+
+
+def _read_quant_config(model_dir: Path) -> dict | None:
+    for name in QUANT_CONFIG_FILES:
+        path = model_dir / name
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def _eos_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _hf_fields(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported; only default RoPE is")
+    heads = d["num_attention_heads"]
+    return dict(
+        architecture=model_type,
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        partial_rotary_factor=_first(d, rope, "partial_rotary_factor", 0.5),
+        rope_theta=float(_first(d, rope, "rope_theta", 10000.0)),
+        rms_norm_eps=d.get("rms_norm_eps", 1.5625e-07),
+        attention_bias=d.get("attention_bias", True),
+        max_position_embeddings=d.get("max_position_embeddings", 131072),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        eos_token_ids=_eos_list(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        quantization_config=d.get("quantization_config"),
+    )
+
+
+def _first(d: dict[str, Any], rope: dict[str, Any], key: str, default: Any) -> Any:
+    if d.get(key) is not None:
+        return d[key]
+    return rope.get(key, default)
+
+
+def _chatglm_fields(d: dict[str, Any]) -> dict[str, Any]:
+    heads = d["num_attention_heads"]
+    kv_heads = d.get("multi_query_group_num", 1) if d.get("multi_query_attention") else heads
+    return dict(
+        architecture="glm",
+        vocab_size=d.get("padded_vocab_size") or d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["ffn_hidden_size"],
+        num_hidden_layers=d["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d.get("kv_channels") or d["hidden_size"] // heads,
+        partial_rotary_factor=0.5,
+        rope_theta=10000.0 * d.get("rope_ratio", 1.0),
+        rms_norm_eps=d.get("layernorm_epsilon", 1e-5),
+        attention_bias=d.get("add_qkv_bias", False),
+        max_position_embeddings=d.get("seq_length", 2048),
+        tie_word_embeddings=d.get("tie_word_embeddings", False),
+        eos_token_ids=_eos_list(d.get("eos_token_id")),
+        pad_token_id=d.get("pad_token_id"),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        quantization_config=d.get("quantization_config"),
+    )

@@ -1,0 +1,132 @@
+"""GLM-4 (``GlmForCausalLM``) and GLM-4-0414 (``Glm4ForCausalLM``) over HAL ops and a paged KV cache.
+
+One forward pass takes the flat batch of every scheduled token (no padding). The two architectures
+differ only in GLM-4-0414's sandwich norms after attention and after the MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.hal import AttentionMetadata, Device
+from pagedserve.hal.kernels import rotary_cos_sin
+from pagedserve.models.config import GlmConfig
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_layernorm: torch.Tensor
+    qkv_proj: torch.Tensor  # q, k, v stacked along the output dim
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_attention_layernorm: torch.Tensor  # the norm before the MLP (HF's name)
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    post_self_attn_layernorm: torch.Tensor | None = None  # glm4 sandwich norms
+    post_mlp_layernorm: torch.Tensor | None = None
+
+
+class GlmForCausalLM:
+    """Both architectures: ``config.architecture`` is ``"glm"`` or ``"glm4"``."""
+
+    def __init__(self, config: GlmConfig, device: Device, dtype: torch.dtype):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sandwich = config.architecture == "glm4"
+        self.cos_sin = rotary_cos_sin(
+            config.rotary_dim, config.rope_theta, config.max_position_embeddings
+        ).to(device.torch_device)
+        self.layers: list[DecoderLayerWeights] = []
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take HF-named tensors (see GLM4.md); q/k/v are fused here into one projection."""
+        sd = state_dict
+        put = self._place
+        self.embed_tokens = put(sd.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
+        lm_head = sd.pop("lm_head.weight", None)
+        if lm_head is None:
+            assert self.config.tie_word_embeddings, "checkpoint has no lm_head.weight"
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = put(lm_head, "lm_head.weight")
+        self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
+
+    def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([sd.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+        biases = [sd.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
+        qkv_bias = torch.cat(biases) if biases[0] is not None else None
+        sandwich = {
+            name: self._place(sd.pop(p + name + ".weight"), p + name)
+            for name in ("post_self_attn_layernorm", "post_mlp_layernorm")
+            if self.sandwich
+        }
+        return DecoderLayerWeights(
+            input_layernorm=self._place(sd.pop(p + "input_layernorm.weight"), p + "input_layernorm"),
+            qkv_proj=self._place(qkv, p + "self_attn.qkv_proj"),
+            qkv_bias=None if qkv_bias is None else self._place(qkv_bias, p + "self_attn.qkv_bias"),
+            o_proj=self._place(sd.pop(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj"),
+            post_attention_layernorm=self._place(
+                sd.pop(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm"
+            ),
+            gate_up_proj=self._place(sd.pop(p + "mlp.gate_up_proj.weight"), p + "mlp.gate_up_proj"),
+            down_proj=self._place(sd.pop(p + "mlp.down_proj.weight"), p + "mlp.down_proj"),
+            **sandwich,
+        )
+
+    def _place(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return self.device.to_device(t.to(self.dtype), "weight", name)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
+        h = self.embed_tokens[input_ids]
+        for i, layer in enumerate(self.layers):
+            h = self._decoder_layer(layer, h, positions, meta, kv_cache[i])
+        return self.device.rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.device.linear(hidden, self.lm_head).float()
+
+    def _decoder_layer(
+        self, w: DecoderLayerWeights, h: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata, kv: torch.Tensor,
+    ) -> torch.Tensor:
+        dev, eps = self.device, self.config.rms_norm_eps
+        attn = self._attention(w, dev.rms_norm(h, w.input_layernorm, eps), positions, meta, kv)
+        if self.sandwich:
+            attn = dev.rms_norm(attn, w.post_self_attn_layernorm, eps)
+        h = h + attn
+        mlp = self._mlp(w, dev.rms_norm(h, w.post_attention_layernorm, eps))
+        if self.sandwich:
+            mlp = dev.rms_norm(mlp, w.post_mlp_layernorm, eps)
+        return h + mlp
+
+    def _attention(
+        self, w: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata, kv: torch.Tensor,
+    ) -> torch.Tensor:
+        dev, T, D = self.device, x.shape[0], self.head_dim
+        qkv = dev.linear(x, w.qkv_proj, w.qkv_bias)
+        q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], -1)
+        q = dev.apply_rotary(q.view(T, self.num_heads, D), positions, self.cos_sin)
+        k = dev.apply_rotary(k.view(T, self.num_kv_heads, D), positions, self.cos_sin)
+        dev.write_kv(k, v.view(T, self.num_kv_heads, D), kv[0], kv[1], meta.slot_mapping)
+        o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale)
+        return dev.linear(o.reshape(T, self.num_heads * D), w.o_proj)
+
+    def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.device.linear(x, w.gate_up_proj).chunk(2, dim=-1)
+        return self.device.linear(torch.nn.functional.silu(gate) * up, w.down_proj)

@@ -1,0 +1,157 @@
+"""Read a GLM-4 checkpoint directory into a state dict with Hugging Face tensor names."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from pagedserve.models.config import GlmConfig
+
+_CHATGLM_RENAMES = [
+    (r"^transformer\.embedding\.word_embeddings\.", "model.embed_tokens."),
+    (r"^transformer\.encoder\.final_layernorm\.", "model.norm."),
+    (r"^transformer\.output_layer\.", "lm_head."),
+    (r"^transformer\.encoder\.layers\.", "model.layers."),
+    (r"\.self_attention\.dense\.", ".self_attn.o_proj."),
+    (r"\.mlp\.dense_h_to_4h\.", ".mlp.gate_up_proj."),
+    (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
+]
+_DROPPED = re.compile(r"(^transformer\.rotary_pos_emb\.|\.rotary_emb\.)inv_freq$")
+_FUSED_QKV = re.compile(r"^(.*)\.self_attention\.query_key_value\.(weight|bias)$")
+
+
+def load_state_dict(
+    model_dir: str | Path, config: GlmConfig, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay."""
+    files = weight_files(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    disable = True if len(files) == 1 else None
+    for path in tqdm(files, desc="Loading weight shards", unit="shard", disable=disable):
+        for name, tensor in _read_file(path):
+            for hf_name, t in _to_hf_names(name, tensor, config):
+                state[hf_name] = _cast(t, dtype)
+    if config.tie_word_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    _check_complete(state, config, Path(model_dir))
+    return state
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    for index_name, pattern in (
+        ("model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = model_dir / index_name
+        if index.is_file():
+            return _files_from_index(index)
+        files = sorted(model_dir.glob(pattern))
+        if files:
+            return files
+    raise FileNotFoundError(
+        f"no weights in {model_dir}: expected model.safetensors, sharded *.safetensors with "
+        f"model.safetensors.index.json, or pytorch_model.bin"
+    )
+
+
+def _files_from_index(index: Path) -> list[Path]:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{index.name} lists shards that are not in {index.parent}: {missing}"
+        )
+    return files
+
+
+def _read_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+    else:
+        yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not t.is_floating_point():
+        return t
+    return t.to(dtype)
+
+
+def _to_hf_names(
+    name: str, t: torch.Tensor, config: GlmConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if _DROPPED.search(name):
+        return
+    if not name.startswith("transformer."):
+        yield name, t
+        return
+    fused = _FUSED_QKV.match(name)
+    if fused:
+        yield from _split_qkv(fused.group(1), fused.group(2), t, config)
+        return
+    if "query_key_value" in name:
+        raise ValueError(
+            f"cannot convert {name}: quantized chatglm-format checkpoints are not supported; "
+            f"quantize the 16-bit checkpoint instead"
+        )
+    for pattern, replacement in _CHATGLM_RENAMES:
+        name = re.sub(pattern, replacement, name)
+    yield name, t
+
+
+def _split_qkv(
+    layer: str, suffix: str, t: torch.Tensor, config: GlmConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    if t.shape[0] != q_size + 2 * kv_size:
+        raise ValueError(
+            f"{layer}.self_attention.query_key_value.{suffix} has {t.shape[0]} rows; the config "
+            f"(heads {config.num_attention_heads}, kv heads {config.num_key_value_heads}, "
+            f"head_dim {config.head_dim}) needs {q_size + 2 * kv_size}"
+        )
+    q, k, v = t.split([q_size, kv_size, kv_size], dim=0)
+    prefix = layer.replace("transformer.encoder.layers.", "model.layers.")
+    for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+        yield f"{prefix}.self_attn.{proj}.{suffix}", part
+
+
+def _check_complete(state: dict[str, torch.Tensor], config: GlmConfig, model_dir: Path) -> None:
+    missing = [name for name in _required_names(config) if not _present(state, name)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"checkpoint in {model_dir} is missing tensor {missing[0]}{more}; a "
+            f"{config.architecture!r} model with {config.num_hidden_layers} layers needs it"
+        )
+
+
+def _present(state: dict[str, torch.Tensor], name: str) -> bool:
+    if name.endswith(".weight") and name[: -len("weight")] + "qweight" in state:
+        return True
+    return state.get(name) is not None
+
+
+def _required_names(config: GlmConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.architecture == "glm4":
+        norms += ["post_self_attn_layernorm", "post_mlp_layernorm"]
+    linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+    linears += ["mlp.gate_up_proj", "mlp.down_proj"]
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        names += [f"{layer}.{m}.weight" for m in norms + linears]
+        if config.attention_bias:
+            names += [f"{layer}.self_attn.{p}_proj.bias" for p in "qkv"]
+    return names
