@@ -358,6 +358,29 @@ class LLMEngine:
             **self.stats,
         }
 
+    def get_device_stats(self) -> dict:
+        """What ``pagedserve smi`` shows: the device, its tiers and the KV page pool."""
+        bm, dev = self.block_manager, self.device
+        used = bm.num_pages - bm.num_free_pages
+        return {
+            "name": dev.name,
+            "backend": dev.backend,
+            "description": dev.preset.description,
+            "tiers": dev.memory_stats(),
+            "kv_pages": {
+                "total": bm.num_pages,
+                "in_use": used,
+                "cached": len(bm.page_to_cached_block),
+                "free": bm.num_free_pages,
+                "block_size": self.block_size,
+                "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
+            },
+            "requests": {"running": len(self.scheduler.running),
+                         "waiting": len(self.scheduler.waiting)},
+            "generation_tokens_total": self.stats["generation_tokens_total"],
+            "faults_detected": dev.num_faults_detected,
+        }
+
 
 def _cumulative(seq: Request) -> float | None:
     if seq.sampling_params.logprobs is None:

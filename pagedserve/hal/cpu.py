@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -9,11 +12,22 @@ from pagedserve.hal.device import Device, DevicePreset
 from pagedserve.hal.kernels import AttentionMetadata, gather_context
 
 
+logger = logging.getLogger(__name__)
+
+
 class CpuDevice(Device):
     backend = "cpu"
 
     def __init__(self, preset: DevicePreset):
         super().__init__(preset, "cpu")
+
+    def host_memory_limit(self) -> float:
+        """Half of the host's free RAM: a preset larger than this machine must not swap it to death."""
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return float("inf")
+        return free / 2
 
     def paged_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

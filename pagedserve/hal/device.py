@@ -26,13 +26,14 @@ BUILTIN_PRESETS: dict[str, dict] = {
     "kunlun-emu": {
         "backend": "kunlun-emu",
         "description": "CPU emulation of a Kunlun XPU: 8 GiB HBM split into KV and weight tiers",
-        "tiers": {"kv": "4GiB", "weight": "4GiB", "host": "8GiB"},
+        "memory_bytes": "8GiB",
+        "tiers": {"kv": "2GiB", "weight": "8GiB", "host": "8GiB"},
         "kv_memory_attr": "cached",
     },
     "cpu": {
         "backend": "cpu",
         "description": "plain PyTorch on the host CPU",
-        "tiers": {"kv": "4GiB", "weight": 0, "host": 0},
+        "tiers": {"kv": "2GiB", "weight": 0, "host": 0},
         "kv_memory_attr": "cached",
     },
     "cuda": {
@@ -51,6 +52,7 @@ class DevicePreset:
     description: str = ""
     tiers: dict[str, int] = field(default_factory=dict)
     kv_memory_attr: MemoryAttr = MemoryAttr.CACHED
+    memory_bytes: int = 0  # one HBM that the kv and weight tiers share; 0: the tiers are separate
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> DevicePreset:
@@ -63,6 +65,7 @@ class DevicePreset:
             description=d.get("description", ""),
             tiers=tiers,
             kv_memory_attr=MemoryAttr(d.get("kv_memory_attr", "cached")),
+            memory_bytes=parse_bytes(d.get("memory_bytes", 0)),
         )
 
 
@@ -135,10 +138,21 @@ class Device:
         self.tiers[tier].release(handle)
 
     def num_kv_pages_available(self, page_bytes: int, utilization: float) -> int:
-        """How many pages of ``page_bytes`` the KV tier can give within ``utilization`` of it."""
-        tier = self.tiers["kv"]
-        budget = tier.capacity * utilization - tier.used if tier.capacity else 0
-        return max(int(budget // page_bytes), 0)
+        """How many KV pages fit in ``utilization`` of the device memory, after the weights.
+
+        With a shared HBM (``memory_bytes``) the weights are paid from the same budget, as vLLM's
+        ``--gpu-memory-utilization`` does; otherwise the KV tier is its own budget.
+        """
+        kv, weight = self.tiers["kv"], self.tiers["weight"]
+        budget = kv.capacity * utilization - kv.used
+        if self.preset.memory_bytes:
+            shared = self.preset.memory_bytes * utilization - kv.used - weight.used
+            budget = min(kv.capacity - kv.used, shared)
+        return max(int(min(budget, self.host_memory_limit()) // page_bytes), 0)
+
+    def host_memory_limit(self) -> float:
+        """Bytes a pool may take from this machine; emulated devices live in host RAM."""
+        return float("inf")
 
     def allocate_kv_cache(
         self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,

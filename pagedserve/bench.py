@@ -1,0 +1,550 @@
+"""`pagedserve bench`: a serving benchmark in the shape of vLLM's ``bench serve``.
+
+Streams requests to any OpenAI-compatible server (``/v1/completions`` or ``/v1/chat/completions``)
+and reports TTFT, TPOT, ITL and E2E latency and throughput under vLLM's JSON field names.
+
+- TTFT: request sent -> first chunk with non-empty text. ITL: gaps between content chunks.
+- TPOT: ``(e2e - ttft) / (output_tokens - 1)`` per request with more than one output token.
+- Token counts: the server's ``usage`` when it streams one (``stream_options.include_usage``),
+  else ``--tokenizer``'s count of the text, else the number of content chunks (output) or the
+  dataset's estimate (input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PERCENTILES = (90, 99)
+WORDS = (
+    "time year people way day man thing woman life child world school state family student "
+    "group country problem hand part place case week company system program question work "
+    "government number night point home water room mother area money story fact month lot "
+    "right study book eye job word business issue side kind head house service friend father "
+    "power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force "
+    "education river light green quick brown fox jumps over lazy dog paper model engine cache"
+).split()
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    generated_text: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ---- datasets
+
+
+class _TokenCounter:
+    def __init__(self, tokenizer_dir: str | None) -> None:
+        self.tokenizer = None
+        if tokenizer_dir:
+            from tokenizers import Tokenizer
+
+            path = Path(tokenizer_dir)
+            self.tokenizer = Tokenizer.from_file(
+                str(path / "tokenizer.json" if path.is_dir() else path)
+            )
+
+    def count(self, text: str) -> int | None:
+        if self.tokenizer is None:
+            return None
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def random_text(self, rng: random.Random, num_tokens: int) -> str:
+        """About ``num_tokens`` tokens of random words (exactly, with a tokenizer)."""
+        words = [rng.choice(WORDS) for _ in range(num_tokens)]
+        if self.tokenizer is None:
+            return " ".join(words)
+        ids = self.tokenizer.encode(" ".join(words), add_special_tokens=False).ids
+        while len(ids) < num_tokens:
+            ids += self.tokenizer.encode(" " + rng.choice(WORDS), add_special_tokens=False).ids
+        return self.tokenizer.decode(ids[:num_tokens])
+
+
+def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
+    low, high = int(mean * (1 - range_ratio)), int(mean * (1 + range_ratio))
+    return max(1, rng.randint(low, high))
+
+
+def random_dataset(args: argparse.Namespace, counter: _TokenCounter) -> list[SampleRequest]:
+    rng = random.Random(args.seed)
+    out = []
+    for _ in range(args.num_prompts):
+        n_in = _lengths(rng, args.random_input_len, args.random_range_ratio)
+        n_out = _lengths(rng, args.random_output_len, args.random_range_ratio)
+        out.append(SampleRequest(counter.random_text(rng, n_in), n_in, n_out))
+    return out
+
+
+def prefix_repetition_dataset(
+    args: argparse.Namespace, counter: _TokenCounter
+) -> list[SampleRequest]:
+    rng = random.Random(args.seed)
+    prefixes = [
+        counter.random_text(rng, args.prefix_repetition_prefix_len)
+        for _ in range(args.prefix_repetition_num_prefixes)
+    ]
+    out = []
+    for i in range(args.num_prompts):
+        suffix = counter.random_text(rng, args.prefix_repetition_suffix_len)
+        prompt = prefixes[i % len(prefixes)] + " " + suffix
+        n_in = args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+        out.append(SampleRequest(prompt, n_in, args.prefix_repetition_output_len))
+    rng.shuffle(out)
+    return out
+
+
+def sharegpt_dataset(args: argparse.Namespace, counter: _TokenCounter) -> list[SampleRequest]:
+    if not args.dataset_path:
+        raise ValueError(
+            "--dataset sharegpt needs --dataset-path FILE.json (ShareGPT format: a list "
+            'of {"conversations": [{"from": "human", "value": ...}, ...]})'
+        )
+    data = json.loads(Path(args.dataset_path).read_text())
+    pairs = [
+        (c["conversations"][0]["value"], c["conversations"][1]["value"])
+        for c in data
+        if len(c.get("conversations", [])) >= 2
+    ]
+    random.Random(args.seed).shuffle(pairs)
+    out = []
+    for prompt, reply in pairs:
+        n_in = counter.count(prompt) or len(prompt.split())
+        n_out = args.sharegpt_output_len or counter.count(reply) or len(reply.split())
+        if n_in >= 4 and n_out >= 4 and n_in <= 1024 and n_in + n_out <= 2048:
+            out.append(SampleRequest(prompt, n_in, n_out))
+        if len(out) == args.num_prompts:
+            break
+    if len(out) < args.num_prompts:
+        raise ValueError(
+            f"{args.dataset_path} gives {len(out)} usable conversations (prompt "
+            f"4..1024 tokens, prompt+reply <= 2048); --num-prompts is "
+            f"{args.num_prompts}: lower it or use a larger file"
+        )
+    return out
+
+
+DATASETS = {
+    "random": random_dataset,
+    "sharegpt": sharegpt_dataset,
+    "prefix-repetition": prefix_repetition_dataset,
+}
+
+
+# ---- one streamed request
+
+
+def request_body(args: argparse.Namespace, sample: SampleRequest) -> dict:
+    body = {
+        "model": args.served_model_name or args.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": args.temperature,
+        "max_tokens": sample.output_len,
+    }
+    if args.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+        body["max_completion_tokens"] = sample.output_len
+    else:
+        body["prompt"] = sample.prompt
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def chunk_text(chunk: dict) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
+    async for line in response.aiter_lines():
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield json.loads(data)
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict, sample: SampleRequest, counter: _TokenCounter
+) -> RequestOutput:
+    out = RequestOutput(prompt_len=sample.prompt_len)
+    usage, chunks, text = None, 0, []
+    out.start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                out.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return out
+            async for event in _sse_events(response):
+                if event is None:
+                    out.success = True
+                    break
+                if "error" in event:
+                    out.error = str(event["error"])[:200]
+                    return out
+                usage = event.get("usage") or usage
+                piece = chunk_text(event)
+                if not piece:
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    out.ttft = now - out.start
+                else:
+                    out.itl.append(now - last)
+                out.token_times.append(now)
+                last, chunks = now, chunks + 1
+                text.append(piece)
+        if not out.success:
+            out.error = "stream ended without data: [DONE]"
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
+    out.latency = time.perf_counter() - out.start
+    out.generated_text = "".join(text)
+    out.output_tokens = (
+        (usage or {}).get("completion_tokens") or counter.count(out.generated_text) or chunks
+    )
+    out.prompt_len = (usage or {}).get("prompt_tokens") or sample.prompt_len
+    return out
+
+
+# ---- arrivals and the run
+
+
+def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Gaps before each request: 0 at rate inf, else gamma(shape=burstiness, mean=1/rate)."""
+    if request_rate == float("inf"):
+        return [0.0] * num
+    rng = random.Random(seed)
+    theta = 1.0 / (request_rate * burstiness)
+    return [rng.gammavariate(burstiness, theta) for _ in range(num)]
+
+
+async def run_benchmark(
+    args: argparse.Namespace, samples: list[SampleRequest], counter: _TokenCounter
+) -> tuple[list[RequestOutput], float]:
+    url = args.base_url.rstrip("/") + ENDPOINTS[args.endpoint]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limit = args.max_concurrency or len(samples)
+    semaphore = asyncio.Semaphore(limit)
+    bar = tqdm(total=len(samples), disable=args.disable_tqdm, desc="requests")
+
+    async def one(client: httpx.AsyncClient, sample: SampleRequest) -> RequestOutput:
+        async with semaphore:
+            result = await send_request(client, url, request_body(args, sample), sample, counter)
+        bar.update(1)
+        return result
+
+    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, headers=headers, trust_env=False
+    ) as client:
+        start = time.perf_counter()
+        tasks = []
+        for gap, sample in zip(gaps, samples, strict=True):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(client, sample)))
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(outputs), duration
+
+
+# ---- metrics
+
+
+def _percentile(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def _stats(name: str, seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": statistics.median(ms) if ms else 0.0,
+        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+    }
+    stats.update({f"p{p}_{name}_ms": _percentile(ms, p) for p in PERCENTILES})
+    return stats
+
+
+def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict:
+    done = [o for o in outputs if o.success]
+    total_in = sum(o.prompt_len for o in done)
+    total_out = sum(o.output_tokens for o in done)
+    tpots = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    metrics = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": total_out / duration if duration else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
+    }
+    metrics |= _stats("ttft", [o.ttft for o in done])
+    metrics |= _stats("tpot", tpots)
+    metrics |= _stats("itl", [gap for o in done for gap in o.itl])
+    metrics |= _stats("e2el", [o.latency for o in done])
+    metrics["max_output_tokens_per_s"] = max(throughput_series(outputs)[1], default=0.0)
+    return metrics
+
+
+def throughput_series(outputs: list[RequestOutput]) -> tuple[list[float], list[float]]:
+    """Output chunks per second in one-second bins from the first request's start."""
+    if not outputs:
+        return [], []
+    t0 = min(o.start for o in outputs)
+    times = [t - t0 for o in outputs if o.success for t in o.token_times]
+    bins = [0.0] * (int(max(times, default=0.0)) + 1)
+    for t in times:
+        bins[int(t)] += 1
+    return [float(i) for i in range(len(bins))], bins
+
+
+def format_table(metrics: dict) -> str:
+    rows = [
+        ("Successful requests:", metrics["completed"]),
+        ("Failed requests:", metrics["failed"]),
+        ("Benchmark duration (s):", metrics["duration"]),
+        ("Total input tokens:", metrics["total_input_tokens"]),
+        ("Total generated tokens:", metrics["total_output_tokens"]),
+        ("Request throughput (req/s):", metrics["request_throughput"]),
+        ("Output token throughput (tok/s):", metrics["output_throughput"]),
+        ("Total token throughput (tok/s):", metrics["total_token_throughput"]),
+    ]
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [f"{k:<40}{v:<10.2f}" if isinstance(v, float) else f"{k:<40}{v:<10}" for k, v in rows]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for key, title in titles.items():
+        lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
+        label = key.upper()
+        lines.append(f"{f'Mean {label} (ms):':<40}{metrics[f'mean_{key}_ms']:<10.2f}")
+        lines.append(f"{f'Median {label} (ms):':<40}{metrics[f'median_{key}_ms']:<10.2f}")
+        lines += [
+            f"{f'P{p} {label} (ms):':<40}{metrics[f'p{p}_{key}_ms']:<10.2f}" for p in PERCENTILES
+        ]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def plot(outputs: list[RequestOutput], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pagedserve bench: matplotlib is not installed; skipping --plot", file=sys.stderr)
+        return False
+    done = [o for o in outputs if o.success]
+    series = {
+        "TTFT (ms)": [o.ttft * 1000 for o in done],
+        "TPOT (ms)": [
+            (o.latency - o.ttft) * 1000 / (o.output_tokens - 1) for o in done if o.output_tokens > 1
+        ],
+        "ITL (ms)": [g * 1000 for o in done for g in o.itl],
+        "E2E latency (ms)": [o.latency * 1000 for o in done],
+    }
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (title, values) in zip(axes.flat, series.items(), strict=False):
+        ax.hist(values, bins=30)
+        ax.set_title(title)
+    seconds, counts = throughput_series(outputs)
+    axes.flat[4].plot(seconds, counts)
+    axes.flat[4].set_title("output tokens/s over time")
+    axes.flat[4].set_xlabel("s")
+    axes.flat[5].axis("off")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+# ---- CLI
+
+
+def _rate(value: str) -> float:
+    rate = float(value)
+    if rate <= 0:
+        raise argparse.ArgumentTypeError(f"--request-rate {value} must be > 0 (or inf)")
+    return rate
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument(
+        "--tokenizer", default=None, help="directory with tokenizer.json, for exact prompt lengths"
+    )
+    parser.add_argument(
+        "--dataset", "--dataset-name", dest="dataset", choices=list(DATASETS), default="random"
+    )
+    parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        help="requests/s (Poisson when burstiness is 1); inf sends all at once",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: <1 burstier, >1 more uniform",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--sharegpt-output-len", type=int, default=None)
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per request")
+    parser.add_argument("--output-file", default=None, help="write the result JSON here")
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="keep per-request lists (ttfts, itls, ...) in the JSON",
+    )
+    parser.add_argument("--plot", default=None, metavar="FILE.png")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency} must be at least 1")
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness {args.burstiness} must be > 0 (1 is Poisson)")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio {args.random_range_ratio} must be in [0, 1)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+        counter = _TokenCounter(args.tokenizer)
+        samples = DATASETS[args.dataset](args, counter)
+    except (ValueError, OSError) as exc:
+        print(f"pagedserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    outputs, duration = asyncio.run(run_benchmark(args, samples, counter))
+    metrics = compute_metrics(outputs, duration)
+    print(format_table(metrics))
+    result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai",
+        "endpoint": ENDPOINTS[args.endpoint],
+        "model_id": args.model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **metrics,
+        "errors": [o.error for o in outputs if not o.success],
+    }
+    if args.save_detailed:
+        result |= {
+            "input_lens": [o.prompt_len for o in outputs],
+            "output_lens": [o.output_tokens for o in outputs],
+            "ttfts": [o.ttft for o in outputs],
+            "itls": [o.itl for o in outputs],
+            "generated_texts": [o.generated_text for o in outputs],
+        }
+    if args.output_file:
+        Path(args.output_file).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(outputs, args.plot)
+    failed = metrics["failed"]
+    if failed:
+        print(
+            f"{failed} of {len(outputs)} requests failed; first error: {result['errors'][0]}",
+            file=sys.stderr,
+        )
+    return 0 if metrics["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_bench_args(
+        argparse.ArgumentParser(
+            prog="pagedserve bench",
+            description=__doc__,
+            formatter_class=argparse.RawTextHelpFormatter,
+        )
+    )
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

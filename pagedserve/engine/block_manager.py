@@ -1,0 +1,234 @@
+"""Logical blocks -> physical pages: block tables, automatic prefix caching, copy-on-write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedserve.engine.page_allocator import PhysicalPageAllocator
+
+
+class SequenceLike(Protocol):
+    """What the block manager reads from a request (``engine.request.Request`` fits)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: it depends on every token before the block too."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass(slots=True)
+class CachedBlock:
+    """What a cached page holds; checked on every hit so that a hash collision is a miss."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert block_size > 0, f"block_size must be positive, got {block_size}"
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = PhysicalPageAllocator(num_pages)
+        self.block_tables: dict[str, list[int]] = {}
+        self.cached_block_hash_to_page: dict[int, int] = {}
+        self.page_to_cached_block: dict[int, CachedBlock] = {}
+        self.block_hashes: dict[str, list[int]] = {}  # per request: chained hashes of full blocks
+        self.num_cached_blocks: dict[str, int] = {}  # per request: leading blocks already cached
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- queries
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages no request holds, evictable cached ones included."""
+        return self.allocator.num_free_pages
+
+    @property
+    def usage(self) -> float:
+        return self.allocator.usage
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` could ever fit in the whole pool."""
+        return self._num_blocks(num_tokens) <= self.num_pages
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        return self.block_tables[request_id]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(src_page, dst_page) copies the model runner must do before the next forward pass."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- prefix cache
+
+    def get_computed_blocks(self, req: SequenceLike) -> tuple[list[int], int]:
+        """Cached pages of the longest verified prefix of full blocks, and the tokens they cover.
+
+        Leaves at least one token to compute. Call at admission, before ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = self._hash_full_blocks(
+            req, list(self.block_hashes.get(req.request_id, ())), max_blocks
+        )
+        pages: list[int] = []
+        for i in range(max_blocks):
+            page = self._cached_page(req, i, hashes)
+            if page is None:
+                break
+            pages.append(page)
+        num_hit_tokens = len(pages) * self.block_size
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return pages, num_hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block; pages in use stay with their requests."""
+        self.cached_block_hash_to_page.clear()
+        self.page_to_cached_block.clear()
+
+    # ---- allocation
+
+    def allocate_slots(
+        self, req: SequenceLike, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Grow the block table to cover the computed, prefix-hit and ``num_new_tokens`` tokens.
+
+        All or nothing: returns False and changes nothing when the free pages do not suffice.
+        """
+        table = self.block_tables.get(req.request_id, [])
+        assert not new_computed_blocks or not table, (
+            f"request {req.request_id}: prefix-hit blocks are only taken at admission"
+        )
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_tokens = num_computed + num_new_tokens
+        cow_blocks = self._blocks_to_copy_on_write(table, num_computed, num_tokens)
+        num_fresh = max(0, self._num_blocks(num_tokens) - len(table) - len(new_computed_blocks))
+        num_revived = sum(self.allocator.refcount(p) == 0 for p in new_computed_blocks)
+        if num_revived + len(cow_blocks) + num_fresh > self.allocator.num_free_pages:
+            return False
+        self.block_tables[req.request_id] = table
+        self._take_computed_blocks(table, new_computed_blocks)
+        for i in cow_blocks:
+            self._copy_on_write(table, i, copy=i * self.block_size < num_computed)
+        table.extend(self._allocate_page() for _ in range(num_fresh))
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, table, num_tokens)
+        return True
+
+    def free(self, req: SequenceLike) -> None:
+        """Release the request's pages, tail first so that tail blocks are evicted before the prefix."""
+        assert req.request_id in self.block_tables, (
+            f"request {req.request_id} holds no pages (freed twice?)"
+        )
+        table = self.block_tables.pop(req.request_id)
+        for page in reversed(table):
+            self.allocator.free(page)
+        self.block_hashes.pop(req.request_id, None)
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pending_copies = [(s, d) for s, d in self.pending_copies if self.allocator.refcount(d)]
+
+    def fork(self, parent: SequenceLike, child: SequenceLike) -> None:
+        """The child (n > 1 sampling) shares every page of the parent until it writes (copy-on-write)."""
+        assert child.request_id not in self.block_tables, (
+            f"request {child.request_id} already has pages"
+        )
+        table = self.block_tables[parent.request_id]
+        for page in table:
+            self.allocator.incref(page)
+        self.block_tables[child.request_id] = list(table)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+
+    # ---- helpers
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _allocate_page(self) -> int:
+        """A fresh page; if it held an evictable cached block, that block leaves the cache."""
+        page = self.allocator.allocate()
+        block = self.page_to_cached_block.pop(page, None)
+        if block is not None:
+            del self.cached_block_hash_to_page[block.block_hash]
+        return page
+
+    def _take_computed_blocks(self, table: list[int], pages: Sequence[int]) -> None:
+        for page in pages:
+            assert page in self.page_to_cached_block, f"prefix-hit page {page} was evicted"
+            self.allocator.incref(page)
+            table.append(page)
+
+    def _blocks_to_copy_on_write(
+        self, table: list[int], num_computed: int, num_tokens: int
+    ) -> list[int]:
+        """Indices of shared pages this step writes into."""
+        if num_tokens <= num_computed:
+            return []
+        first, end = num_computed // self.block_size, min(len(table), self._num_blocks(num_tokens))
+        return [i for i in range(first, end) if self.allocator.refcount(table[i]) > 1]
+
+    def _copy_on_write(self, table: list[int], i: int, copy: bool) -> None:
+        src, dst = table[i], self._allocate_page()
+        self.allocator.free(src)
+        table[i] = dst
+        if copy:
+            self.pending_copies.append((src, dst))
+
+    def _hash_full_blocks(self, req: SequenceLike, hashes: list[int], num_blocks: int) -> list[int]:
+        """Extend ``hashes`` in place to the first ``num_blocks`` full blocks of the request."""
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+            )
+        return hashes
+
+    def _block_key(self, req: SequenceLike, i: int, hashes: list[int]) -> CachedBlock:
+        tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return CachedBlock(hashes[i], hashes[i - 1] if i else None, tokens)
+
+    def _cached_page(self, req: SequenceLike, i: int, hashes: list[int]) -> int | None:
+        key = self._block_key(req, i, hashes)
+        page = self.cached_block_hash_to_page.get(key.block_hash)
+        if page is None or self.page_to_cached_block[page] != key:
+            return None
+        return page
+
+    def _cache_full_blocks(self, req: SequenceLike, table: list[int], num_tokens: int) -> None:
+        """Register every block that is full of known tokens; an already cached hash is kept."""
+        num_full = min(num_tokens, req.num_tokens) // self.block_size
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hash_full_blocks(
+            req, self.block_hashes.setdefault(req.request_id, []), num_full
+        )
+        for i in range(start, num_full):
+            key = self._block_key(req, i, hashes)
+            if (
+                key.block_hash in self.cached_block_hash_to_page
+                or table[i] in self.page_to_cached_block
+            ):
+                continue
+            self.cached_block_hash_to_page[key.block_hash] = table[i]
+            self.page_to_cached_block[table[i]] = key
+        self.num_cached_blocks[req.request_id] = num_full

@@ -1,0 +1,549 @@
+"""`pagedserve tune`: size the weights, the KV cache and the batch limits for a model on a device.
+
+All figures are per tensor-parallel rank, in bytes:
+
+- weights: every parameter counted. Embeddings, lm_head, norms and biases stay 16-bit. With
+  ``--quantization int4`` every q/k/v/o, gate_up and down projection costs 0.5 byte per weight plus
+  one 16-bit scale and one 16-bit zero per group of ``--quant-group-size`` inputs per output
+  (0.625 byte per weight at group 32). Tensor parallelism splits q/o and the MLP by ``tp``, k/v by
+  kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
+  embed_tokens and lm_head (vocab-parallel); norms are replicated.
+- KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
+  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the seed's tuning notes said about
+  4.6 GB; that figure is too low).
+- reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
+  per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
+  a workspace of ``min(256 MiB, budget / 16)``.
+- KV pages: ``floor((memory x gpu_memory_utilization - weights - reserve) / (block_size x
+  kv_bytes_per_token))``; ``max_num_seqs = min(256, pages // ceil(max_model_len / block_size))``.
+- ``max_num_batched_tokens`` defaults to 2048 (vLLM v1's API-server default, with chunked prefill);
+  ``max_num_seqs`` never exceeds it, so every running sequence can decode in one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from pagedserve.hal.memory import parse_bytes
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+MAX_NUM_SEQS_CAP = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+WORKSPACE_CAP = 256 * 2**20
+ACTIVATION_BYTES = 4
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+SERVE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class TuneError(ValueError):
+    """A setting that cannot work, with the reason and the way out."""
+
+
+@dataclass(slots=True)
+class ModelShape:
+    name: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    attention_bias: bool
+    tie_word_embeddings: bool
+
+
+@dataclass(slots=True)
+class DevicePreset:
+    name: str
+    backend: str
+    memory_bytes: int
+
+
+@dataclass(slots=True)
+class TuneResult:
+    model: str
+    model_arg: str
+    device: str
+    tensor_parallel_size: int
+    quantization: str
+    quant_group_size: int
+    kv_dtype: str
+    block_size: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    memory_bytes: int
+    memory_budget_bytes: int
+    weight_bytes: int
+    weight_bytes_16bit: int
+    weight_bytes_linear: int
+    kv_bytes_per_token: int
+    kv_bytes_per_seq: int
+    activation_reserve_bytes: int
+    logits_reserve_bytes: int
+    workspace_bytes: int
+    reserve_bytes: int
+    kv_bytes_available: int
+    num_kv_pages: int
+    pages_per_seq: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    launch_script: str = ""
+
+
+def _preset_path(spec: str, kind: str) -> Path | None:
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = CONFIGS_DIR / kind / f"{spec}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def _presets(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
+
+
+def _shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
+    if cfg.get("model_type") == "chatglm":
+        cfg = {
+            "hidden_size": cfg["hidden_size"],
+            "num_hidden_layers": cfg["num_layers"],
+            "num_attention_heads": cfg["num_attention_heads"],
+            "num_key_value_heads": cfg.get("multi_query_group_num", cfg["num_attention_heads"]),
+            "head_dim": cfg.get("kv_channels"),
+            "intermediate_size": cfg["ffn_hidden_size"],
+            "vocab_size": cfg["padded_vocab_size"],
+            "max_position_embeddings": cfg["seq_length"],
+            "attention_bias": cfg.get("add_qkv_bias", False),
+            "model_type": "glm",
+        }
+    heads = cfg["num_attention_heads"]
+    return ModelShape(
+        name=cfg.get("name", name),
+        architecture=cfg.get("architecture", cfg.get("model_type", "glm")),
+        hidden_size=cfg["hidden_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def load_model_shape(spec: str) -> ModelShape:
+    """A model preset name, a preset YAML file, or a checkpoint directory with config.json."""
+    path = Path(spec)
+    if (path / "config.json").is_file():
+        cfg = json.loads((path / "config.json").read_text())
+        if cfg.get("model_type") not in ("glm", "glm4", "chatglm"):
+            raise TuneError(
+                f"{path}/config.json has model_type {cfg.get('model_type')!r}; "
+                "tune knows glm, glm4 and chatglm checkpoints"
+            )
+        return _shape_from_hf_config(cfg, path.name)
+    preset = _preset_path(spec, "models")
+    if preset is None:
+        raise TuneError(
+            f"--model {spec!r} is neither a directory with config.json nor a preset; "
+            f"presets: {', '.join(_presets('models'))}"
+        )
+    return _shape_from_hf_config(yaml.safe_load(preset.read_text()), preset.stem)
+
+
+def load_device(spec: str) -> DevicePreset:
+    preset = _preset_path(spec, "devices")
+    if preset is None:
+        raise TuneError(
+            f"--device {spec!r} is not a device preset; presets: {', '.join(_presets('devices'))}"
+        )
+    cfg = yaml.safe_load(preset.read_text())
+    memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
+    return DevicePreset(
+        cfg.get("name", preset.stem), cfg.get("backend", "cpu"), parse_bytes(memory)
+    )
+
+
+# ---- tensor-parallel shapes
+
+
+def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
+    return max(1, model.num_key_value_heads // tp)
+
+
+def check_tensor_parallel(model: ModelShape, tp: int) -> None:
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    if tp < 1:
+        raise TuneError(f"--tensor-parallel-size {tp} must be at least 1")
+    if heads % tp:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} does not divide the {heads} attention heads "
+            f"of {model.name}; use a divisor of {heads}"
+        )
+    if kv % tp and tp % kv:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} and the {kv} kv heads of {model.name} "
+            "neither divide the other; kv heads cannot be split or replicated evenly"
+        )
+    if model.intermediate_size % tp:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} does not divide intermediate_size "
+            f"{model.intermediate_size} of {model.name}"
+        )
+
+
+def linear_shapes(model: ModelShape, tp: int) -> list[tuple[int, int]]:
+    """(in_features, out_features) per rank of one layer's q, k, v, o, gate_up and down."""
+    hidden, inter = model.hidden_size, model.intermediate_size // tp
+    q_out = model.num_attention_heads * model.head_dim // tp
+    kv_out = kv_heads_per_rank(model, tp) * model.head_dim
+    return [
+        (hidden, q_out),
+        (hidden, kv_out),
+        (hidden, kv_out),
+        (q_out, hidden),
+        (hidden, 2 * inter),
+        (inter, hidden),
+    ]
+
+
+# ---- the three sizes
+
+
+def linear_bytes(
+    in_features: int, out_features: int, quantization: str, group_size: int, dtype_bytes: int
+) -> int:
+    if quantization == "none":
+        return in_features * out_features * dtype_bytes
+    if in_features % group_size:
+        raise TuneError(
+            f"a projection with {in_features} inputs per rank is not a multiple of "
+            f"--quant-group-size {group_size}; pick a group size that divides it "
+            "(32, 64 or 128) or another --tensor-parallel-size"
+        )
+    return in_features * out_features // 2 + (in_features // group_size) * out_features * 2 * 2
+
+
+def weight_bytes(
+    model: ModelShape, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
+) -> tuple[int, int]:
+    """(16-bit bytes: embeddings, lm_head, norms, biases; linear bytes) per rank."""
+    hidden, vocab_rank = model.hidden_size, math.ceil(model.vocab_size / tp)
+    norms_per_layer = 4 if model.architecture == "glm4" else 2
+    shapes = linear_shapes(model, tp)
+    bias = sum(out for _, out in shapes[:3]) if model.attention_bias else 0
+    per_layer_16 = norms_per_layer * hidden + bias
+    embeddings = vocab_rank * hidden * (1 if model.tie_word_embeddings else 2)
+    params_16 = embeddings + hidden + model.num_hidden_layers * per_layer_16
+    per_layer_linear = sum(
+        linear_bytes(k, n, quantization, group_size, dtype_bytes) for k, n in shapes
+    )
+    return params_16 * dtype_bytes, model.num_hidden_layers * per_layer_linear
+
+
+def kv_bytes_per_token(model: ModelShape, tp: int, kv_dtype_bytes: int) -> int:
+    return (
+        2 * model.num_hidden_layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_dtype_bytes
+    )
+
+
+def activation_reserve(model: ModelShape, tp: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """(activation bytes of one layer's forward over the token budget, fp32 logits bytes)."""
+    q_out = model.num_attention_heads * model.head_dim // tp
+    kv_out = kv_heads_per_rank(model, tp) * model.head_dim
+    per_token = 2 * model.hidden_size + 2 * q_out + 2 * kv_out + 3 * model.intermediate_size // tp
+    activations = max_num_batched_tokens * per_token * ACTIVATION_BYTES
+    logits_rows = min(max_num_batched_tokens, MAX_NUM_SEQS_CAP)
+    return activations, logits_rows * model.vocab_size * ACTIVATION_BYTES
+
+
+# ---- the tuner
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def tune(
+    model_arg: str,
+    device_arg: str,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    quantization: str = "int4",
+    kv_dtype: str = "bf16",
+    block_size: int = 16,
+    quant_group_size: int = 32,
+    max_num_batched_tokens: int | None = None,
+) -> TuneResult:
+    model, device = load_model_shape(model_arg), load_device(device_arg)
+    tp = tensor_parallel_size
+    check_tensor_parallel(model, tp)
+    max_model_len = max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise TuneError(
+            f"--max-model-len {max_model_len} is beyond {model.name}'s context of "
+            f"{model.max_position_embeddings} tokens; use at most that"
+        )
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise TuneError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
+    if block_size < 1 or max_model_len < 1:
+        raise TuneError("--block-size and --max-model-len must be positive")
+    if quantization not in ("int4", "none") or kv_dtype not in KV_DTYPE_BYTES:
+        raise TuneError(
+            f"--quantization must be int4 or none; --kv-dtype one of {', '.join(KV_DTYPE_BYTES)}"
+        )
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
+    batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget = int(device.memory_bytes * gpu_memory_utilization)
+    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, min(dtype_bytes, 2))
+    activations, logits = activation_reserve(model, tp, batched)
+    workspace = min(WORKSPACE_CAP, budget // 16)
+    reserve = activations + logits + workspace
+    weights = w16 + wlin
+    if weights + reserve >= budget:
+        raise TuneError(
+            f"the weights do not fit: {model.name} needs {_gib(weights)} of weights per rank "
+            f"+ {_gib(reserve)} reserve, but {device.name} gives {_gib(budget)} "
+            f"({_gib(device.memory_bytes)} x {gpu_memory_utilization}); raise "
+            "--tensor-parallel-size, use --quantization int4, or pick a larger device"
+        )
+    per_token = kv_bytes_per_token(model, tp, dtype_bytes)
+    kv_available = budget - weights - reserve
+    num_pages = kv_available // (block_size * per_token)
+    pages_per_seq = math.ceil(max_model_len / block_size)
+    max_num_seqs = min(MAX_NUM_SEQS_CAP, batched, num_pages // pages_per_seq)
+    if max_num_seqs == 0:
+        missing = pages_per_seq * block_size * per_token - kv_available
+        raise TuneError(
+            f"not even one sequence of --max-model-len {max_model_len} fits: it needs "
+            f"{_gib(pages_per_seq * block_size * per_token)} of KV cache, "
+            f"{_gib(kv_available)} is left after weights and reserve ({_gib(missing)} missing); "
+            "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
+    result = TuneResult(
+        model=model.name,
+        model_arg=model_arg,
+        device=device.name,
+        tensor_parallel_size=tp,
+        quantization=quantization,
+        quant_group_size=quant_group_size,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        memory_bytes=device.memory_bytes,
+        memory_budget_bytes=budget,
+        weight_bytes=weights,
+        weight_bytes_16bit=w16,
+        weight_bytes_linear=wlin,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_seq=per_token * max_model_len,
+        activation_reserve_bytes=activations,
+        logits_reserve_bytes=logits,
+        workspace_bytes=workspace,
+        reserve_bytes=reserve,
+        kv_bytes_available=kv_available,
+        num_kv_pages=num_pages,
+        pages_per_seq=pages_per_seq,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+    )
+    result.launch_script = launch_script(result)
+    return result
+
+
+# ---- output
+
+
+def serve_args(result: TuneResult) -> list[str]:
+    is_dir = Path(result.model_arg).is_dir()
+    model = str(Path(result.model_arg).resolve()) if is_dir else "${MODEL_DIR:?set MODEL_DIR}"
+    args = [
+        "--model",
+        model,
+        "--served-model-name",
+        result.model,
+        "--device",
+        result.device,
+        "--dtype",
+        SERVE_DTYPE[result.kv_dtype],
+        "--tensor-parallel-size",
+        str(result.tensor_parallel_size),
+        "--max-model-len",
+        str(result.max_model_len),
+        "--gpu-memory-utilization",
+        str(result.gpu_memory_utilization),
+        "--block-size",
+        str(result.block_size),
+        "--max-num-seqs",
+        str(result.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(result.max_num_batched_tokens),
+    ]
+    if result.quantization == "int4":
+        args += ["--quantization", "int4"]
+    return args
+
+
+def launch_script(result: TuneResult) -> str:
+    quoted = [a if a.startswith("${") else shlex.quote(a) for a in serve_args(result)]
+    quoted = [f'"{a}"' if a.startswith("${") else a for a in quoted]
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# pagedserve tune: {result.model} on {result.device}, "
+        f"tp={result.tensor_parallel_size}, {result.quantization} weights, "
+        f"{result.num_kv_pages} KV pages",
+        "set -euo pipefail",
+    ]
+    if not Path(result.model_arg).is_dir():
+        lines.append(f"# MODEL_DIR: the local checkpoint directory of {result.model}")
+    lines.append(
+        "exec pagedserve serve \\\n  "
+        + " \\\n  ".join(" ".join(quoted[i : i + 2]) for i in range(0, len(quoted), 2))
+        + ' \\\n  "$@"'
+    )
+    return "\n".join(lines) + "\n"
+
+
+def explain(result: TuneResult) -> str:
+    r = result
+    linear = (
+        f"0.5 B/weight + 2x2 B per group of {r.quant_group_size}"
+        if r.quantization == "int4"
+        else "16-bit"
+    )
+    rows = [
+        ("device memory", _gib(r.memory_bytes), f"{r.device} preset memory_bytes"),
+        (
+            "budget",
+            _gib(r.memory_budget_bytes),
+            f"memory x gpu_memory_utilization {r.gpu_memory_utilization}",
+        ),
+        (
+            "weights (16-bit part)",
+            _gib(r.weight_bytes_16bit),
+            "embed_tokens + lm_head (vocab-parallel), norms, qkv bias",
+        ),
+        (
+            "weights (linear part)",
+            _gib(r.weight_bytes_linear),
+            f"q/k/v/o, gate_up, down split over tp={r.tensor_parallel_size}: {linear}",
+        ),
+        ("weights per rank", _gib(r.weight_bytes), f"{r.weight_bytes} bytes"),
+        (
+            "activation reserve",
+            _gib(r.activation_reserve_bytes),
+            "batched_tokens x (2h + 2q + 2kv + 3i per rank) x 4 B",
+        ),
+        ("logits reserve", _gib(r.logits_reserve_bytes), "min(batched_tokens, 256) x vocab x 4 B"),
+        ("workspace", _gib(r.workspace_bytes), "min(256 MiB, budget / 16)"),
+        (
+            "KV bytes per token",
+            f"{r.kv_bytes_per_token} B",
+            f"2 x layers x kv_heads/rank x head_dim x {KV_DTYPE_BYTES[r.kv_dtype]} B ({r.kv_dtype})",
+        ),
+        (
+            "KV per max-model-len seq",
+            _gib(r.kv_bytes_per_seq),
+            f"{r.max_model_len} tokens x KV bytes per token (exact; not the seed's ~4.6 GB estimate)",
+        ),
+        ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
+        ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),
+        ("pages per sequence", str(r.pages_per_seq), "ceil(max_model_len / block_size)"),
+        ("--max-num-seqs", str(r.max_num_seqs), "min(256, batched tokens, pages // pages per seq)"),
+        (
+            "--max-num-batched-tokens",
+            str(r.max_num_batched_tokens),
+            "2048 unless given (chunked prefill); >= max_num_seqs",
+        ),
+    ]
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    head = (
+        f"{r.model} on {r.device}: tp={r.tensor_parallel_size}, {r.quantization}, "
+        f"kv {r.kv_dtype}, block {r.block_size}, max_model_len {r.max_model_len}"
+    )
+    body = [f"{a:<{width[0]}}  {b:>{width[1]}}  {c}" for a, b, c in rows]
+    return "\n".join([head, "-" * len(head), *body])
+
+
+# ---- CLI
+
+
+def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--model", required=True, help="checkpoint directory or model preset")
+    parser.add_argument("--device", required=True, help="device preset (configs/devices)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's max_position_embeddings",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--quantization", choices=["int4", "none"], default="int4")
+    parser.add_argument("--quant-group-size", type=int, default=32)
+    parser.add_argument("--kv-dtype", choices=list(KV_DTYPE_BYTES), default="bf16")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--write", metavar="FILE", default=None, help="write a launch script")
+    return parser
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    try:
+        result = tune(
+            args.model,
+            args.device,
+            args.tensor_parallel_size,
+            args.max_model_len,
+            args.gpu_memory_utilization,
+            args.quantization,
+            args.kv_dtype,
+            args.block_size,
+            args.quant_group_size,
+            args.max_num_batched_tokens,
+        )
+    except ValueError as exc:
+        print(f"pagedserve tune: error: {exc}", file=sys.stderr)
+        return 2
+    if args.write:
+        path = Path(args.write)
+        path.write_text(result.launch_script)
+        path.chmod(0o755)
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        print(explain(result))
+        print(f"\nlaunch script{f' (written to {args.write})' if args.write else ''}:\n")
+        print(result.launch_script)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_tune_args(
+        argparse.ArgumentParser(
+            prog="pagedserve tune",
+            description=__doc__,
+            formatter_class=argparse.RawTextHelpFormatter,
+        )
+    )
+    return run_tune(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

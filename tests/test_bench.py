@@ -1,0 +1,296 @@
+"""`pagedserve bench` against a fake OpenAI-compatible streaming server with known delays."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedserve import bench
+from pagedserve.bench import add_bench_args, run_bench
+
+TTFT_S = 0.20
+ITL_S = 0.04
+PROMPT_TOKENS = 7
+
+
+@dataclass
+class FakeBehaviour:
+    fail_every: int = 0  # every n-th request gets HTTP 500
+    usage: bool = True
+    received: int = 0
+
+
+def fake_app(behaviour: FakeBehaviour) -> FastAPI:
+    app = FastAPI()
+
+    async def stream(body: dict, chat: bool):
+        await asyncio.sleep(TTFT_S)
+        n = body["max_tokens"]
+        for i in range(n):
+            if i:
+                await asyncio.sleep(ITL_S)
+            piece = f" tok{i}"
+            choice = (
+                {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": piece, "finish_reason": None}
+            )
+            yield f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
+        if behaviour.usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {
+                "prompt_tokens": PROMPT_TOKENS,
+                "completion_tokens": n,
+                "total_tokens": PROMPT_TOKENS + n,
+            }
+            yield f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def handle(request: Request, chat: bool):
+        body = await request.json()
+        behaviour.received += 1
+        if behaviour.fail_every and behaviour.received % behaviour.fail_every == 0:
+            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+        assert body["stream"] is True
+        assert ("messages" in body) == chat and ("prompt" in body) != chat
+        return StreamingResponse(stream(body, chat), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+@contextmanager
+def serve(behaviour: FakeBehaviour) -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(fake_app(behaviour), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "fake server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def _args(base_url: str, *extra: str) -> argparse.Namespace:
+    return add_bench_args(argparse.ArgumentParser()).parse_args(
+        [
+            "--base-url",
+            base_url,
+            "--model",
+            "fake",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "5",
+            "--ignore-eos",
+            "--disable-tqdm",
+            *extra,
+        ]
+    )
+
+
+def _run(base_url: str, tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "result.json"
+    code = run_bench(_args(base_url, "--output-file", str(out), *extra))
+    return code, json.loads(out.read_text())
+
+
+def test_bench_completes_every_request_and_reports_vllm_fields(tmp_path):
+    with serve(FakeBehaviour()) as url:
+        code, result = _run(url, tmp_path)
+    assert code == 0
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 6 * 5
+    assert result["total_input_tokens"] == 6 * PROMPT_TOKENS  # the server's usage wins
+    for name in ("request_throughput", "output_throughput", "total_token_throughput"):
+        assert result[name] > 0
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert f"{stat}_{metric}_ms" in result
+
+
+def test_latencies_match_the_servers_known_delays(tmp_path):
+    with serve(FakeBehaviour()) as url:
+        _, result = _run(url, tmp_path, "--max-concurrency", "3")
+    slack_ms = 150
+    assert TTFT_S * 1000 <= result["mean_ttft_ms"] < TTFT_S * 1000 + slack_ms
+    assert ITL_S * 1000 * 0.9 <= result["median_tpot_ms"] < ITL_S * 1000 + 40
+    assert ITL_S * 1000 * 0.9 <= result["median_itl_ms"] < ITL_S * 1000 + 40
+    e2e = (TTFT_S + 4 * ITL_S) * 1000
+    assert e2e <= result["mean_e2el_ms"] < e2e + slack_ms + 4 * 40
+    assert result["output_throughput"] == pytest.approx(
+        result["total_output_tokens"] / result["duration"]
+    )
+
+
+def test_max_concurrency_serialises_requests(tmp_path):
+    with serve(FakeBehaviour()) as url:
+        _, result = _run(url, tmp_path, "--max-concurrency", "1", "--num-prompts", "3")
+    one_request = TTFT_S + 4 * ITL_S
+    assert result["duration"] >= 3 * one_request
+
+
+def test_failed_requests_are_counted_not_fatal(tmp_path):
+    with serve(FakeBehaviour(fail_every=2)) as url:
+        code, result = _run(url, tmp_path)
+    assert code == 0
+    assert result["completed"] == 3 and result["failed"] == 3
+    assert all("500" in e for e in result["errors"])
+    assert result["total_output_tokens"] == 3 * 5
+
+
+def test_chat_endpoint_without_usage_counts_chunks(tmp_path):
+    with serve(FakeBehaviour(usage=False)) as url:
+        code, result = _run(url, tmp_path, "--endpoint", "chat")
+    assert code == 0 and result["completed"] == 6
+    assert result["total_output_tokens"] == 6 * 5  # one token per content chunk
+    assert result["total_input_tokens"] == 6 * 16  # the dataset's length when no usage
+
+
+def test_sharegpt_and_prefix_repetition_datasets(tmp_path):
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i} " + "word " * 10},
+                {"from": "gpt", "value": "answer " * 8},
+            ]
+        }
+        for i in range(8)
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    with serve(FakeBehaviour()) as url:
+        code, result = _run(
+            url,
+            tmp_path,
+            "--dataset",
+            "sharegpt",
+            "--dataset-path",
+            str(path),
+            "--num-prompts",
+            "4",
+            "--request-rate",
+            "50",
+            "--save-detailed",
+        )
+        assert code == 0 and result["completed"] == 4
+        assert result["output_lens"] == [8] * 4  # max_tokens from the reply's length
+        code, result = _run(
+            url,
+            tmp_path,
+            "--dataset",
+            "prefix-repetition",
+            "--prefix-repetition-prefix-len",
+            "8",
+            "--prefix-repetition-suffix-len",
+            "4",
+            "--prefix-repetition-output-len",
+            "3",
+            "--prefix-repetition-num-prefixes",
+            "2",
+        )
+    assert code == 0 and result["completed"] == 6
+    assert result["total_output_tokens"] == 6 * 3
+
+
+def test_prefix_repetition_prompts_share_prefixes():
+    args = _args(
+        "http://unused",
+        "--dataset",
+        "prefix-repetition",
+        "--num-prompts",
+        "8",
+        "--prefix-repetition-prefix-len",
+        "20",
+        "--prefix-repetition-num-prefixes",
+        "2",
+    )
+    samples = bench.prefix_repetition_dataset(args, bench._TokenCounter(None))
+    prefixes = {" ".join(s.prompt.split()[:20]) for s in samples}
+    assert len(samples) == 8 and len(prefixes) == 2
+
+
+def test_unreachable_server_fails_every_request(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code, result = _run(f"http://127.0.0.1:{port}", tmp_path, "--num-prompts", "2")
+    assert code == 1 and result["completed"] == 0 and result["failed"] == 2
+
+
+def test_poisson_arrivals_have_the_requested_mean_rate():
+    gaps = bench.arrival_gaps(4000, request_rate=20.0, burstiness=1.0, seed=0)
+    assert statistics.fmean(gaps) == pytest.approx(1 / 20, rel=0.05)
+    assert statistics.pstdev(gaps) == pytest.approx(1 / 20, rel=0.08)  # exponential: sd = mean
+    bursty = bench.arrival_gaps(4000, request_rate=20.0, burstiness=0.25, seed=0)
+    assert statistics.fmean(bursty) == pytest.approx(1 / 20, rel=0.1)
+    assert statistics.pstdev(bursty) > 1.5 * statistics.pstdev(gaps)
+    assert bench.arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_tpot_and_percentiles_follow_vllm_definitions():
+    outs = [
+        bench.RequestOutput(
+            success=True, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4, prompt_len=10
+        ),
+        bench.RequestOutput(success=True, output_tokens=1, ttft=0.2, latency=0.2, prompt_len=10),
+        bench.RequestOutput(success=False, error="x"),
+    ]
+    m = bench.compute_metrics(outs, duration=2.0)
+    assert m["completed"] == 2 and m["failed"] == 1
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4; 1-token request excluded
+    assert m["mean_ttft_ms"] == pytest.approx(150.0)
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["total_token_throughput"] == pytest.approx((20 + 6) / 2.0)
+    assert bench._percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)  # numpy's linear rule
+
+
+def test_bad_arguments_are_refused_with_a_reason(capsys):
+    code = run_bench(_args("http://unused", "--dataset", "sharegpt"))
+    assert code == 2 and "--dataset-path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("http://unused", "--request-rate", "0")
+
+
+def test_tokenizer_gives_exact_prompt_lengths(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", *sorted(set(bench.WORDS))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter = bench._TokenCounter(str(tmp_path))
+    args = _args("http://unused", "--tokenizer", str(tmp_path), "--random-input-len", "37")
+    samples = bench.random_dataset(args, counter)
+    assert all(counter.count(s.prompt) == s.prompt_len == 37 for s in samples)

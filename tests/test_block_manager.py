@@ -1,0 +1,399 @@
+"""Block manager and page allocator: prefix caching, LRU eviction, copy-on-write, no page leaks."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+from pagedserve.engine import block_manager as bm_module
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.page_allocator import PhysicalPageAllocator
+from pagedserve.engine.request import Request
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Seq:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def admit(bm: BlockManager, req, num_new_tokens: int | None = None) -> bool:
+    """Prefix lookup + allocation as the scheduler does it; marks the tokens computed on success."""
+    pages, num_hit = bm.get_computed_blocks(req)
+    if num_new_tokens is None:
+        num_new_tokens = req.num_tokens - num_hit
+    if not bm.allocate_slots(req, num_new_tokens, pages):
+        return False
+    req.num_computed_tokens = num_hit + num_new_tokens
+    return True
+
+
+def snapshot(bm: BlockManager):
+    a = bm.allocator
+    return copy.deepcopy(
+        (
+            bm.block_tables,
+            a.ref_counts,
+            list(a.free_queue),
+            bm.cached_block_hash_to_page,
+            bm.page_to_cached_block,
+            bm.num_cached_blocks,
+            bm.pending_copies,
+        )
+    )
+
+
+# ---- allocator
+
+
+def test_allocator_hands_out_least_recently_freed_first():
+    a = PhysicalPageAllocator(4)
+    pages = [a.allocate() for _ in range(4)]
+    assert pages == [0, 1, 2, 3] and a.num_free_pages == 0 and a.usage == 1.0
+    a.free(2)
+    a.free(0)
+    assert a.allocate() == 2 and a.allocate() == 0
+
+
+def test_allocator_incref_revives_a_free_page_out_of_the_middle():
+    a = PhysicalPageAllocator(3)
+    a.incref(1)
+    assert a.refcount(1) == 1 and list(a.free_queue) == [0, 2]
+    assert a.num_used_pages == 1 and a.num_free_pages == 2
+
+
+def test_double_free_asserts():
+    a = PhysicalPageAllocator(2)
+    page = a.allocate()
+    a.free(page)
+    with pytest.raises(AssertionError, match="double free of page 0"):
+        a.free(page)
+    with pytest.raises(AssertionError, match="not allocated"):
+        a.free(1)
+    with pytest.raises(AssertionError, match="outside the pool"):
+        a.free(7)
+    assert a.num_free_pages == 2
+
+
+def test_block_manager_double_free_of_a_request_asserts():
+    bm = BlockManager(4, 4)
+    req = Seq("a", list(range(5)))
+    assert admit(bm, req)
+    bm.free(req)
+    with pytest.raises(AssertionError, match="freed twice"):
+        bm.free(req)
+    assert bm.num_free_pages == 4
+
+
+# ---- prefix caching
+
+
+def test_prefix_hit_across_two_requests_with_equal_prefixes():
+    bm = BlockManager(16, 4)
+    a = Seq("a", list(range(10)))
+    assert admit(bm, a)
+    b = Seq("b", list(range(8)) + [100, 101, 102])
+    pages, num_hit = bm.get_computed_blocks(b)
+    assert pages == bm.get_block_table("a")[:2] and num_hit == 8
+    assert bm.allocate_slots(b, b.num_tokens - num_hit, pages)
+    assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2]
+    assert bm.get_block_table("b")[2] not in bm.get_block_table("a")
+    assert [bm.allocator.refcount(p) for p in pages] == [2, 2]
+    assert bm.prefix_cache_queries == 10 + 11 and bm.prefix_cache_hits == 8
+
+
+def test_fully_cached_prompt_still_leaves_a_block_to_compute():
+    bm = BlockManager(8, 4)
+    assert admit(bm, Seq("a", list(range(8))))
+    pages, num_hit = bm.get_computed_blocks(Seq("b", list(range(8))))
+    assert num_hit == 4 and pages == bm.get_block_table("a")[:1]
+
+
+def test_prefix_hit_is_verified_on_token_ids(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: 0)
+    bm = BlockManager(8, 4)
+    assert admit(bm, Seq("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert bm.get_computed_blocks(Seq("b", [9, 9, 9, 9, 5, 6, 7, 8, 9])) == ([], 0)
+    # Same first block: a genuine hit; the second collides with the first and is refused.
+    pages, num_hit = bm.get_computed_blocks(Seq("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert pages == bm.get_block_table("a")[:1] and num_hit == 4
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    assert admit(bm, Seq("a", list(range(9))))
+    assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([], 0)
+    assert not bm.cached_block_hash_to_page and bm.prefix_cache_queries == 0
+
+
+def test_freed_cached_pages_are_evicted_lru_tail_blocks_first():
+    bm = BlockManager(6, 4)
+    a = Seq("a", list(range(8)))
+    assert admit(bm, a)
+    a_pages = list(bm.get_block_table("a"))
+    bm.free(a)
+    assert bm.num_free_pages == 6 and bm.usage == 0.0
+    assert admit(bm, Seq("b", list(range(100, 108))))
+    assert admit(bm, Seq("c", list(range(200, 208))))
+    assert not set(a_pages) & set(bm.get_block_table("b") + bm.get_block_table("c"))
+    assert admit(bm, Seq("d", [300, 301]))
+    assert bm.get_block_table("d") == [a_pages[1]]  # a's tail block goes first
+    pages, num_hit = bm.get_computed_blocks(Seq("a2", list(range(9))))
+    assert pages == [a_pages[0]] and num_hit == 4
+
+
+def test_evictable_cached_page_is_revived_on_a_hit():
+    bm = BlockManager(4, 4)
+    a = Seq("a", list(range(9)))
+    assert admit(bm, a)
+    bm.free(a)
+    b = Seq("b", list(range(9)))
+    pages, num_hit = bm.get_computed_blocks(b)
+    assert num_hit == 8
+    assert bm.allocate_slots(b, 1, pages)
+    assert [bm.allocator.refcount(p) for p in pages] == [1, 1]
+    assert bm.num_free_pages == 1
+
+
+def test_revived_prefix_pages_count_against_free_pages():
+    bm = BlockManager(3, 4)
+    a = Seq("a", list(range(8)))
+    assert admit(bm, a)
+    bm.free(a)
+    assert admit(bm, Seq("c", [50, 51, 52, 53]))
+    b = Seq("b", list(range(13)))
+    pages, num_hit = bm.get_computed_blocks(b)
+    assert num_hit == 8 and bm.num_free_pages == 2
+    before = snapshot(bm)
+    assert not bm.allocate_slots(b, b.num_tokens - num_hit, pages)
+    assert snapshot(bm) == before
+
+
+def test_reset_prefix_cache_forgets_blocks():
+    bm = BlockManager(4, 4)
+    assert admit(bm, Seq("a", list(range(9))))
+    bm.reset_prefix_cache()
+    assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([], 0)
+
+
+# ---- copy-on-write and all-or-nothing
+
+
+def test_copy_on_write_after_fork_keeps_parent_page_and_records_copy():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", list(range(6)))
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    shared = list(bm.get_block_table("p"))
+    assert bm.get_block_table("c") == shared
+    assert [bm.allocator.refcount(p) for p in shared] == [2, 2]
+    child.all_token_ids.append(42)
+    assert bm.allocate_slots(child, 1)
+    new_page = bm.get_block_table("c")[1]
+    assert new_page not in shared and bm.get_block_table("c")[0] == shared[0]
+    assert bm.get_block_table("p") == shared
+    assert bm.take_pending_copies() == [(shared[1], new_page)]
+    assert bm.take_pending_copies() == []
+    assert bm.allocator.refcount(shared[1]) == 1 and bm.allocator.refcount(shared[0]) == 2
+    parent.all_token_ids.append(7)
+    assert bm.allocate_slots(parent, 1)  # no longer shared: written in place
+    assert bm.get_block_table("p") == shared and bm.take_pending_copies() == []
+
+
+def test_failed_allocation_changes_nothing():
+    bm = BlockManager(3, 4)
+    assert admit(bm, Seq("a", list(range(8))))
+    before = snapshot(bm)
+    assert not admit(bm, Seq("b", list(range(100, 108))))
+    assert snapshot(bm) == before and "b" not in bm.block_tables
+
+
+def test_copy_on_write_page_counts_in_the_all_or_nothing_check():
+    bm = BlockManager(2, 4)
+    parent = Seq("p", list(range(6)))
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    child.all_token_ids.append(1)
+    before = snapshot(bm)
+    assert not bm.allocate_slots(child, 1)
+    assert snapshot(bm) == before
+
+
+def test_can_fit_and_usage():
+    bm = BlockManager(4, 16)
+    assert bm.can_fit(64) and not bm.can_fit(65)
+    assert admit(bm, Seq("a", list(range(17))))
+    assert bm.usage == 0.5 and bm.num_free_pages == 2
+
+
+def test_engine_request_satisfies_the_protocol():
+    bm = BlockManager(4, 4)
+    req = Request("r", [1, 2, 3, 4, 5], SamplingParams())
+    assert admit(bm, req) and len(bm.get_block_table("r")) == 2
+
+
+# ---- property test: a scheduler's random moves never leak or corrupt pages
+
+BLOCK_SIZE = 4
+NUM_PAGES = 10
+SHARED_PREFIXES = [[], [0, 1, 2, 0, 1, 2, 0, 1], [2] * 12]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Simulates the KV pool as token ids per slot and checks every computed slot holds its token."""
+
+    enable_prefix_caching = True
+    waiting = Bundle("waiting")
+    running = Bundle("running")
+
+    @initialize()
+    def setup(self):
+        self.bm = BlockManager(NUM_PAGES, BLOCK_SIZE, self.enable_prefix_caching)
+        self.kv: list[list[int | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_PAGES)]
+        self.reqs: dict[str, Seq] = {}
+        self.next_id = 0
+        self.next_token = 100
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def _compute(self, req: Seq, start: int, end: int) -> None:
+        """Run the pending copies, then write KV for positions start..end-1 (a forward pass)."""
+        for src, dst in self.bm.take_pending_copies():
+            self.kv[dst] = list(self.kv[src])
+        table = self.bm.get_block_table(req.request_id)
+        for pos in range(start, end):
+            self.kv[table[pos // BLOCK_SIZE]][pos % BLOCK_SIZE] = req.all_token_ids[pos]
+        req.num_computed_tokens = end
+
+    @rule(
+        target=waiting,
+        prefix=st.sampled_from(SHARED_PREFIXES),
+        tail=st.lists(st.integers(0, 2), min_size=1, max_size=16),
+    )
+    def add_request(self, prefix, tail):
+        return Seq(self._new_id(), prefix + tail)
+
+    @rule(target=running, req=consumes(waiting), chunk=st.integers(1, 24))
+    def schedule_waiting(self, req, chunk):
+        assert req.request_id not in self.bm.block_tables and req.num_computed_tokens == 0
+        pages, num_hit = self.bm.get_computed_blocks(req)
+        assert num_hit < req.num_tokens
+        num_new = min(chunk, req.num_tokens - num_hit)
+        before = snapshot(self.bm)
+        if not self.bm.allocate_slots(req, num_new, pages):
+            assert snapshot(self.bm) == before
+            return multiple()
+        self.reqs[req.request_id] = req
+        self._compute(req, num_hit, num_hit + num_new)
+        return req
+
+    @rule(req=running, chunk=st.integers(1, 8))
+    def schedule_running(self, req, chunk):
+        if req.request_id not in self.reqs:
+            return
+        if req.num_computed_tokens == req.num_tokens:
+            self.next_token += 1
+            req.all_token_ids.append(self.next_token)  # a sampled token no other sequence has
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        before = snapshot(self.bm)
+        if not self.bm.allocate_slots(req, num_new):
+            assert snapshot(self.bm) == before
+            return
+        self._compute(req, req.num_computed_tokens, req.num_computed_tokens + num_new)
+
+    @rule(target=running, parent=running)
+    def fork(self, parent):
+        if parent.request_id not in self.reqs:
+            return multiple()
+        child = Seq(self._new_id(), list(parent.all_token_ids), parent.num_computed_tokens)
+        self.bm.fork(parent, child)
+        self.reqs[child.request_id] = child
+        return child
+
+    @rule(req=consumes(running))
+    def finish(self, req):
+        if self.reqs.pop(req.request_id, None) is not None:
+            self.bm.free(req)
+
+    @rule(target=waiting, req=consumes(running))
+    def preempt(self, req):
+        if self.reqs.pop(req.request_id, None) is None:
+            return multiple()
+        self.bm.free(req)
+        req.num_computed_tokens = 0
+        return req
+
+    @invariant()
+    def pages_are_accounted_for(self):
+        a = self.bm.allocator
+        holders = [0] * NUM_PAGES
+        for table in self.bm.block_tables.values():
+            for page in table:
+                holders[page] += 1
+        assert a.ref_counts == holders
+        assert set(a.free_queue) == {p for p in range(NUM_PAGES) if holders[p] == 0}
+        assert a.num_free_pages + a.num_used_pages == NUM_PAGES
+        assert set(self.bm.block_tables) == set(self.reqs)
+
+    @invariant()
+    def prefix_cache_maps_agree(self):
+        h2p, p2b = self.bm.cached_block_hash_to_page, self.bm.page_to_cached_block
+        assert {p: b.block_hash for p, b in p2b.items()} == {p: h for h, p in h2p.items()}
+        if not self.enable_prefix_caching:
+            assert not h2p
+
+    @invariant()
+    def every_computed_slot_holds_its_token(self):
+        for req in self.reqs.values():
+            table = self.bm.get_block_table(req.request_id)
+            assert len(table) * BLOCK_SIZE >= req.num_computed_tokens
+            for pos in range(req.num_computed_tokens):
+                slot = self.kv[table[pos // BLOCK_SIZE]][pos % BLOCK_SIZE]
+                assert slot == req.all_token_ids[pos], (req.request_id, pos)
+
+    @invariant()
+    def cached_pages_hold_their_tokens(self):
+        for page, block in self.bm.page_to_cached_block.items():
+            assert tuple(self.kv[page]) == block.token_ids
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for req in list(self.reqs.values()):
+            self.bm.free(req)
+        assert self.bm.num_free_pages == NUM_PAGES and self.bm.usage == 0.0
+        assert not self.bm.block_tables
+
+
+class BlockManagerMachineNoCaching(BlockManagerMachine):
+    enable_prefix_caching = False
+
+
+PROPERTY_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestBlockManagerWithPrefixCaching = BlockManagerMachine.TestCase
+TestBlockManagerWithPrefixCaching.settings = PROPERTY_SETTINGS
+TestBlockManagerWithoutPrefixCaching = BlockManagerMachineNoCaching.TestCase
+TestBlockManagerWithoutPrefixCaching.settings = PROPERTY_SETTINGS

@@ -1,0 +1,93 @@
+"""Engine invariants: every request ends finished, aborted or rejected; every page returns to the pool."""
+
+from __future__ import annotations
+
+import pytest
+from helpers_models import build_tiny_model_dir
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm_engine import RequestRejectedError
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_dir(path, "glm4", max_position_embeddings=128)
+    return LLM(model=str(path), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100)
+
+
+def _drained(llm: LLM) -> bool:
+    e = llm.llm_engine
+    return not e.has_unfinished_requests() and e.block_manager.num_free_pages == e.num_kv_pages
+
+
+def test_request_longer_than_max_model_len_is_rejected_with_both_numbers(llm):
+    with pytest.raises(RequestRejectedError, match=r"needs 110 tokens.*max_model_len is 100"):
+        llm.generate({"prompt_token_ids": [5] * 90}, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert _drained(llm)
+
+
+def test_request_larger_than_the_whole_pool_is_rejected_with_the_pool_size(llm):
+    # 16 pages x 4 tokens = 64 tokens in the whole cache
+    with pytest.raises(RequestRejectedError, match=r"needs 80 tokens.*holds 64 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=20), use_tqdm=False)
+    assert _drained(llm)
+
+
+def test_rejection_leaves_the_engine_serving_others(llm):
+    engine = llm.llm_engine
+    engine.add_request("ok-1", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(RequestRejectedError):
+        engine.add_request("too-long", [5] * 99, SamplingParams(max_tokens=4))
+    engine.add_request("ok-2", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["ok-1", "ok-2"]
+    assert all(len(o.outputs[0].token_ids) == 4 for o in finished.values())
+    assert _drained(llm)
+
+
+def test_empty_prompt_and_out_of_vocab_ids_are_rejected(llm):
+    with pytest.raises(RequestRejectedError, match="empty"):
+        llm.llm_engine.add_request("e", [], SamplingParams())
+    with pytest.raises(RequestRejectedError, match=r"token id 9999 is outside the vocabulary"):
+        llm.llm_engine.add_request("v", [1, 9999], SamplingParams())
+    assert _drained(llm)
+
+
+def test_abort_frees_pages_and_reports_abort(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_free_pages < engine.num_kv_pages
+    engine.abort_request("a")
+    assert _drained(llm)
+
+
+def test_n_greater_than_one_shares_prompt_pages_and_each_sequence_finishes(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6, 6]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sequence
+    assert _drained(llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    batch = llm.generate(
+        [{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]}], [others, params],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_string_prompts_and_chat_produce_text(llm):
+    out = llm.generate("Hello world", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
+    assert len(out[0].outputs[0].token_ids) == 5
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert chat[0].outputs[0].finish_reason in ("stop", "length")
+    assert _drained(llm)

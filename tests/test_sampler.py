@@ -1,0 +1,274 @@
+"""The sampler against references computed here: argmax, softmax, sorted nuclei, penalty formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_logit_bias,
+    apply_penalties,
+)
+from pagedserve.sampling_params import SamplingParams
+
+VOCAB = 12
+
+
+def make_meta(params, prompts=None, outputs=None, eos=frozenset({0})):
+    n = len(params)
+    return SamplingMetadata(
+        params=params,
+        prompt_token_ids=prompts or [[1, 2]] * n,
+        output_token_ids=outputs or [[]] * n,
+        generators=[
+            None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in params
+        ],
+        eos_token_ids=[eos] * n,
+    )
+
+
+def draw_many(logits_row: torch.Tensor, params: SamplingParams, num: int) -> torch.Tensor:
+    torch.manual_seed(1234)
+    logits = logits_row.expand(num, -1).clone()
+    out = Sampler()(logits, make_meta([params] * num))
+    return torch.tensor(out.sampled_token_ids)
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "drew a token whose probability is zero"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+# chi-square critical value at p = 0.001 for VOCAB - 1 = 11 degrees of freedom
+CHI2_CRITICAL = 31.26
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+
+
+def test_greedy_is_argmax(logits):
+    out = Sampler()(logits, make_meta([SamplingParams(temperature=0.0)] * 4))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch(logits):
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=5)] * 2
+    for _ in range(10):
+        out = Sampler()(logits, make_meta(params))
+        assert out.sampled_token_ids[::2] == logits[::2].argmax(dim=-1).tolist()
+
+
+def test_temperature_sampling_matches_softmax_over_temperature(logits):
+    temperature = 0.7
+    tokens = draw_many(logits[0], SamplingParams(temperature=temperature), 20_000)
+    reference = torch.softmax(logits[0].double() / temperature, dim=-1)
+    assert chi_square(tokens, reference) < CHI2_CRITICAL
+    assert chi_square(tokens, torch.softmax(logits[0].double(), dim=-1)) > CHI2_CRITICAL
+
+
+def test_seeded_rows_draw_from_softmax_with_their_own_generators(logits):
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(5_000)]
+    out = Sampler()(logits[1].expand(len(params), -1).clone(), make_meta(params))
+    reference = torch.softmax(logits[1].double(), dim=-1)
+    assert chi_square(torch.tensor(out.sampled_token_ids), reference) < CHI2_CRITICAL
+
+
+def test_top_k_only_yields_the_k_largest(logits):
+    tokens = draw_many(logits[0], SamplingParams(temperature=1.5, top_k=3), 5_000)
+    top3 = set(sorted(range(VOCAB), key=lambda i: -logits[0, i].item())[:3])
+    assert set(tokens.tolist()) == top3
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    ranked = sorted(range(probs.numel()), key=lambda i: -probs[i].item())
+    kept, mass = set(), 0.0
+    for i in ranked:
+        kept.add(i)
+        mass += probs[i].item()
+        if mass >= top_p:
+            break
+    return kept
+
+
+def test_top_p_only_yields_from_the_nucleus(logits):
+    probs = torch.softmax(logits[2], dim=-1)
+    expected = nucleus(probs, 0.6)
+    assert 1 < len(expected) < VOCAB
+    tokens = draw_many(logits[2], SamplingParams(temperature=1.0, top_p=0.6), 5_000)
+    assert set(tokens.tolist()) == expected
+
+
+def test_top_p_renormalises_the_nucleus(logits):
+    probs = torch.softmax(logits[2].double(), dim=-1)
+    kept = torch.tensor(sorted(nucleus(probs, 0.8)))
+    reference = torch.zeros_like(probs)
+    reference[kept] = probs[kept] / probs[kept].sum()
+    tokens = draw_many(logits[2], SamplingParams(temperature=1.0, top_p=0.8), 20_000)
+    assert chi_square(tokens, reference) < CHI2_CRITICAL
+
+
+def test_min_p_drops_tokens_below_min_p_times_the_top_probability(logits):
+    probs = torch.softmax(logits[0], dim=-1)
+    expected = {i for i in range(VOCAB) if probs[i] >= 0.2 * probs.max()}
+    assert 1 < len(expected) < VOCAB
+    tokens = draw_many(logits[0], SamplingParams(temperature=1.0, min_p=0.2), 5_000)
+    assert set(tokens.tolist()) == expected
+
+
+def run_steps(rows: list[SamplingParams], logits_rows: list[torch.Tensor], steps: int):
+    meta = make_meta(rows)
+    sampler = Sampler()
+    logits = torch.stack(logits_rows)
+    return [sampler(logits, meta).sampled_token_ids for _ in range(steps)]
+
+
+def test_same_seed_gives_same_tokens_whatever_the_batch():
+    flat = torch.zeros(50)  # uniform: every draw depends only on the random numbers
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    other = SamplingParams(temperature=1.0, seed=7)
+    free = SamplingParams(temperature=0.8)
+    alone = [step[0] for step in run_steps([seeded], [flat], 8)]
+    first = [step[0] for step in run_steps([seeded, other, free], [flat] * 3, 8)]
+    last = [step[2] for step in run_steps([free, other, seeded], [flat] * 3, 8)]
+    assert alone == first == last
+    assert [step[1] for step in run_steps([seeded, other], [flat] * 2, 8)] != alone
+
+
+def test_same_seed_gives_same_tokens_whatever_the_neighbours_filters():
+    noisy = torch.randn(50, generator=torch.Generator().manual_seed(8)) * 0.3
+    seeded = SamplingParams(temperature=1.0, top_k=20, seed=42)
+    alone = [step[0] for step in run_steps([seeded], [noisy], 8)]
+    wider_k = SamplingParams(temperature=1.0, top_k=40)
+    full_sort = SamplingParams(temperature=1.0, top_p=0.9)
+    for neighbour in (wider_k, full_sort):
+        batched = run_steps([neighbour, seeded], [noisy, noisy], 8)
+        assert [step[1] for step in batched] == alone
+
+
+def test_penalties_follow_the_formulas():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3)) * 3
+    prompts, outputs = [[1, 2, 2, 5], [3]], [[5, 5, 7], []]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.25),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=1.0),
+    ]
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        for tok in range(VOCAB):
+            x = expected[row, tok].item()
+            if tok in prompts[row] or tok in outputs[row]:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            count = outputs[row].count(tok)
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            expected[row, tok] = x
+    actual = logits.clone()
+    apply_penalties(actual, make_meta(params, prompts, outputs))
+    torch.testing.assert_close(actual, expected)
+
+
+def test_penalised_logits_reach_the_logprobs():
+    logits = torch.zeros(1, VOCAB)
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=VOCAB)
+    out = Sampler()(logits, make_meta([params], outputs=[[4, 4]]))
+    expected = logits.clone()
+    expected[0, 4] -= 2.0
+    reference = torch.log_softmax(expected, dim=-1)[0]
+    assert out.logprobs[0][4] == pytest.approx(reference[4].item(), abs=1e-6)
+    assert out.sampled_token_ids[0] != 4
+
+
+def test_logit_bias_is_added():
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(logit_bias={3: 2.5, 8: -1.0}), SamplingParams()]
+    biased = logits.clone()
+    apply_logit_bias(biased, params)
+    expected = logits.clone()
+    expected[0, 3] += 2.5
+    expected[0, 8] -= 1.0
+    torch.testing.assert_close(biased, expected)
+
+
+def test_logit_bias_steers_greedy():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5))
+    weakest = int(logits.argmin())
+    params = SamplingParams(temperature=0.0, logit_bias={weakest: 100.0})
+    assert Sampler()(logits, make_meta([params])).sampled_token_ids == [weakest]
+
+
+def test_logit_bias_outside_the_vocabulary_is_rejected():
+    params = SamplingParams(logit_bias={VOCAB: 1.0})
+    with pytest.raises(ValueError, match=f"token id {VOCAB}.*vocabulary"):
+        Sampler()(torch.zeros(1, VOCAB), make_meta([params]))
+
+
+def test_min_tokens_blocks_eos_and_stop_token_ids():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 0], logits[0, 9], logits[0, 6] = 10.0, 9.0, 8.0  # eos=0, stop token 9, then 6
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9])
+    sample = lambda generated: Sampler()(logits, make_meta([params], outputs=[generated]))  # noqa: E731
+    assert sample([1, 2]).sampled_token_ids == [6]
+    assert sample([1, 2, 3]).sampled_token_ids == [0]
+
+
+def test_min_tokens_blocks_the_whole_stop_set_under_sampling():
+    logits = torch.zeros(2_000, VOCAB)
+    params = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[9])
+    out = Sampler()(logits, make_meta([params] * 2_000, eos=frozenset({0, 5})))
+    assert {0, 5, 9}.isdisjoint(out.sampled_token_ids)
+    assert len(set(out.sampled_token_ids)) == VOCAB - 3
+
+
+def test_logprobs_hold_the_chosen_token_and_top_n(logits):
+    params = [SamplingParams(temperature=5.0, logprobs=2), SamplingParams(temperature=0.0)]
+    reference = torch.log_softmax(logits[:2], dim=-1)
+    top2 = reference[0].topk(2).indices.tolist()
+    for _ in range(20):
+        out = Sampler()(logits[:2].clone(), make_meta(params))
+        chosen = out.sampled_token_ids[0]
+        assert set(out.logprobs[0]) == set(top2) | {chosen}
+        for tok, value in out.logprobs[0].items():
+            assert value == pytest.approx(reference[0, tok].item(), abs=1e-6)
+        assert out.logprobs[1] is None
+
+
+def test_logprobs_are_taken_before_temperature_and_top_k(logits):
+    params = SamplingParams(temperature=0.5, top_k=2, logprobs=VOCAB)
+    out = Sampler()(logits[:1].clone(), make_meta([params]))
+    reference = torch.log_softmax(logits[0], dim=-1)
+    assert len(out.logprobs[0]) == VOCAB
+    for tok, value in out.logprobs[0].items():
+        assert value == pytest.approx(reference[tok].item(), abs=1e-6)
+
+
+def test_logprobs_zero_reports_only_the_chosen_token(logits):
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    out = Sampler()(logits[:1].clone(), make_meta([params]))
+    chosen = out.sampled_token_ids[0]
+    reference = torch.log_softmax(logits[0], dim=-1)[chosen].item()
+    assert out.logprobs == [{chosen: pytest.approx(reference, abs=1e-6)}]
+
+
+def test_prompt_logprobs_match_log_softmax():
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(6))
+    targets = [3, 0, 11, 3, 7]
+    result = Sampler().compute_prompt_logprobs(logits, targets, top_n=1)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row, (target, lp) in enumerate(zip(targets, result, strict=True)):
+        best = int(reference[row].argmax())
+        assert set(lp) == {target, best}
+        for tok, value in lp.items():
+            assert math.isclose(value, reference[row, tok].item(), abs_tol=1e-5)
+
+
+def test_logits_rows_must_match_the_metadata():
+    with pytest.raises(ValueError, match=r"shape \(3, 12\).*\[2, vocab_size\]"):
+        Sampler()(torch.zeros(3, VOCAB), make_meta([SamplingParams()] * 2))

@@ -1,0 +1,625 @@
+"""Train the tiny GLM-4-0414-architecture demo model that ships in pagedserve/demo_model/.
+
+Everything is built offline from text that ships with CPython (pydoc help topics and the standard
+library's sources), so the run is reproducible on any machine:
+
+    python tools/train_demo.py --output pagedserve/demo_model --minutes 20 --threads 1
+
+Steps: corpus (held-out 5% by document) -> byte-level BPE tokenizer (GLM-4 special tokens at the END
+of the vocabulary, as in GLM-4) -> Glm4ForCausalLM trained with AdamW and a cosine schedule ->
+a Hugging Face directory (bf16 safetensors, tokenizer.json, chat template) plus TRAINING.md and
+metrics.json with held-out bits per character next to a unigram baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+]
+STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "<|{{ message['role'] }}|>\n{{ content }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+HELDOUT_FILE = Path(__file__).resolve().parents[1] / "pagedserve" / "data" / "demo_heldout.txt"
+HELDOUT_SHIPPED_CHARS = 100_000
+# encodings/ is mostly generated codec tables: a megabyte of hex that teaches nothing useful.
+SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "encodings",
+}
+
+
+@dataclass(slots=True)
+class Document:
+    name: str
+    text: str
+
+
+@dataclass(slots=True)
+class Corpus:
+    train: list[Document] = field(default_factory=list)
+    heldout: list[Document] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- corpus
+
+
+def _clean(text: str) -> str:
+    for token in SPECIAL_TOKENS:
+        text = text.replace(token, "")
+    return text
+
+
+def _is_heldout(name: str) -> bool:
+    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 20 == 0
+
+
+def _topic_documents() -> list[Document]:
+    from pydoc_data.topics import topics
+
+    return [Document(f"topic:{key}", _clean(topics[key])) for key in sorted(topics)]
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("test"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    files = [f for f in files if not f.name.startswith("test_") and f.name != "topics.py"]
+    return sorted(files, key=lambda f: hashlib.sha256(str(f.relative_to(root)).encode()).digest())
+
+
+def _source_documents(max_bytes: int, max_file_bytes: int) -> list[Document]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in _stdlib_files():
+        text = _clean(path.read_text(encoding="utf-8", errors="replace"))[:max_file_bytes]
+        if total + len(text) > max_bytes:
+            break
+        if not text.strip():
+            continue
+        docs.append(Document(f"source:{path.relative_to(root).as_posix()}", text))
+        total += len(text)
+    return docs
+
+
+def build_corpus(max_source_bytes: int = 4_000_000, max_file_bytes: int = 8_000) -> Corpus:
+    corpus = Corpus()
+    for doc in _topic_documents() + _source_documents(max_source_bytes, max_file_bytes):
+        (corpus.heldout if _is_heldout(doc.name) else corpus.train).append(doc)
+    return corpus
+
+
+def heldout_eval_text(docs: list[Document], chars_per_doc: int = 3000) -> str:
+    """The start of every held-out document, help topics and sources interleaved by hash."""
+    docs = sorted(docs, key=lambda d: hashlib.sha256(d.name.encode()).digest())
+    return "\n\n".join(d.text[:chars_per_doc].strip() for d in docs)[:HELDOUT_SHIPPED_CHARS]
+
+
+def heldout_text(path: Path = HELDOUT_FILE) -> str:
+    """The shipped held-out evaluation text (documents never trained on)."""
+    return path.read_text(encoding="utf-8")
+
+
+def _first_paragraph(text: str, max_chars: int = 500) -> str:
+    """The first prose paragraphs of a help text: no heading, no indented grammar or code."""
+    prose = []
+    for paragraph in text.strip().split("\n\n"):
+        lines = paragraph.split("\n")
+        if len(lines) >= 2 and set(lines[1]) <= set("*=-~^") and lines[1]:
+            lines = lines[2:]
+        paragraph = "\n".join(lines).strip()
+        if not paragraph or lines[0].startswith(" "):
+            if prose:
+                break
+            continue
+        if prose and len("\n\n".join(prose + [paragraph])) > max_chars:
+            break
+        prose.append(paragraph)
+    if len(prose) > 1 and prose[-1].endswith(":"):
+        prose.pop()
+    return "\n\n".join(prose)[:max_chars]
+
+
+def _topic_questions(key: str) -> list[str]:
+    import keyword
+
+    if keyword.iskeyword(key):
+        return [f"What does the {key} statement do?", f"Explain the {key} keyword."]
+    name = key.replace("-", " ")
+    return [f"What is {name} in Python?", f"Explain {name}."]
+
+
+def _module_name(doc_name: str) -> str:
+    path = doc_name.removeprefix("source:").removesuffix(".py").removesuffix("/__init__")
+    return path.replace("/", ".")
+
+
+def _chat(question: str, answer: str) -> str:
+    return f"[gMASK]<sop><|user|>\n{question}<|assistant|>\n{answer}<|endoftext|>"
+
+
+def chat_examples(docs: list[Document]) -> list[str]:
+    from pydoc_data.topics import topics
+
+    examples = []
+    for doc in docs:
+        if doc.name.startswith("topic:"):
+            key = doc.name.removeprefix("topic:")
+            answer = _first_paragraph(topics[key])
+            examples += [_chat(q, answer) for q in _topic_questions(key)]
+            continue
+        try:
+            docstring = ast.get_docstring(ast.parse(doc.text))
+        except (SyntaxError, ValueError):
+            docstring = None
+        if docstring and len(docstring) > 40:
+            module = _module_name(doc.name)
+            answer = _first_paragraph(docstring)
+            examples += [_chat(f"Explain the {module} module.", answer)]
+            examples += [_chat(f"What is {module} for?", answer)]
+    return examples
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    assert tokenizer.get_vocab_size() == vocab_size, tokenizer.get_vocab_size()
+    return tokenizer
+
+
+def chars_per_token(tokenizer: Tokenizer, text: str) -> float:
+    return len(text) / len(tokenizer.encode(text).ids)
+
+
+def _token_ids(tokenizer, text: str) -> list[int]:
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.encode(text).ids
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _token_id(tokenizer, token: str) -> int:
+    return (
+        tokenizer.token_to_id(token)
+        if isinstance(tokenizer, Tokenizer)
+        else tokenizer.convert_tokens_to_ids(token)
+    )
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.inference_mode()
+def heldout_nll(
+    model, tokenizer, text: str, max_chars: int | None = None, block: int = 256
+) -> tuple[float, int, int]:
+    """Summed next-token NLL (nats) over `text`, with its token and character counts.
+
+    Every token is predicted once; the first one is conditioned on `<|endoftext|>`.
+    """
+    text = text if max_chars is None else text[:max_chars]
+    ids = [_token_id(tokenizer, "<|endoftext|>")] + _token_ids(tokenizer, text)
+    total = 0.0
+    for start in range(0, len(ids) - 1, block):
+        chunk = torch.tensor([ids[start : start + block + 1]])
+        logits = model(input_ids=chunk[:, :-1]).logits.float()
+        total += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+    return total, len(ids) - 1, len(text)
+
+
+def bits_per_char(model, tokenizer, text: str, max_chars: int | None = None) -> float:
+    """Held-out bits per character of `model` on `text` (the first `max_chars` characters)."""
+    nll, _, n_chars = heldout_nll(model, tokenizer, text, max_chars)
+    return nll / math.log(2) / n_chars
+
+
+def unigram_bits_per_char(train_ids: list[int], vocab_size: int, tokenizer, text: str) -> float:
+    counts = Counter(train_ids)
+    denominator = len(train_ids) + vocab_size
+    ids = _token_ids(tokenizer, text)
+    bits = -sum(math.log2((counts[i] + 1) / denominator) for i in ids)
+    return bits / len(text)
+
+
+# ---------------------------------------------------------------- model and training
+
+
+@dataclass(slots=True)
+class ModelShape:
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 688
+
+
+def build_model(shape: ModelShape, tokenizer: Tokenizer):
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    config = Glm4Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        partial_rotary_factor=0.5,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        eos_token_id=[tokenizer.token_to_id(t) for t in STOP_TOKENS],
+        pad_token_id=tokenizer.token_to_id("<|endoftext|>"),
+        bos_token_id=None,
+    )
+    return Glm4ForCausalLM(config)
+
+
+def token_stream(
+    tokenizer: Tokenizer, docs: list[Document], chats: list[str], chat_repeats: int, seed: int
+) -> list[int]:
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    pieces = [doc.text for doc in docs] + chats * chat_repeats
+    random.Random(seed).shuffle(pieces)
+    stream = []
+    for piece in tokenizer.encode_batch(pieces):
+        stream += piece.ids
+        if not piece.ids or piece.ids[-1] != eos:
+            stream.append(eos)
+    return stream
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def sample_batch(
+    stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator
+) -> torch.Tensor:
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+
+
+def train_step(model, optimizer, batch: torch.Tensor, autocast: bool = True) -> float:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=batch[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
+def calibrate_steps(model, stream, args) -> int:
+    """Steps that fit in --minutes, timed on a few throwaway steps of a copy of the model."""
+    import copy
+
+    probe = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    train_step(probe, optimizer, sample_batch(stream, args.batch, args.seq_len, gen), args.autocast)
+    start = time.perf_counter()
+    for _ in range(5):
+        batch = sample_batch(stream, args.batch, args.seq_len, gen)
+        train_step(probe, optimizer, batch, args.autocast)
+    per_step = (time.perf_counter() - start) / 5
+    return max(10, int(args.minutes * 60 / per_step))
+
+
+def train(model, stream: torch.Tensor, args, steps: int) -> float:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(args.seed)
+    model.train()
+    start, ema = time.perf_counter(), None
+    bar = tqdm(range(steps), desc="train", mininterval=10)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, args.lr, args.warmup)
+        batch = sample_batch(stream, args.batch, args.seq_len, gen)
+        loss = train_step(model, optimizer, batch, args.autocast)
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+    model.eval()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {
+        str(tokenizer.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": SPECIAL_TOKENS[1:],
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "do_lower_case": False,
+        "model_max_length": 2048,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_model_files(model, tokenizer: Tokenizer, out: Path) -> None:
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    model.float()
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["torch_dtype"] = "bfloat16"
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    config["partial_rotary_factor"] = config["rope_parameters"]["partial_rotary_factor"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {
+        "eos_token_id": [tokenizer.token_to_id(t) for t in STOP_TOKENS],
+        "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),
+        "do_sample": False,
+        "max_new_tokens": 256,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def greedy_samples(model_dir: Path, prompts: list[str], max_new_tokens: int = 48) -> list[str]:
+    from transformers import AutoTokenizer, Glm4ForCausalLM
+
+    model = Glm4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    outs = []
+    for prompt in prompts:
+        ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        outs.append(tok.decode(gen[0, ids.shape[1] :]))
+    return outs
+
+
+def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    lines = [
+        "# pagedserve demo model",
+        "",
+        "A tiny GLM-4-0414-architecture model (`Glm4ForCausalLM`: sandwich norms, partial interleaved",
+        "RoPE, GQA, qkv bias) trained from scratch on CPU on text that ships with CPython: the pydoc",
+        "help topics and standard-library sources, plus chat-formatted questions whose answers are the",
+        "first paragraph of a help topic or module docstring. It writes Python-ish text and help-like",
+        "answers; it knows nothing else. Reproduce with:",
+        "",
+        f"    {metrics['command']}",
+        "",
+        "Special tokens sit at the end of the vocabulary (as in GLM-4); the tokenizer's post-processor",
+        "adds none: prompts get `[gMASK]<sop>` from the chat template.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+    ]
+    for key in [
+        "parameters",
+        "vocab_size",
+        "train_seconds",
+        "steps",
+        "tokens_seen",
+        "train_tokens",
+        "heldout_chars",
+        "heldout_tokens",
+        "heldout_perplexity_per_token",
+        "heldout_bits_per_char",
+        "unigram_bits_per_char",
+        "test_slice_chars",
+        "test_slice_bits_per_char",
+    ]:
+        lines.append(f"| {key} | {metrics[key]} |")
+    lines += ["", "Tokenizer vocabulary sizes measured (held-out characters per token):", ""]
+    lines += [f"- {v}: {c}" for v, c in metrics["vocab_measurements"].items()]
+    lines += ["", "Greedy samples:", ""]
+    for prompt, completion in samples.items():
+        lines += [f"- `{prompt!r}` -> `{completion!r}`"]
+    (out / "TRAINING.md").write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--output", type=Path, default=Path("pagedserve/demo_model"))
+    p.add_argument(
+        "--minutes", type=float, default=20.0, help="training time, used when --steps is not given"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="exact number of optimizer steps (reproducible)"
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--measure-vocab", type=int, nargs="*", default=[2048, 4096, 8192])
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=688)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16 autocast for training matmuls (2x faster on CPUs with AVX-512 bf16)",
+    )
+    p.add_argument("--chat-repeats", type=int, default=3)
+    p.add_argument("--max-source-bytes", type=int, default=4_000_000)
+    p.add_argument("--test-slice-chars", type=int, default=4000)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = args.output
+    out.mkdir(parents=True, exist_ok=True)
+
+    corpus = build_corpus(args.max_source_bytes)
+    train_texts = [d.text for d in corpus.train]
+    heldout = heldout_eval_text(corpus.heldout)
+    HELDOUT_FILE.parent.mkdir(parents=True, exist_ok=True)
+    HELDOUT_FILE.write_text(heldout, encoding="utf-8")
+    print(
+        f"corpus: {len(corpus.train)} train docs ({sum(map(len, train_texts))} chars), "
+        f"{len(corpus.heldout)} held-out docs; eval text {len(heldout)} chars",
+        flush=True,
+    )
+
+    vocab_measurements = {}
+    for vocab in args.measure_vocab:
+        if vocab != args.vocab_size:
+            cpt = chars_per_token(train_tokenizer(train_texts, vocab), heldout)
+            vocab_measurements[str(vocab)] = round(cpt, 3)
+    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    vocab_measurements[str(args.vocab_size)] = round(chars_per_token(tokenizer, heldout), 3)
+    print(f"chars/token by vocab: {vocab_measurements}", flush=True)
+
+    chats = chat_examples(corpus.train)
+    stream_ids = token_stream(tokenizer, corpus.train, chats, args.chat_repeats, args.seed)
+    stream = torch.tensor(stream_ids)
+    print(f"{len(chats)} chat examples; training stream {len(stream)} tokens", flush=True)
+
+    shape = ModelShape(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        intermediate_size=args.intermediate_size,
+    )
+    model = build_model(shape, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    steps = args.steps or calibrate_steps(model, stream, args)
+    print(f"model: {n_params} parameters; {steps} steps of {args.batch}x{args.seq_len}", flush=True)
+
+    seconds = train(model, stream, args, steps)
+    write_tokenizer_files(tokenizer, out)
+    write_model_files(model, tokenizer, out)
+
+    from transformers import Glm4ForCausalLM, PreTrainedTokenizerFast
+
+    shipped = Glm4ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    shipped_tok = PreTrainedTokenizerFast.from_pretrained(out)
+    nll, n_tokens, n_chars = heldout_nll(shipped, shipped_tok, heldout)
+    metrics = {
+        "command": "python tools/train_demo.py --output pagedserve/demo_model "
+        f"--steps {steps} --threads {args.threads} --seed {args.seed} "
+        f"--vocab-size {args.vocab_size} --hidden-size {args.hidden_size} --layers {args.layers} "
+        f"--intermediate-size {args.intermediate_size} --batch {args.batch} --lr {args.lr}",
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "parameters": n_params,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "train_seconds": round(seconds, 1),
+        "steps": steps,
+        "tokens_seen": steps * args.batch * args.seq_len,
+        "train_tokens": len(stream_ids),
+        "chat_examples": len(chats),
+        "heldout_chars": n_chars,
+        "heldout_tokens": n_tokens,
+        "heldout_perplexity_per_token": round(math.exp(nll / n_tokens), 3),
+        "heldout_bits_per_char": round(nll / math.log(2) / n_chars, 4),
+        "unigram_bits_per_char": round(
+            unigram_bits_per_char(
+                token_stream(tokenizer, corpus.train, [], 0, args.seed),
+                tokenizer.get_vocab_size(),
+                tokenizer,
+                heldout,
+            ),
+            4,
+        ),
+        "test_slice_chars": args.test_slice_chars,
+        "test_slice_bits_per_char": round(
+            bits_per_char(shipped, shipped_tok, heldout, args.test_slice_chars), 4
+        ),
+        "vocab_measurements": vocab_measurements,
+    }
+    prompts = [
+        "def ",
+        "[gMASK]<sop><|user|>\nWhat does the return statement do?<|assistant|>\n",
+        "import os\n\n",
+        "[gMASK]<sop><|user|>\nExplain the json module.<|assistant|>\n",
+    ]
+    samples = dict(zip(prompts, greedy_samples(out, prompts), strict=True))
+    write_report(out, metrics, samples)
+    print(json.dumps(metrics, indent=2))
+    for prompt, completion in samples.items():
+        print(f"--- {prompt!r}\n{completion}")
+
+
+if __name__ == "__main__":
+    main()
