@@ -46,8 +46,12 @@ class EngineConfig(_Config):
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """Flat vLLM-style keyword arguments (``block_size=16, max_num_seqs=8``) into the tree."""
-        sections = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                    "device": DeviceConfig}
+        sections = {
+            "model": ModelConfig,
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "device": DeviceConfig,
+        }
         tree: dict[str, dict] = {name: {} for name in sections}
         for key, value in kwargs.items():
             owner = next((n for n, c in sections.items() if key in c.model_fields), None)

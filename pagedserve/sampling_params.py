@@ -23,7 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
-    logprobs: int | None = None  # top-N logprobs per generated token (the chosen one always included)
+    logprobs: int | None = (
+        None  # top-N logprobs per generated token (the chosen one always included)
+    )
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
 
@@ -44,20 +46,49 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1"),
             (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty,
-             "must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty,
-             "must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-             "must be > 0"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
-             "must be at least 1"),
+            (
+                -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty",
+                self.presence_penalty,
+                "must be in [-2, 2]",
+            ),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                self.frequency_penalty,
+                "must be in [-2, 2]",
+            ),
+            (
+                self.repetition_penalty > 0.0,
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be > 0",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "must be at least 1",
+            ),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             self.min_tokens, f"must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs, "must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             self.prompt_logprobs, "must be >= 0"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"must not exceed max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or self.logprobs >= 0,
+                "logprobs",
+                self.logprobs,
+                "must be >= 0",
+            ),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                "must be >= 0",
+            ),
         ]
         for ok, name, value, rule in checks:
             if not ok:

@@ -78,7 +78,8 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(llm):
     alone = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
     others = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     batch = llm.generate(
-        [{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]}], [others, params],
+        [{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]}],
+        [others, params],
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
@@ -88,6 +89,8 @@ def test_string_prompts_and_chat_produce_text(llm):
     out = llm.generate("Hello world", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
     assert len(out[0].outputs[0].token_ids) == 5
-    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    chat = llm.chat(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False
+    )
     assert chat[0].outputs[0].finish_reason in ("stop", "length")
     assert _drained(llm)

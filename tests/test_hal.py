@@ -65,8 +65,14 @@ def test_kv_pool_is_numbered_page_frames_from_the_kv_tier():
 
 
 def test_shared_hbm_pays_weights_before_kv_pages():
-    preset = DevicePreset.from_dict("t", {"backend": "kunlun-emu", "memory_bytes": "1MiB",
-                                          "tiers": {"kv": "1MiB", "weight": "1MiB"}})
+    preset = DevicePreset.from_dict(
+        "t",
+        {
+            "backend": "kunlun-emu",
+            "memory_bytes": "1MiB",
+            "tiers": {"kv": "1MiB", "weight": "1MiB"},
+        },
+    )
     dev = _emu(preset)
     dev.empty((2**20 // 8,), torch.float32, "weight", "w")  # half the HBM
     assert dev.num_kv_pages_available(1024, utilization=1.0) == 512
@@ -91,8 +97,11 @@ def _paged_setup(seq_lens, query_lens, block_size=4, kv_heads=2, heads=4, d=8, s
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     meta = kernels.AttentionMetadata(
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long), query_start_loc=qsl,
-        seq_lens=list(seq_lens), block_tables=block_tables, block_size=block_size,
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
+        query_start_loc=qsl,
+        seq_lens=list(seq_lens),
+        block_tables=block_tables,
+        block_size=block_size,
     )
     q = torch.randn(qsl[-1], heads, d, generator=g)
     return q, k_cache, v_cache, meta
@@ -115,10 +124,15 @@ def test_decode_attention_ignores_padding_beyond_each_context():
 
 def test_prefill_attention_matches_reference_causal_attention():
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(5, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(
-        9, 2, 8, generator=g)
+    q, k, v = (
+        torch.randn(5, 4, 8, generator=g),
+        torch.randn(9, 2, 8, generator=g),
+        torch.randn(9, 2, 8, generator=g),
+    )
     torch.testing.assert_close(
-        prefill_attention(q, k, v, 0.25), kernels._causal_attention(q, k, v, 0.25), atol=1e-5,
+        prefill_attention(q, k, v, 0.25),
+        kernels._causal_attention(q, k, v, 0.25),
+        atol=1e-5,
         rtol=1e-5,
     )
 

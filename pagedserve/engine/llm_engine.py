@@ -97,7 +97,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
         self.groups: dict[str, RequestGroup] = {}
         self.eos_token_ids = frozenset(
-            self.model_config.eos_token_ids + (self.tokenizer.eos_token_ids if self.tokenizer else [])
+            self.model_config.eos_token_ids
+            + (self.tokenizer.eos_token_ids if self.tokenizer else [])
         )
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
         logger.info("%s", self.describe())
@@ -112,7 +113,21 @@ class LLMEngine:
 
     def _load_model(self) -> GlmForCausalLM:
         state_dict = load_state_dict(self.model_path, self.model_config, self.dtype)
-        model = GlmForCausalLM(self.model_config, self.device, self.dtype)
+        mc = self.config.model
+        if mc.quantization not in (None, "int4", "awq", "gptq"):
+            raise ValueError(
+                f"--quantization {mc.quantization!r} is not supported; use int4 (load-time "
+                f"round-to-nearest), or point --model at an AWQ/GPTQ/pagedserve quantized directory"
+            )
+        if mc.quantization in ("awq", "gptq") and not self.model_config.quantization_config:
+            raise ValueError(
+                f"--quantization {mc.quantization} needs a quantized checkpoint, but "
+                f"{self.model_path} has no quantization_config; use --quantization int4 to "
+                f"quantize at load time, or run `pagedserve quantize` first"
+            )
+        model = GlmForCausalLM(
+            self.model_config, self.device, self.dtype, mc.quantization, mc.quant_group_size
+        )
         model.load_weights(state_dict)
         return model
 
@@ -141,7 +156,11 @@ class LLMEngine:
                 f"{format_bytes(page_bytes)}; raise --gpu-memory-utilization or use a larger --device"
             )
         return self.device.allocate_kv_cache(
-            c.num_hidden_layers, num_pages, self.block_size, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers,
+            num_pages,
+            self.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
             self.dtype,
         )
 
@@ -156,18 +175,27 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        prompt: str | None = None, arrival_time: float | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         """Queue a request, or raise ``RequestRejectedError`` saying why it can never run."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self._with_max_tokens(prompt_token_ids, params)
         self._check_fits(prompt_token_ids, params)
-        seqs = [self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
-                for i in range(params.n)]
+        seqs = [
+            self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
+            for i in range(params.n)
+        ]
         group = RequestGroup(
-            request_id, prompt, params, seqs,
+            request_id,
+            prompt,
+            params,
+            seqs,
             detokenizers=[self._detokenizer(prompt_token_ids, s.sampling_params) for s in seqs],
             texts=[""] * params.n,
             pending_forks=seqs[1:],
@@ -179,17 +207,28 @@ class LLMEngine:
         self.stats["prompt_tokens_total"] += len(prompt_token_ids)
 
     def _new_seq(
-        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
         arrival_time: float | None,
     ) -> Request:
         if index and params.seed is not None:
             params = SamplingParams(**{**vars(params), "seed": params.seed + index})
         seq_id = request_id if index == 0 else f"{request_id}#{index}"
-        return Request(seq_id, list(prompt_token_ids), params, self.eos_token_ids,
-                       arrival_time=arrival_time or time.monotonic())
+        return Request(
+            seq_id,
+            list(prompt_token_ids),
+            params,
+            self.eos_token_ids,
+            arrival_time=arrival_time or time.monotonic(),
+        )
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer else None
+        return (
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer else None
+        )
 
     def _with_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         if params.max_tokens is not None:
@@ -325,10 +364,13 @@ class LLMEngine:
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         outputs = [
             CompletionOutput(
-                index=i, text=group.texts[i], token_ids=list(seq.output_token_ids),
+                index=i,
+                text=group.texts[i],
+                token_ids=list(seq.output_token_ids),
                 cumulative_logprob=_cumulative(seq),
                 logprobs=seq.logprobs if seq.sampling_params.logprobs is not None else None,
-                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
             )
             for i, seq in enumerate(group.seqs)
         ]
@@ -337,9 +379,13 @@ class LLMEngine:
             del self.groups[group.request_id]
         first = group.seqs[0]
         return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt,
-            prompt_token_ids=first.prompt_token_ids, outputs=outputs, finished=finished,
-            prompt_logprobs=group.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=group.prompt_logprobs,
+            num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(first),
         )
 
@@ -375,8 +421,10 @@ class LLMEngine:
                 "block_size": self.block_size,
                 "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
             },
-            "requests": {"running": len(self.scheduler.running),
-                         "waiting": len(self.scheduler.waiting)},
+            "requests": {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+            },
             "generation_tokens_total": self.stats["generation_tokens_total"],
             "faults_detected": dev.num_faults_detected,
         }

@@ -34,7 +34,9 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: GlmForCausalLM, device: Device, kv_cache: torch.Tensor, block_size: int):
+    def __init__(
+        self, model: GlmForCausalLM, device: Device, kv_cache: torch.Tensor, block_size: int
+    ):
         self.model = model
         self.device = device
         self.kv_cache = kv_cache
@@ -82,8 +84,10 @@ class ModelRunner:
             if s.completes_sequence:
                 logits_indices.append(len(input_ids) - 1)
         max_blocks = max(len(s.block_table) for s in sched.scheduled)
-        block_tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
-                                     for s in sched.scheduled], dtype=torch.long)
+        block_tables = torch.tensor(
+            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.scheduled],
+            dtype=torch.long,
+        )
         pos = torch.tensor(positions, dtype=torch.long)
         owner = torch.repeat_interleave(
             torch.arange(len(seq_lens)), torch.tensor([s.num_new_tokens for s in sched.scheduled])
@@ -129,7 +133,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row0 : row0 + end - start])
             targets = req.prompt_token_ids[start + 1 : end + 1]
             out.prompt_logprobs[req.request_id] = (
-                start + 1, self.sampler.compute_prompt_logprobs(logits, targets, top_n)
+                start + 1,
+                self.sampler.compute_prompt_logprobs(logits, targets, top_n),
             )
 
     def free_request(self, request_id: str) -> None:

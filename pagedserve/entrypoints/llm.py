@@ -37,7 +37,9 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params"
+            )
         encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, sampling_params):  # reject before queueing anything
             self.llm_engine._check_fits(ids, self.llm_engine._with_max_tokens(ids, sp))
@@ -60,9 +62,12 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self._tokenizer()
         prompts = [
-            {"prompt_token_ids": tok.encode(
-                tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                add_special_tokens=False)}
+            {
+                "prompt_token_ids": tok.encode(
+                    tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                    add_special_tokens=False,
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

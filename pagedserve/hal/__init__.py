@@ -16,8 +16,10 @@ def get_device(name: str = DEFAULT_DEVICE) -> Device:
     preset = load_device_preset(name)
     backends = {"kunlun-emu": KunlunEmuDevice, "cpu": CpuDevice, "cuda": CudaDevice}
     if preset.backend not in backends:
-        raise ValueError(f"device preset {preset.name!r} names unknown backend {preset.backend!r}; "
-                         f"backends: {', '.join(backends)}")
+        raise ValueError(
+            f"device preset {preset.name!r} names unknown backend {preset.backend!r}; "
+            f"backends: {', '.join(backends)}"
+        )
     return backends[preset.backend](preset)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from pagedserve.hal import kernels
+from pagedserve.hal import int4, kernels
+from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.kernels import AttentionMetadata
 from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
 
@@ -101,7 +102,9 @@ class Device:
         self.preset = preset
         self.torch_device = torch.device(torch_device)
         self.tiers = {
-            name: MemoryTier(name, cap, flag="--gpu-memory-utilization" if name == "kv" else "--device")
+            name: MemoryTier(
+                name, cap, flag="--gpu-memory-utilization" if name == "kv" else "--device"
+            )
             for name, cap in preset.tiers.items()
         }
         self._handles: dict[int, tuple[str, int]] = {}
@@ -124,7 +127,11 @@ class Device:
         return out
 
     def empty(
-        self, shape: tuple[int, ...], dtype: torch.dtype, tier: str, tag: str,
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tier: str,
+        tag: str,
         attr: MemoryAttr = MemoryAttr.CACHED,
     ) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -155,8 +162,14 @@ class Device:
         return float("inf")
 
     def allocate_kv_cache(
-        self, num_layers: int, num_pages: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, attr: MemoryAttr | None = None,
+        self,
+        num_layers: int,
+        num_pages: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        attr: MemoryAttr | None = None,
     ) -> torch.Tensor:
         """The KV page pool: [layers, 2 (K, V), num_pages, block_size, kv_heads, head_dim].
 
@@ -187,9 +200,35 @@ class Device:
     def synchronize(self) -> None:
         pass
 
+    def prepare_int4(
+        self,
+        qcodes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        tag: str,
+        abits: int = 16,
+    ) -> Int4Linear:
+        """Place an int4 layer (canonical form, see ``int4.py``) in the weight tier."""
+        n, k = qcodes.shape
+        w = Int4Linear(n, k, group_size, abits)
+        w.qcodes = self.to_device(qcodes.to(torch.uint8), "weight", f"{tag}.qcodes")
+        w.scales = self.to_device(scales.float(), "weight", f"{tag}.scales")
+        w.zeros = self.to_device(zeros.float(), "weight", f"{tag}.zeros")
+        return w
+
     # ---- kernels (reference implementations; backends override) -------------------------------
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if isinstance(w, Int4Linear):
+            return self.int4_linear(x, w, b)
         return kernels.linear(x, w, b)
+
+    def int4_linear(
+        self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return int4.int4_linear_reference(x, w, b)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return kernels.rms_norm(x, w, eps)
@@ -200,14 +239,22 @@ class Device:
         return kernels.apply_rotary(x, positions, cos_sin)
 
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def paged_attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
 

@@ -67,7 +67,10 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each new token's K and V at its slot. Caches: [num_pages, block_size, kv_heads, head_dim]."""
@@ -75,7 +78,9 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> torch.Tensor:
     """The first ``context_len`` tokens of one sequence, [context_len, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
@@ -83,7 +88,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole paged context.
@@ -100,7 +108,9 @@ def paged_attention(
     return out
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [L, H, D] at the last L positions of a context of k, v: [C, KV, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)

@@ -11,30 +11,50 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.hal import AttentionMetadata, Device
+from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
+from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
+
+Linear = torch.Tensor | Int4Linear
+CanonicalInt4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 @dataclass
 class DecoderLayerWeights:
     input_layernorm: torch.Tensor
-    qkv_proj: torch.Tensor  # q, k, v stacked along the output dim
+    qkv_proj: Linear  # q, k, v stacked along the output dim
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Linear
     post_attention_layernorm: torch.Tensor  # the norm before the MLP (HF's name)
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up_proj: Linear
+    down_proj: Linear
     post_self_attn_layernorm: torch.Tensor | None = None  # glm4 sandwich norms
     post_mlp_layernorm: torch.Tensor | None = None
 
 
 class GlmForCausalLM:
-    """Both architectures: ``config.architecture`` is ``"glm"`` or ``"glm4"``."""
+    """Both architectures: ``config.architecture`` is ``"glm"`` or ``"glm4"``.
 
-    def __init__(self, config: GlmConfig, device: Device, dtype: torch.dtype):
+    Linear layers are INT4 when the checkpoint is quantized (``quantization_config``) or when
+    ``quantization="int4"`` asks for load-time round-to-nearest quantization; embeddings, norms,
+    biases and lm_head stay 16-bit.
+    """
+
+    def __init__(
+        self,
+        config: GlmConfig,
+        device: Device,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        quant_group_size: int = 32,
+    ):
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.quantize_at_load = quantization == "int4" and not config.quantization_config
+        self.quant_group_size = quant_group_size
+        self.abits = int((config.quantization_config or {}).get("abits", 16))
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -49,6 +69,8 @@ class GlmForCausalLM:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (see GLM4.md); q/k/v are fused here into one projection."""
         sd = state_dict
+        qc = self.config.quantization_config
+        self.int4_layers: dict[str, CanonicalInt4] = load_quantized_linears(sd, qc) if qc else {}
         put = self._place
         self.embed_tokens = put(sd.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
         self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
@@ -62,7 +84,6 @@ class GlmForCausalLM:
 
     def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([sd.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
         biases = [sd.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
         qkv_bias = torch.cat(biases) if biases[0] is not None else None
         sandwich = {
@@ -71,24 +92,55 @@ class GlmForCausalLM:
             if self.sandwich
         }
         return DecoderLayerWeights(
-            input_layernorm=self._place(sd.pop(p + "input_layernorm.weight"), p + "input_layernorm"),
-            qkv_proj=self._place(qkv, p + "self_attn.qkv_proj"),
+            input_layernorm=self._place(
+                sd.pop(p + "input_layernorm.weight"), p + "input_layernorm"
+            ),
+            qkv_proj=self._linear(sd, [f"{p}self_attn.{n}_proj" for n in "qkv"]),
             qkv_bias=None if qkv_bias is None else self._place(qkv_bias, p + "self_attn.qkv_bias"),
-            o_proj=self._place(sd.pop(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj"),
+            o_proj=self._linear(sd, [p + "self_attn.o_proj"]),
             post_attention_layernorm=self._place(
                 sd.pop(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm"
             ),
-            gate_up_proj=self._place(sd.pop(p + "mlp.gate_up_proj.weight"), p + "mlp.gate_up_proj"),
-            down_proj=self._place(sd.pop(p + "mlp.down_proj.weight"), p + "mlp.down_proj"),
+            gate_up_proj=self._linear(sd, [p + "mlp.gate_up_proj"]),
+            down_proj=self._linear(sd, [p + "mlp.down_proj"]),
             **sandwich,
         )
+
+    def _linear(self, sd: dict[str, torch.Tensor], prefixes: list[str]) -> Linear:
+        """One linear layer from one or more checkpoint layers stacked along the output dim.
+
+        INT4 when every part is INT4 in the checkpoint, or when quantizing at load; a mix of INT4
+        and 16-bit parts (a skip-list) is kept 16-bit.
+        """
+        tag = prefixes[0] if len(prefixes) == 1 else prefixes[0].rsplit(".", 1)[0] + ".qkv_proj"
+        if all(p in self.int4_layers for p in prefixes):
+            parts = [self.int4_layers.pop(p) for p in prefixes]
+            q, s, z = (torch.cat([part[i] for part in parts]) for i in range(3))
+            return self.device.prepare_int4(q, s, z, parts[0][3], tag, self.abits)
+        dense = torch.cat([self._dense_weight(sd, p) for p in prefixes])
+        if self.quantize_at_load:
+            q, s, z = quantize_rtn(dense, self.quant_group_size)
+            return self.device.prepare_int4(q, s, z, self.quant_group_size, tag)
+        return self._place(dense, tag)
+
+    def _dense_weight(self, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        if prefix in self.int4_layers:
+            q, s, z, g = self.int4_layers.pop(prefix)
+            return dequantize(q, s, z, g)
+        return sd.pop(prefix + ".weight")
+
+    def weight_bytes(self) -> int:
+        return self.device.tiers["weight"].used
 
     def _place(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return self.device.to_device(t.to(self.dtype), "weight", name)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
@@ -101,8 +153,12 @@ class GlmForCausalLM:
         return self.device.linear(hidden, self.lm_head).float()
 
     def _decoder_layer(
-        self, w: DecoderLayerWeights, h: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, kv: torch.Tensor,
+        self,
+        w: DecoderLayerWeights,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: torch.Tensor,
     ) -> torch.Tensor:
         dev, eps = self.device, self.config.rms_norm_eps
         attn = self._attention(w, dev.rms_norm(h, w.input_layernorm, eps), positions, meta, kv)
@@ -115,8 +171,12 @@ class GlmForCausalLM:
         return h + mlp
 
     def _attention(
-        self, w: DecoderLayerWeights, x: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata, kv: torch.Tensor,
+        self,
+        w: DecoderLayerWeights,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: torch.Tensor,
     ) -> torch.Tensor:
         dev, T, D = self.device, x.shape[0], self.head_dim
         qkv = dev.linear(x, w.qkv_proj, w.qkv_bias)
