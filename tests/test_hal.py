@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.hal import DeviceOutOfMemoryError, MemoryAttr, get_device, kernels
-from pagedserve.hal.cpu import decode_attention, prefill_attention
+from pagedserve.hal.cpu import _AttentionPlan, decode_attention, prefill_attention
 from pagedserve.hal.device import DevicePreset, load_device_preset
 
 
@@ -118,7 +118,7 @@ def test_cpu_paged_attention_equals_reference_on_mixed_batches(block_size):
 
 def test_decode_attention_ignores_padding_beyond_each_context():
     q, kc, vc, meta = _paged_setup([3, 12], [1, 1])
-    out = decode_attention(q, kc, vc, meta.block_tables, torch.tensor(meta.seq_lens), 0.5)
+    out = decode_attention(q, kc, vc, _AttentionPlan(meta), 0.5)
     torch.testing.assert_close(out, kernels.paged_attention(q, kc, vc, meta, 0.5))
 
 
@@ -137,6 +137,12 @@ def test_prefill_attention_matches_reference_causal_attention():
     )
 
 
+def test_cpu_linear_of_one_row_equals_reference():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 24, generator=g), torch.randn(1, 24, generator=g)
+    torch.testing.assert_close(get_device("cpu").linear(x, w), kernels.linear(x, w))
+
+
 def test_write_kv_stores_each_token_at_its_slot():
     kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
     k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
@@ -148,7 +154,7 @@ def test_write_kv_stores_each_token_at_its_slot():
 def test_interleaved_partial_rotary_rotates_adjacent_pairs_of_the_first_dims():
     cos_sin = kernels.rotary_cos_sin(rotary_dim=4, theta=10000.0, max_position=8)
     x = torch.randn(1, 1, 8)
-    y = kernels.apply_rotary(x, torch.tensor([3]), cos_sin)
+    y = kernels.apply_rotary(x, *kernels.rotary_at(cos_sin, torch.tensor([3])))
     angle0 = torch.tensor(3.0)  # inv_freq[0] = 1
     x0, x1 = x[0, 0, 0], x[0, 0, 1]
     torch.testing.assert_close(y[0, 0, 0], x0 * angle0.cos() - x1 * angle0.sin())

@@ -185,8 +185,7 @@ class LLMEngine:
         """Queue a request, or raise ``RequestRejectedError`` saying why it can never run."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = self._with_max_tokens(prompt_token_ids, params)
-        self._check_fits(prompt_token_ids, params)
+        params = self.check_request(prompt_token_ids, params)
         seqs = [
             self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
             for i in range(params.n)
@@ -230,11 +229,14 @@ class LLMEngine:
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer else None
         )
 
-    def _with_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        if params.max_tokens is not None:
-            return params
-        room = max(self.max_model_len - len(prompt_ids), 1)
-        return SamplingParams(**{**vars(params), "max_tokens": room})
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """The params this request runs with (``max_tokens`` filled in), or
+        ``RequestRejectedError`` saying why it can never run. Changes nothing."""
+        if params.max_tokens is None:
+            room = max(self.max_model_len - len(prompt_ids), 1)
+            params = SamplingParams(**{**vars(params), "max_tokens": room})
+        self._check_fits(prompt_ids, params)
+        return params
 
     def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         n_prompt, total = len(prompt_ids), len(prompt_ids) + params.max_tokens
@@ -438,6 +440,8 @@ def _cumulative(seq: Request) -> float | None:
 
 def _metrics(seq: Request) -> dict[str, float]:
     m = {"arrival_time": seq.arrival_time}
+    if seq.first_scheduled_time is not None:
+        m["first_scheduled_time"] = seq.first_scheduled_time
     if seq.first_token_time is not None:
         m["first_token_time"] = seq.first_token_time
     return m

@@ -52,6 +52,7 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
     stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ prefill, prefix-cache hits, decode and recompute after preemption are all that o
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,6 +101,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n

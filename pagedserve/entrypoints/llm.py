@@ -42,7 +42,7 @@ class LLM:
             )
         encoded = [self._encode(p) for p in prompts]
         for ids, sp in zip(encoded, sampling_params):  # reject before queueing anything
-            self.llm_engine._check_fits(ids, self.llm_engine._with_max_tokens(ids, sp))
+            self.llm_engine.check_request(ids, sp)
         request_ids = []
         for prompt, ids, sp in zip(prompts, encoded, sampling_params):
             request_ids.append(str(self._counter))

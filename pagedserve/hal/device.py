@@ -233,10 +233,8 @@ class Device:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return kernels.rms_norm(x, w, eps)
 
-    def apply_rotary(
-        self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-    ) -> torch.Tensor:
-        return kernels.apply_rotary(x, positions, cos_sin)
+    def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return kernels.apply_rotary(x, cos, sin)
 
     def write_kv(
         self,

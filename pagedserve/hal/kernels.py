@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # [B]
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     block_size: int
+    # a backend's per-forward work that every layer shares (e.g. gather indices), built once
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -53,13 +55,18 @@ def rotary_cos_sin(rotary_dim: int, theta: float, max_position: int) -> torch.Te
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+def rotary_at(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for each token, [T, 1, rotary_dim / 2] fp32: computed once per forward pass."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """GPT-J style (interleaved pairs) rotation of the first ``rotary_dim`` dims of each head.
 
-    x: [T, heads, head_dim]; positions: [T]; cos_sin: [max_position, rotary_dim].
+    x: [T, heads, head_dim]; cos, sin: [T, 1, rotary_dim / 2] from ``rotary_at``.
     """
-    rot = cos_sin.shape[-1]
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2]
+    rot = 2 * cos.shape[-1]
     x_rot = x[..., :rot].float()
     x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
     rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)

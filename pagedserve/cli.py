@@ -1,0 +1,335 @@
+"""``pagedserve`` command line: ``serve``, ``smi``, ``tune``, ``bench``, ``quantize``, ``eval-quant``.
+
+``serve``'s flags are vLLM's names (with SGLang's ``--mem-fraction-static`` and ``--tp-size`` as
+aliases) so that a vLLM launch script works unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+logger = logging.getLogger("pagedserve.serve")
+
+ENGINE_ARGS = (
+    "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+    "num_kv_pages", "enable_prefix_caching", "seed", "device",
+)  # fmt: skip
+
+
+# ---- serve ------------------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a = parser.add_argument
+    a(
+        "--config",
+        metavar="FILE",
+        help="YAML file of serve flags (keys are flag names, with dashes "
+        "or underscores); flags on the command line override it",
+    )
+    a(
+        "--model",
+        default="demo",
+        help="local model directory (config.json, safetensors, "
+        "tokenizer.json) or 'demo' for the embedded demo model; nothing is downloaded",
+    )
+    a("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    a("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    a("--port", type=int, default=8000, help="TCP port to listen on")
+    a(
+        "--device",
+        default=None,
+        help="kunlun-emu (default), cpu, cuda, or a device preset name / "
+        "YAML path from configs/devices",
+    )
+    a(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activation / 16-bit weight dtype (auto: the checkpoint's)",
+    )
+    a(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight quantization: int4 (group-wise weight-only) or the checkpoint's own",
+    )
+    a("--quant-group-size", type=int, default=None, help="int4 group size: 32, 64 or 128")
+    a("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
+    a("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default 2048)",
+    )
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context)",
+    )
+    a(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of the device's KV tier the KV cache may take (default 0.9)",
+    )
+    a("--num-kv-pages", type=int, default=None, help="exact KV page count (overrides the fraction)")
+    a(
+        "--tensor-parallel-size",
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks; only 1 is supported for now",
+    )
+    a(
+        "--enforce-eager",
+        action="store_true",
+        help="accepted for vLLM compatibility; pagedserve always runs eagerly",
+    )
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV pages between requests with a common prefix (default on)",
+    )
+    a("--seed", type=int, default=None, help="random seed of the engine")
+    a(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $PAGEDSERVE_API_KEY)",
+    )
+    a(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
+    )
+    a(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log verbosity",
+    )
+    return parser
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; values from ``--config FILE`` fill in every flag not given on the line."""
+    args = parser.parse_args(argv)
+    if not getattr(args, "config", None):
+        return args
+    serve = _subparser(parser, "serve")
+    serve.set_defaults(**read_config_file(serve, args.config))
+    return parser.parse_args(argv)
+
+
+def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        parser.error(f"--config {path}: no such file")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    dests = {opt.lstrip("-"): act.dest for opt, act in parser._option_string_actions.items()}
+    defaults = {}
+    for key, value in data.items():
+        flag = str(key).replace("_", "-")
+        if flag not in dests or flag in ("config", "help", "h"):
+            parser.error(f"--config {path}: unknown key {key!r}; keys are serve flag names")
+        defaults[dests[flag]] = value
+    return defaults
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions:
+        if name in action.choices:
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.tensor_parallel_size != 1:
+        print(
+            f"pagedserve serve: error: --tensor-parallel-size {args.tensor_parallel_size} is not "
+            f"supported yet (tensor parallelism is not implemented); use 1",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        engine = _build_engine(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 2
+    _serve(engine, args)
+    return 0
+
+
+def _build_engine(args: argparse.Namespace):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    if args.enforce_eager:
+        logger.info("--enforce-eager: pagedserve always runs eagerly")
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
+    logger.info("engine ready: %s", engine.describe())
+    return engine
+
+
+def _serve(engine, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pagedserve.server.app import build_app
+
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    logger.info(
+        "serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port
+    )
+    DrainingServer(config, app.state.serving.engine).run()
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        """On SIGTERM: stop admitting (503), finish the requests in flight, then exit."""
+
+        def __init__(self, config, async_engine):
+            super().__init__(config)
+            self.async_engine = async_engine
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.async_engine.draining:
+                return super().handle_exit(sig, frame)
+            logger.info(
+                "signal %s: draining %d requests in flight, admitting none",
+                sig,
+                self.async_engine.num_unfinished,
+            )
+            self.async_engine.draining = True
+            threading.Thread(target=self._exit_when_drained, daemon=True).start()
+
+        def _exit_when_drained(self) -> None:
+            while self.async_engine.num_unfinished and self.async_engine.is_alive:
+                time.sleep(0.05)
+            self.should_exit = True
+
+    return _DrainingServer
+
+
+def DrainingServer(config, async_engine):  # noqa: N802 - a class built lazily (uvicorn import)
+    return _draining_server_class()(config, async_engine)
+
+
+# ---- subcommands from other modules, imported lazily ------------------------------------------
+def _lazy_subcommand(
+    subparsers, name: str, help_text: str, module: str, add: str, run: str
+) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    try:
+        mod = __import__(module, fromlist=[add, run])
+        getattr(mod, add)(parser)
+        parser.set_defaults(func=getattr(mod, run))
+    except (ImportError, AttributeError) as e:
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+        parser.set_defaults(func=_unavailable(name, module, e))
+
+
+def _unavailable(name: str, module: str, error: Exception) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(
+            f"pagedserve {name}: not available in this build ({module}: {error})", file=sys.stderr
+        )
+        return 2
+
+    return run
+
+
+def _run_smi(args: argparse.Namespace) -> int:
+    from pagedserve.smi import run_smi
+
+    return run_smi(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.smi import add_smi_args
+
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Run the OpenAI-compatible HTTP server.",
+    )
+    add_serve_args(serve).set_defaults(func=run_serve)
+    smi = subparsers.add_parser(
+        "smi",
+        help="show a running server's device, memory and KV pages",
+        description="nvidia-smi for a running pagedserve server.",
+    )
+    add_smi_args(smi).set_defaults(func=_run_smi)
+    _lazy_subcommand(
+        subparsers,
+        "tune",
+        "size KV cache and batch limits for a model on a device",
+        "pagedserve.tune",
+        "add_tune_args",
+        "run_tune",
+    )
+    _lazy_subcommand(
+        subparsers,
+        "bench",
+        "benchmark a running server (throughput, TTFT, ITL)",
+        "pagedserve.bench",
+        "add_bench_args",
+        "run_bench",
+    )
+    _lazy_subcommand(
+        subparsers,
+        "quantize",
+        "quantize a checkpoint to int4",
+        "pagedserve.quant.cli",
+        "add_quantize_args",
+        "run_quantize",
+    )
+    _lazy_subcommand(
+        subparsers,
+        "eval-quant",
+        "compare a quantized model with its 16-bit source",
+        "pagedserve.quant.cli",
+        "add_eval_quant_args",
+        "run_eval_quant",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = apply_config_file(parser, sys.argv[1:] if argv is None else argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

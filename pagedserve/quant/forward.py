@@ -1,0 +1,119 @@
+"""A self-contained GLM-4 / GLM-4-0414 forward over a plain HF-named state dict, for calibration
+and evaluation: fp32, full causal attention over a [B, T] batch, no paging, layer by layer.
+
+``act_bits=8`` emulates W4A8: each quantized linear's input is quantized per token, symmetric int8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.hal.kernels import rotary_cos_sin
+from pagedserve.models.config import GlmConfig
+
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+)
+Capture = Callable[[str, torch.Tensor], None]
+
+
+def quantize_activation_int8(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token symmetric int8 fake quantization."""
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def layer_weights(sd: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Layer i's tensors as fp32, keyed without the ``model.layers.{i}.`` prefix."""
+    p = f"model.layers.{i}."
+    return {k[len(p) :]: v.float() for k, v in sd.items() if k.startswith(p)}
+
+
+class ReferenceGlm:
+    def __init__(
+        self,
+        config: GlmConfig,
+        state_dict: dict[str, torch.Tensor],
+        act_bits: int = 16,
+        quantized: set[str] | None = None,
+    ):
+        self.config = config
+        self.sd = state_dict
+        self.act_bits = act_bits
+        self.quantized = (
+            quantized or set()
+        )  # layer-relative linear names per layer: "0.mlp.down_proj"
+        c = config
+        self.cos_sin = rotary_cos_sin(c.rotary_dim, c.rope_theta, c.max_position_embeddings)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.sd["model.embed_tokens.weight"][input_ids].float()
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(h, self.sd["model.norm.weight"].float(), self.config.rms_norm_eps)
+        return h @ self.sd["lm_head.weight"].float().T
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] for input_ids [B, T]."""
+        h = self.embed(input_ids)
+        for i in range(self.config.num_hidden_layers):
+            h = self.layer(i, layer_weights(self.sd, i), h)
+        return self.logits(h)
+
+    def layer(
+        self, i: int, w: dict[str, torch.Tensor], h: torch.Tensor, capture: Capture | None = None
+    ) -> torch.Tensor:
+        """One decoder layer; ``capture(name, x)`` sees each linear's input (name as in LINEARS)."""
+        eps, sandwich = self.config.rms_norm_eps, self.config.architecture == "glm4"
+
+        def linear(name: str, x: torch.Tensor) -> torch.Tensor:
+            if capture is not None:
+                capture(name, x)
+            if self.act_bits == 8 and f"{i}.{name}" in self.quantized:
+                x = quantize_activation_int8(x)
+            return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
+
+        attn = self.attention(w, rms_norm(h, w["input_layernorm.weight"], eps), linear)
+        if sandwich:
+            attn = rms_norm(attn, w["post_self_attn_layernorm.weight"], eps)
+        h = h + attn
+        gate, up = linear(
+            "mlp.gate_up_proj", rms_norm(h, w["post_attention_layernorm.weight"], eps)
+        ).chunk(2, -1)
+        mlp = linear("mlp.down_proj", F.silu(gate) * up)
+        if sandwich:
+            mlp = rms_norm(mlp, w["post_mlp_layernorm.weight"], eps)
+        return h + mlp
+
+    def attention(self, w: dict, x: torch.Tensor, linear: Callable) -> torch.Tensor:
+        c = self.config
+        b, t, _ = x.shape
+        q = linear("self_attn.q_proj", x).view(b, t, c.num_attention_heads, c.head_dim)
+        k = linear("self_attn.k_proj", x).view(b, t, c.num_key_value_heads, c.head_dim)
+        v = linear("self_attn.v_proj", x).view(b, t, c.num_key_value_heads, c.head_dim)
+        q, k = self.rotate(q), self.rotate(k)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        k, v = (z.repeat_interleave(rep, dim=2).transpose(1, 2) for z in (k, v))
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, is_causal=True, scale=c.head_dim**-0.5
+        )
+        return linear("self_attn.o_proj", o.transpose(1, 2).reshape(b, t, -1))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        rot = self.cos_sin.shape[-1]
+        cos, sin = self.cos_sin[: x.shape[1]].view(1, x.shape[1], 1, rot).chunk(2, -1)
+        x1, x2 = x[..., :rot:2], x[..., 1:rot:2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
+        return torch.cat([rotated, x[..., rot:]], -1)

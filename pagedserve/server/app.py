@@ -1,0 +1,730 @@
+"""The OpenAI-compatible HTTP API over one ``AsyncLLMEngine``.
+
+Every request is validated here, before it reaches the engine loop: user input becomes a 400,
+never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.exceptions import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import pagedserve
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.errors import APIError, bad_request, error_body, install_error_handlers
+from pagedserve.server.metrics import RequestTimer, ServerMetrics
+from pagedserve.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+    TopLogprob,
+    UsageInfo,
+    VersionResponse,
+    random_id,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+RETRY_AFTER_S = "1"
+PUBLIC_PATHS = ("/health", "/metrics", "/version", "/docs", "/openapi.json", "/redoc")
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+Prompt = tuple[str | None, list[int]]  # (text if the user sent text, token ids)
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str, max_queue_len: int | None):
+        self.llm_engine = engine
+        self.engine = AsyncLLMEngine(engine, max_queue_len)
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_num_seqs = engine.config.scheduler.max_num_seqs
+        self.metrics = ServerMetrics()
+        self._token_strs: dict[int, str] = {}
+
+    # ---- validation ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.model_name!r} (see GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+
+    def check_admission(self) -> None:
+        if not self.engine.is_alive:
+            raise APIError(
+                503,
+                "the engine loop is not running; see the server log",
+                code="engine_dead",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        if self.engine.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and admits no new requests",
+                code="shutting_down",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        if self.engine.queue_full():
+            raise APIError(
+                503,
+                f"the server is busy: {self.engine.num_waiting} requests are waiting "
+                f"(--max-queue-len {self.engine.max_queue_len}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise bad_request(
+                "this model has no tokenizer.json: send token ids as the prompt", "prompt"
+            )
+        return self.tokenizer
+
+    def encode_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [(prompt, self.require_tokenizer().encode(prompt))]
+        if not prompt:
+            raise bad_request(
+                "prompt is empty; send a string, a list of strings or token ids", "prompt"
+            )
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if isinstance(prompt[0], str):
+            return [(p, self.require_tokenizer().encode(p)) for p in prompt]
+        return [(None, list(p)) for p in prompt]
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
+        tok = self.require_tokenizer()
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            text = tok.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+        except (TemplateError, ValueError) as e:
+            raise bad_request(
+                f"messages could not be rendered with the chat template: {e}", "messages"
+            ) from e
+        return text, tok.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, body: SamplingFields, **fields: Any) -> SamplingParams:
+        if body.n > self.max_num_seqs:
+            raise bad_request(
+                f"n={body.n} is more than this server's --max-num-seqs "
+                f"{self.max_num_seqs}; lower n",
+                "n",
+            )
+        optional = {
+            k: getattr(body, k)
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if getattr(body, k) is not None
+        }
+        try:
+            return SamplingParams(
+                n=body.n,
+                seed=body.seed,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=self._logit_bias(body),
+                stop=body.stop or [],
+                stop_token_ids=body.stop_token_ids or [],
+                ignore_eos=body.ignore_eos,
+                min_tokens=body.min_tokens,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                **optional,
+                **fields,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split("=", 1)[0]) from e
+
+    def _logit_bias(self, body: SamplingFields) -> dict[int, float] | None:
+        if not body.logit_bias:
+            return None
+        bias = {}
+        for key, value in body.logit_bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                raise bad_request(
+                    f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})",
+                    "logit_bias",
+                )
+            bias[int(key)] = max(-100.0, min(100.0, value))
+        return bias
+
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(f"{param}={value} must be in [0, {MAX_LOGPROBS}]", param)
+
+    def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        engine = self.llm_engine
+        for _, ids in prompts:
+            try:
+                engine.check_request(ids, params)
+            except ValueError as e:
+                raise bad_request(str(e), "prompt", "context_length_exceeded") from e
+
+    # ---- running ------------------------------------------------------------------------------
+    def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
+        return [
+            self._timed(self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+            for i, (text, ids) in enumerate(prompts)
+        ]
+
+    async def _timed(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        timer = RequestTimer(self.metrics)
+        finished = False
+        try:
+            async for output in stream:
+                timer.on_output(sum(len(o.token_ids) for o in output.outputs), output.metrics)
+                if output.finished:
+                    finished = True
+                    for o in output.outputs:
+                        timer.on_finish(o.finish_reason)
+                yield output
+        finally:
+            if not finished:
+                timer.on_finish("abort")
+            await stream.aclose()
+
+    async def collect(self, raw: Request, streams: list) -> list[RequestOutput]:
+        """The final output of each stream; abort them all if the client disconnects first."""
+        gather = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not gather.done():
+                gather.cancel()
+        if gather.cancelled():
+            raise APIError(499, "client disconnected")
+        try:
+            return gather.result()
+        except (EngineStepError, EngineDeadError) as e:
+            raise APIError(500, str(e)) from e
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    # ---- token text ---------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        if token_id not in self._token_strs:
+            text = (
+                self.tokenizer.decode([token_id], skip_special_tokens=False)
+                if self.tokenizer
+                else f"token_id:{token_id}"
+            )
+            self._token_strs[token_id] = text
+        return self._token_strs[token_id]
+
+    def completion_logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        top_n: int,
+        offset: int = 0,
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for tid, lp in zip(token_ids, logprobs, strict=False):
+            text = self.token_str(tid)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(lp.get(tid))
+            out.top_logprobs.append({self.token_str(t): v for t, v in _top(lp, top_n)})
+        return out
+
+    def chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int
+    ) -> ChatLogprobs:
+        content = []
+        for tid, lp in zip(token_ids, logprobs, strict=False):
+            top = [self._top_logprob(t, v) for t, v in _top(lp, top_n)]
+            content.append(
+                ChatTokenLogprob(**self._top_logprob(tid, lp[tid]).model_dump(), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_str(token_id)
+        return TopLogprob(
+            token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode("utf-8"))
+        )
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+def _completion_choice(
+    serving: OpenAIServing,
+    body: CompletionRequest,
+    prompt: Prompt,
+    prompt_output: RequestOutput,
+    o: CompletionOutput,
+    index: int,
+) -> CompletionChoice:
+    prefix = _prompt_text(serving, prompt) if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = CompletionLogprobs()
+        if body.echo:
+            logprobs = serving.completion_logprobs(
+                prompt[1], prompt_output.prompt_logprobs or [None] * len(prompt[1]), body.logprobs
+            )
+        tail = serving.completion_logprobs(
+            o.token_ids, o.logprobs or [], body.logprobs, offset=len(prefix)
+        )
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(logprobs, field).extend(getattr(tail, field))
+    return CompletionChoice(
+        index=index,
+        text=prefix + o.text,
+        logprobs=logprobs,
+        finish_reason=o.finish_reason,
+        stop_reason=o.stop_reason,
+    )
+
+
+def _completion_params(serving: OpenAIServing, body: CompletionRequest) -> SamplingParams:
+    serving.check_logprobs(body.logprobs, "logprobs")
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    return serving.sampling_params(
+        body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
+    )
+
+
+async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw: Request):
+    serving.check_model(body.model)
+    if body.echo and body.stream and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported when streaming", "echo")
+    prompts = serving.encode_prompts(body.prompt)
+    params = _completion_params(serving, body)
+    serving.check_fits(prompts, params)
+    serving.check_admission()
+    request_id = random_id("cmpl")
+    streams = serving.start(request_id, prompts, params)
+    if body.stream:
+        return _sse(_completion_stream(serving, body, request_id, prompts, streams))
+    finals = await serving.collect(raw, streams)
+    choices = [
+        _completion_choice(serving, body, prompts[p], out, o, p * body.n + o.index)
+        for p, out in enumerate(finals)
+        for o in out.outputs
+    ]
+    return CompletionResponse(
+        id=request_id, model=serving.model_name, choices=choices, usage=_usage(prompts, finals)
+    )
+
+
+async def _completion_stream(
+    serving: OpenAIServing,
+    body: CompletionRequest,
+    request_id: str,
+    prompts: list[Prompt],
+    streams: list,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        return _data(
+            CompletionChunk(
+                id=request_id,
+                created=created,
+                model=serving.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    async for p, out in _merge(streams):
+        for o in out.outputs:
+            index = p * body.n + o.index
+            if index not in sent_text:
+                sent_text[index], sent_tokens[index] = 0, 0
+                if body.echo:
+                    yield chunk(
+                        [CompletionChoice(index=index, text=_prompt_text(serving, prompts[p]))]
+                    )
+            if sent_text[index] < 0:
+                continue
+            delta = o.text[sent_text[index] :]
+            new_tokens = o.token_ids[sent_tokens[index] :]
+            if not delta and not new_tokens and not o.finished:
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = serving.completion_logprobs(
+                    new_tokens,
+                    (o.logprobs or [])[sent_tokens[index] :],
+                    body.logprobs,
+                    offset=sent_text[index],
+                )
+            sent_text[index] = -1 if o.finished else len(o.text)
+            sent_tokens[index] = len(o.token_ids)
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=index,
+                        text=delta,
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                ]
+            )
+        if out.finished:
+            finals[p] = out
+    if body.stream_options and body.stream_options.include_usage:
+        yield chunk([], _usage(prompts, [finals[p] for p in sorted(finals)]))
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+def _chat_params(serving: OpenAIServing, body: ChatCompletionRequest) -> SamplingParams:
+    serving.check_logprobs(body.top_logprobs, "top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
+        max_tokens = body.max_completion_tokens
+    return serving.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+
+
+def _chat_choice(serving: OpenAIServing, body: ChatCompletionRequest, o: CompletionOutput):
+    logprobs = None
+    if body.logprobs:
+        logprobs = serving.chat_logprobs(o.token_ids, o.logprobs or [], body.top_logprobs or 0)
+    return ChatCompletionChoice(
+        index=o.index,
+        message=ChatResponseMessage(content=o.text),
+        logprobs=logprobs,
+        finish_reason=o.finish_reason,
+        stop_reason=o.stop_reason,
+    )
+
+
+async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, raw: Request):
+    serving.check_model(body.model)
+    prompt = serving.chat_prompt(body.messages, body.add_generation_prompt)
+    params = _chat_params(serving, body)
+    serving.check_fits([prompt], params)
+    serving.check_admission()
+    request_id = random_id("chatcmpl")
+    streams = serving.start(request_id, [prompt], params)
+    if body.stream:
+        return _sse(_chat_stream(serving, body, request_id, prompt, streams[0]))
+    (final,) = await serving.collect(raw, streams)
+    choices = [_chat_choice(serving, body, o) for o in final.outputs]
+    return ChatCompletionResponse(
+        id=request_id, model=serving.model_name, choices=choices, usage=_usage([prompt], [final])
+    )
+
+
+async def _chat_stream(
+    serving: OpenAIServing,
+    body: ChatCompletionRequest,
+    request_id: str,
+    prompt: Prompt,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    sent_text = [0] * body.n
+    sent_tokens = [0] * body.n
+
+    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+        return _data(
+            ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=serving.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    yield chunk(
+        [
+            ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(body.n)
+        ]
+    )
+    final = None
+    async for _, out in _merge([stream]):
+        for o in out.outputs:
+            i = o.index
+            if sent_text[i] < 0:
+                continue
+            delta, new_tokens = o.text[sent_text[i] :], o.token_ids[sent_tokens[i] :]
+            if not delta and not new_tokens and not o.finished:
+                continue
+            logprobs = None
+            if body.logprobs:
+                logprobs = serving.chat_logprobs(
+                    new_tokens, (o.logprobs or [])[sent_tokens[i] :], body.top_logprobs or 0
+                )
+            sent_text[i] = -1 if o.finished else len(o.text)
+            sent_tokens[i] = len(o.token_ids)
+            yield chunk(
+                [
+                    ChatCompletionStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(content=delta),
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                ]
+            )
+        final = out
+    if body.stream_options and body.stream_options.include_usage and final is not None:
+        yield chunk([], _usage([prompt], [final]))
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content if part.type == "text")
+    extra = {k: v for k, v in (message.model_extra or {}).items()}
+    return {**extra, "role": message.role, "content": content or ""}
+
+
+def _prompt_text(serving: OpenAIServing, prompt: Prompt) -> str:
+    text, ids = prompt
+    if text is not None:
+        return text
+    return serving.tokenizer.decode(ids, skip_special_tokens=False) if serving.tokenizer else ""
+
+
+def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def _usage(prompts: list[Prompt], finals: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
+
+
+def _data(model) -> str:
+    return f"data: {model.model_dump_json(exclude_none=False)}\n\n"
+
+
+def _sse(chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def with_done() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except (EngineStepError, EngineDeadError, ValueError) as e:
+            status = 400 if isinstance(e, ValueError) else 500
+            yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        with_done(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output); closing it aborts them all."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer side
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- the app ----------------------------------------------------------------------------------
+def build_app(
+    engine: LLMEngine,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue_len: int | None = None,
+) -> FastAPI:
+    """A FastAPI app serving ``engine``; its lifespan starts and stops the engine loop."""
+    serving = OpenAIServing(engine, served_model_name or engine.config.model.model, max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        serving.engine.start()
+        yield
+        serving.engine.shutdown()
+
+    app = FastAPI(
+        title="pagedserve",
+        version=pagedserve.__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible API of the pagedserve paged inference engine",
+    )
+    app.state.serving = serving
+    install_error_handlers(app)
+    _install_auth(app, api_key)
+    _add_routes(app, serving)
+    return app
+
+
+def _install_auth(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path.startswith(PUBLIC_PATHS) or request.method == "OPTIONS":
+            return await call_next(request)
+        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            body = error_body(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                "with the server's --api-key",
+                code="invalid_api_key",
+            )
+            return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+
+def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(serving, body, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(serving, body, raw)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=serving.model_name,
+            root=serving.llm_engine.config.model.model,
+            max_model_len=serving.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not serving.engine.is_alive:
+            return JSONResponse(error_body(503, "the engine loop is not running"), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await serving.engine.call(lambda e: e.get_stats())
+        return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/device")
+    async def device() -> dict:
+        stats = await serving.engine.call(lambda e: e.get_device_stats())
+        return {
+            **stats,
+            "model": serving.model_name,
+            "tokens_per_second": serving.engine.tokens_per_second(),
+        }
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            _, ids = serving.chat_prompt(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = serving.require_tokenizer().encode(body.prompt, body.add_special_tokens)
+        else:
+            raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
+        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < serving.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is outside the vocabulary [0, {serving.vocab_size})", "tokens"
+            )
+        return DetokenizeResponse(prompt=serving.require_tokenizer().decode(body.tokens))
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedserve.__version__)

@@ -1,0 +1,117 @@
+"""Prometheus metrics under vLLM's names, prefixed ``pagedserve:``; one registry per app.
+
+Gauges and token counters are read from ``engine.get_stats()`` at scrape time; per-request
+latencies are observed by ``RequestTimer`` as outputs reach the HTTP side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedserve:"
+GAUGES = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV pages in use (1 = full).",
+}
+COUNTERS = {
+    "prefix_cache_queries_total": "Blocks looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Blocks found in the prefix cache.",
+    "num_preemptions_total": "Sequences preempted for lack of KV pages.",
+    "prompt_tokens_total": "Prompt tokens admitted.",
+    "generation_tokens_total": "Tokens generated.",
+}
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, get_stats: Callable[[], dict]):
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.get_stats()
+        for name, doc in GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats.get(name, 0)))
+        for name, doc in COUNTERS.items():
+            family = PREFIX + name.removesuffix("_total")
+            yield CounterMetricFamily(family, doc, value=float(stats.get(name, 0)))
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.latest_stats: dict = {}
+        self.registry.register(_EngineStatsCollector(lambda: self.latest_stats))
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to the first token.")
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling (upper bound: first token)."
+        )
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(PREFIX + name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self, stats: dict) -> bytes:
+        """The Prometheus text exposition, with gauges and token counters from ``stats``."""
+        self.latest_stats = stats
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's latencies as its outputs arrive on the HTTP side."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last_token_time: float | None = None
+        self.num_tokens = 0
+
+    def on_output(self, num_tokens: int, engine_metrics: dict[str, float] | None = None) -> None:
+        new = num_tokens - self.num_tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival)
+            scheduled = (engine_metrics or {}).get("first_scheduled_time") or now
+            self.metrics.queue_time.observe(max(scheduled - self.arrival, 0.0))
+        else:
+            gap = (now - self.last_token_time) / new
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self.last_token_time, self.num_tokens = now, num_tokens
+
+    def on_finish(self, finish_reason: str | None) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.request_success.labels(finished_reason=finish_reason or "abort").inc()

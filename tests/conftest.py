@@ -1,0 +1,77 @@
+"""Shared fixtures: a tiny GLM-4 model directory and a live pagedserve server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4(tmp_path_factory):
+    """(model directory, HF reference model) of a random tiny Glm4ForCausalLM with a tokenizer."""
+    import torch
+    from helpers_models import build_tiny_model_dir
+
+    torch.set_num_threads(1)
+    model_dir = tmp_path_factory.mktemp("tiny-glm4")
+    return model_dir, build_tiny_model_dir(model_dir, "glm4")
+
+
+@dataclass
+class LiveServer:
+    url: str
+    api_key: str
+    model: str
+    app: Any
+
+    @property
+    def serving(self):
+        return self.app.state.serving
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_glm4):
+    """One uvicorn server (in a thread) over the tiny model, shared by the server/SDK/smi tests."""
+    import uvicorn
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    model_dir, _ = tiny_glm4
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(model_dir),
+            dtype="float32",
+            num_kv_pages=256,
+            block_size=16,
+            max_model_len=256,
+            max_num_seqs=16,
+            device="cpu",
+        )
+    )
+    app = build_app(engine, "tiny", api_key=API_KEY, max_queue_len=64)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, "tiny", app)
+    server.should_exit = True
+    thread.join(10)
