@@ -1,0 +1,121 @@
+"""A directory written by ``pagedserve quantize`` (ours or AutoAWQ's layout, W4A16 or W4A8) loads in
+``LLM`` and in ``pagedserve serve``, and computes what the fp32 reference on its dequantized weights
+computes."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from conftest import free_port
+from helpers_models import build_tiny_model_dir
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.quant.cli import add_quantize_args, run_quantize
+from pagedserve.quant.evaluate import load_reference_model
+
+PROMPT = [(5 * i) % 300 + 10 for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src")
+    build_tiny_model_dir(path, "glm4")
+    return path
+
+
+def _quantize(src, dst, *extra: str):
+    argv = [
+        "--model-path",
+        str(src),
+        "--output-path",
+        str(dst),
+        "--calib-samples",
+        "4",
+        "--calib-seq-len",
+        "32",
+        *extra,
+    ]
+    assert run_quantize(add_quantize_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+    return dst
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--abits", "16"), ("--abits", "8"), ("--format", "autoawq", "--abits", "16")],
+    ids=["ours-w4a16", "ours-w4a8", "autoawq"],
+)
+def test_quantized_directory_matches_its_dequantized_reference(source, tmp_path, extra):
+    dst = _quantize(source, tmp_path / "q", "--quant-method", "awq", *extra)
+    llm = LLM(model=str(dst), dtype="bfloat16", num_kv_pages=64)
+    assert all(
+        not isinstance(layer.down_proj, torch.Tensor) for layer in llm.llm_engine.model.layers
+    )
+    vocab = llm.llm_engine.model_config.vocab_size
+    out = llm.generate(
+        {"prompt_token_ids": PROMPT},
+        SamplingParams(max_tokens=4, prompt_logprobs=vocab),
+        use_tqdm=False,
+    )[0]
+    got = torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])
+    with torch.no_grad():
+        ref_logits = load_reference_model(dst).forward(torch.tensor([PROMPT]))[0, :-1]
+    torch.testing.assert_close(got, torch.log_softmax(ref_logits, -1), atol=0.1, rtol=0.0)
+    assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_skipped_layers_stay_16_bit(source, tmp_path):
+    dst = _quantize(source, tmp_path / "q", "--quant-method", "rtn", "--skip-layers", "*.down_proj")
+    model = LLM(model=str(dst), dtype="bfloat16", num_kv_pages=16).llm_engine.model
+    assert all(isinstance(layer.down_proj, torch.Tensor) for layer in model.layers)
+    assert all(not isinstance(layer.gate_up_proj, torch.Tensor) for layer in model.layers)
+
+
+def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
+    dst = _quantize(source, tmp_path / "q", "--quant-method", "rtn")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedserve.cli",
+            "serve",
+            "--model",
+            str(dst),
+            "--port",
+            str(port),
+            "--num-kv-pages",
+            "32",
+            "--max-model-len",
+            "128",
+            "--served-model-name",
+            "tiny-int4",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            json={"model": "tiny-int4", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        proc.terminate()
+        proc.wait(30)
