@@ -134,6 +134,12 @@ def heldout_eval_text(docs: list[Document], chars_per_doc: int = 3000) -> str:
     return "\n\n".join(d.text[:chars_per_doc].strip() for d in docs)[:HELDOUT_SHIPPED_CHARS]
 
 
+def _default_heldout_file(output: Path) -> Path:
+    """The shipped file only when writing the shipped model; elsewhere beside the output."""
+    shipped = HELDOUT_FILE.parents[1] / "demo_model"
+    return HELDOUT_FILE if output.resolve() == shipped else output / "heldout.txt"
+
+
 def heldout_text(path: Path = HELDOUT_FILE) -> str:
     """The shipped held-out evaluation text (documents never trained on)."""
     return path.read_text(encoding="utf-8")
@@ -481,8 +487,18 @@ def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
         "test_slice_bits_per_char",
     ]:
         lines.append(f"| {key} | {metrics[key]} |")
-    lines += ["", "Tokenizer vocabulary sizes measured (held-out characters per token):", ""]
-    lines += [f"- {v}: {c}" for v, c in metrics["vocab_measurements"].items()]
+    lines += [
+        "",
+        "Vocabulary size, by measurement: held-out characters per token, and what the embedding",
+        "plus the untied lm_head cost at this hidden size. The chosen size is the knee: doubling",
+        "past it buys fewer characters per token for as many parameters as all decoder layers.",
+        "",
+        "| vocab | chars/token | embedding + lm_head parameters |",
+        "|---|---|---|",
+    ]
+    hidden = metrics["hidden_size"]
+    for vocab, cpt in sorted(metrics["vocab_measurements"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {vocab} | {cpt} | {2 * int(vocab) * hidden} |")
     lines += ["", "Greedy samples:", ""]
     for prompt, completion in samples.items():
         lines += [f"- `{prompt!r}` -> `{completion!r}`"]
@@ -502,6 +518,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=None, help="exact number of optimizer steps (reproducible)"
     )
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--heldout-file",
+        type=Path,
+        default=None,
+        help="where to write the held-out eval text (default: pagedserve/data/demo_heldout.txt "
+        "for the shipped model, else OUTPUT/heldout.txt)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--measure-vocab", type=int, nargs="*", default=[2048, 4096, 8192])
@@ -534,8 +557,9 @@ def main(argv: list[str] | None = None) -> None:
     corpus = build_corpus(args.max_source_bytes)
     train_texts = [d.text for d in corpus.train]
     heldout = heldout_eval_text(corpus.heldout)
-    HELDOUT_FILE.parent.mkdir(parents=True, exist_ok=True)
-    HELDOUT_FILE.write_text(heldout, encoding="utf-8")
+    heldout_file = args.heldout_file or _default_heldout_file(out)
+    heldout_file.parent.mkdir(parents=True, exist_ok=True)
+    heldout_file.write_text(heldout, encoding="utf-8")
     print(
         f"corpus: {len(corpus.train)} train docs ({sum(map(len, train_texts))} chars), "
         f"{len(corpus.heldout)} held-out docs; eval text {len(heldout)} chars",
@@ -584,6 +608,12 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "parameters": n_params,
         "vocab_size": tokenizer.get_vocab_size(),
+        "hidden_size": args.hidden_size,
+        "layers": args.layers,
+        "intermediate_size": args.intermediate_size,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
         "train_seconds": round(seconds, 1),
         "steps": steps,
         "tokens_seen": steps * args.batch * args.seq_len,

@@ -66,6 +66,23 @@ class CpuDevice(Device):
             out = out + b.to(out.dtype)
         return out.view(*x.shape[:-1], w.out_features).to(x.dtype)
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """The reference's rounding (normalise in fp32, cast, then scale) in half the ops."""
+        return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+    def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """As complex numbers: an interleaved pair (x[2i], x[2i+1]) is x[2i] + i x[2i+1], and the
+        rotation is one complex product (half the ops of the reference)."""
+        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        return torch.complex(cos.contiguous(), sin.contiguous())
+
+    def apply_rotary(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Rotates ``x`` in place."""
+        rot = 2 * rope.shape[-1]
+        pairs = torch.view_as_complex(x[..., :rot].float().unflatten(-1, (-1, 2)).contiguous())
+        x[..., :rot] = torch.view_as_real(pairs * rope).flatten(-2)
+        return x
+
     def linear(
         self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -84,6 +101,8 @@ class CpuDevice(Device):
         scale: float,
     ) -> torch.Tensor:
         plan = meta.scratch.get("cpu") or meta.scratch.setdefault("cpu", _AttentionPlan(meta))
+        if plan.all_decode:
+            return decode_attention(q, k_cache, v_cache, plan, scale).to(q.dtype)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
             out[plan.decode_rows] = decode_attention(
@@ -108,14 +127,15 @@ class _AttentionPlan:
             if n > 1
         ]
         self.decode_rows = None
+        self.all_decode = len(decode) == len(meta.seq_lens)
         if decode:
             self.decode_rows = torch.tensor([qs[i] for i in decode])
             seq_lens = torch.tensor([meta.seq_lens[i] for i in decode])
             self.max_ctx = int(seq_lens.max())
             num_blocks = -(-self.max_ctx // meta.block_size)
             self.pages = meta.block_tables[decode, :num_blocks]
-            pad = torch.arange(self.max_ctx) >= seq_lens.unsqueeze(1)  # [B, C]
-            self.pad = pad[:, None, None, :]
+            allowed = torch.arange(self.max_ctx) < seq_lens.unsqueeze(1)  # [B, C]
+            self.allowed = allowed[:, None, None, :]
 
 
 def decode_attention(
@@ -130,15 +150,13 @@ def decode_attention(
     Gathers each sequence's pages into a [B, C, KV, D] context padded to the longest one; measured
     faster in fp32 than bf16 on this CPU (see README), so the context is upcast.
     """
-    B, H, D = q.shape
-    num_kv, max_ctx = k_cache.shape[2], plan.max_ctx
-    k = k_cache[plan.pages].flatten(1, 2)[:, :max_ctx].float()  # [B, C, KV, D]
-    v = v_cache[plan.pages].flatten(1, 2)[:, :max_ctx].float()
-    qg = q.float().view(B, num_kv, H // num_kv, D)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KV, G, C]
-    scores.masked_fill_(plan.pad, float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v.transpose(1, 2))  # [B, KV, G, D]
-    return out.reshape(B, H, D)
+    max_ctx = plan.max_ctx
+    k = k_cache[plan.pages].flatten(1, 2)[:, :max_ctx].float().transpose(1, 2)  # [B, KV, C, D]
+    v = v_cache[plan.pages].flatten(1, 2)[:, :max_ctx].float().transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k, v, attn_mask=plan.allowed, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
 
 
 def prefill_attention(

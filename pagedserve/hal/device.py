@@ -233,8 +233,13 @@ class Device:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return kernels.rms_norm(x, w, eps)
 
-    def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return kernels.apply_rotary(x, cos, sin)
+    def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> object:
+        """Per-token rotary factors, made once per forward pass in the form ``apply_rotary`` wants."""
+        return kernels.rotary_at(cos_sin, positions)
+
+    def apply_rotary(self, x: torch.Tensor, rope: object) -> torch.Tensor:
+        """Rotated ``x``; a backend may rotate ``x`` in place and return it."""
+        return kernels.apply_rotary(x, *rope)
 
     def write_kv(
         self,

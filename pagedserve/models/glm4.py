@@ -12,7 +12,7 @@ import torch
 
 from pagedserve.hal import AttentionMetadata, Device
 from pagedserve.hal.int4 import Int4Linear
-from pagedserve.hal.kernels import rotary_at, rotary_cos_sin
+from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
 from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 
@@ -145,7 +145,7 @@ class GlmForCausalLM:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
         h = self.embed_tokens[input_ids]
-        rope = rotary_at(self.cos_sin, positions)  # the same for every layer
+        rope = self.device.rotary_at(self.cos_sin, positions)  # the same for every layer
         for i, layer in enumerate(self.layers):
             h = self._decoder_layer(layer, h, rope, meta, kv_cache[i])
         return self.device.rms_norm(h, self.norm, self.config.rms_norm_eps)
@@ -157,7 +157,7 @@ class GlmForCausalLM:
         self,
         w: DecoderLayerWeights,
         h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: object,
         meta: AttentionMetadata,
         kv: torch.Tensor,
     ) -> torch.Tensor:
@@ -175,14 +175,14 @@ class GlmForCausalLM:
         self,
         w: DecoderLayerWeights,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: object,
         meta: AttentionMetadata,
         kv: torch.Tensor,
     ) -> torch.Tensor:
         dev, T, D = self.device, x.shape[0], self.head_dim
         H, KV = self.num_heads, self.num_kv_heads
         qkv = dev.linear(x, w.qkv_proj, w.qkv_bias).view(T, H + 2 * KV, D)
-        qk = dev.apply_rotary(qkv[:, : H + KV], *rope)  # q and k heads rotate alike
+        qk = dev.apply_rotary(qkv[:, : H + KV], rope)  # q and k heads rotate alike
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV :]
         dev.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
         o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale)
