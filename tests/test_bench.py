@@ -294,3 +294,45 @@ def test_tokenizer_gives_exact_prompt_lengths(tmp_path):
     args = _args("http://unused", "--tokenizer", str(tmp_path), "--random-input-len", "37")
     samples = bench.random_dataset(args, counter)
     assert all(counter.count(s.prompt) == s.prompt_len == 37 for s in samples)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_against_a_live_pagedserve_server_completes_every_request(
+    live_server, tmp_path, endpoint
+):
+    out = tmp_path / "live.json"
+    args = add_bench_args(argparse.ArgumentParser()).parse_args(
+        [
+            "--base-url",
+            live_server.url,
+            "--model",
+            live_server.model,
+            "--api-key",
+            live_server.api_key,
+            "--endpoint",
+            endpoint,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "6",
+            "--ignore-eos",
+            "--output-file",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
+    assert run_bench(args) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 8 * 6
+    for name in (
+        "request_throughput",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_tpot_ms",
+        "p99_itl_ms",
+        "median_e2el_ms",
+    ):
+        assert result[name] > 0

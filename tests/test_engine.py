@@ -94,3 +94,37 @@ def test_string_prompts_and_chat_produce_text(llm):
     )
     assert chat[0].outputs[0].finish_reason in ("stop", "length")
     assert _drained(llm)
+
+
+def _generate_with_fault(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Prefill and one decode step, then flip a bit in the request's first page, then finish."""
+    engine = llm.llm_engine
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("faulty", prompt, params)
+    outputs = engine.step() + engine.step()
+    engine.device.inject_fault(engine.block_manager.get_block_table("faulty")[0])
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return next(o for o in outputs if o.finished).outputs[0].token_ids
+
+
+FAULT_PROMPT = [5, 6, 7, 8, 9, 10, 11]
+GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_a_detected_kv_page_fault_is_recovered_by_recompute(llm):
+    engine = llm.llm_engine
+    clean = llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
+    faults, preemptions = engine.device.num_faults_detected, engine.scheduler.num_preemptions
+    assert _generate_with_fault(llm, FAULT_PROMPT, GREEDY_8) == clean.outputs[0].token_ids
+    assert engine.device.num_faults_detected == faults + 1
+    assert engine.scheduler.num_preemptions == preemptions + 1
+    assert _drained(llm)
+
+
+def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(llm, monkeypatch):
+    clean = llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
+    monkeypatch.setattr(llm.llm_engine, "_recover_from_device_faults", lambda: None)
+    assert _generate_with_fault(llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
+    llm.llm_engine.device.take_faulted_pages()
+    assert _drained(llm)

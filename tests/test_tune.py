@@ -186,6 +186,22 @@ def test_presets_have_the_published_shapes_and_device_schema():
     assert tune_mod.load_device("kunlun-xpu-32g").memory_bytes == 32 * GIB
 
 
+def test_demo_preset_has_the_shipped_demo_models_shapes():
+    preset = yaml.safe_load((ROOT / "configs/models/glm4-demo.yaml").read_text())
+    shipped = json.loads((ROOT / "pagedserve/demo_model/config.json").read_text())
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        assert preset[key] == shipped[key], key
+
+
 def test_demo_model_fits_the_small_emulated_device():
     r = tune("glm4-demo", "kunlun-emu-small", max_model_len=2048)
     assert r.max_num_seqs >= 1

@@ -44,6 +44,7 @@ SPECIAL_TOKENS = [
     "<|observation|>",
 ]
 STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+PROMPT_PREFIX = "[gMASK]<sop>"  # how every GLM-4 prompt opens
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"
     "{%- for message in messages %}"
@@ -180,7 +181,7 @@ def _module_name(doc_name: str) -> str:
 
 
 def _chat(question: str, answer: str) -> str:
-    return f"[gMASK]<sop><|user|>\n{question}<|assistant|>\n{answer}<|endoftext|>"
+    return f"{PROMPT_PREFIX}<|user|>\n{question}<|assistant|>\n{answer}<|endoftext|>"
 
 
 def chat_examples(docs: list[Document]) -> list[str]:
@@ -288,7 +289,7 @@ class ModelShape:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 688
+    intermediate_size: int = 704
 
 
 def build_model(shape: ModelShape, tokenizer: Tokenizer):
@@ -319,7 +320,9 @@ def token_stream(
     tokenizer: Tokenizer, docs: list[Document], chats: list[str], chat_repeats: int, seed: int
 ) -> list[int]:
     eos = tokenizer.token_to_id("<|endoftext|>")
-    pieces = [doc.text for doc in docs] + chats * chat_repeats
+    # Every document opens as GLM-4 prompts do, so a plain completion prompt ([gMASK]<sop> + text,
+    # as the engine encodes it) continues the text instead of ending at once.
+    pieces = [PROMPT_PREFIX + doc.text for doc in docs] + chats * chat_repeats
     random.Random(seed).shuffle(pieces)
     stream = []
     for piece in tokenizer.encode_batch(pieces):
@@ -530,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measure-vocab", type=int, nargs="*", default=[2048, 4096, 8192])
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--intermediate-size", type=int, default=688)
+    p.add_argument("--intermediate-size", type=int, default=704)  # a multiple of 32 (int4 groups)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)

@@ -100,6 +100,12 @@ class BlockManager:
         self.prefix_cache_hits += num_hit_tokens
         return pages, num_hit_tokens
 
+    def uncache_page(self, page: int) -> None:
+        """Forget the block a page caches (its contents are no longer trusted)."""
+        block = self.page_to_cached_block.pop(page, None)
+        if block is not None:
+            del self.cached_block_hash_to_page[block.block_hash]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block; pages in use stay with their requests."""
         self.cached_block_hash_to_page.clear()

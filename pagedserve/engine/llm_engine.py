@@ -281,12 +281,26 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._recover_from_device_faults()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         forks = self._forks_this_step(sched)
         result = self.runner.execute_model(sched, forks)
         return self._update(sched, forks, result)
+
+    def _recover_from_device_faults(self) -> None:
+        """A page the device reports corrupted leaves the prefix cache, and every request that
+        holds it is preempted: it recomputes its KV on good pages, and nothing is lost."""
+        faulted = set(self.device.take_faulted_pages())
+        if not faulted:
+            return
+        for page in faulted:
+            self.block_manager.uncache_page(page)
+        for req in list(self.scheduler.running):
+            if faulted & set(self.block_manager.get_block_table(req.request_id)):
+                logger.warning("KV page fault under %s: recomputing it", req.request_id)
+                self.scheduler.preempt(req)
 
     def _forks_this_step(self, sched: SchedulerOutput) -> dict[str, list[Request]]:
         """Siblings of an ``n > 1`` request fork off its pages once its prompt is computed."""

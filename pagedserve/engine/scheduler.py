@@ -110,6 +110,11 @@ class Scheduler:
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))
 
+    def preempt(self, req: Request) -> None:
+        """Take a running request back to the front of the queue, its pages freed (recompute)."""
+        self.running.remove(req)
+        self._preempt(req, SchedulerOutput())
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's pages; it recomputes from scratch (prefix caching may help) later."""
         self.block_manager.free(req)

@@ -187,6 +187,10 @@ class Device:
         self.kv_memory_attr = attr
         return self.kv_cache
 
+    def take_faulted_pages(self) -> list[int]:
+        """KV pages whose contents the device found corrupted since the last call."""
+        return []
+
     def memory_stats(self) -> dict:
         return {name: tier.stats() for name, tier in self.tiers.items()}
 
