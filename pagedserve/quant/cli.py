@@ -33,8 +33,14 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     a = parser.add_argument
     a("--model-path", "--model", dest="model_path", required=True, help="16-bit source model dir")
     a("--output-path", "--output", dest="output_path", required=True, help="output directory")
-    a("--quant-method", choices=["awq", "rtn"], default="awq")
-    a("--group-size", type=int, default=32)
+    a(
+        "--quant-method",
+        choices=["awq", "rtn"],
+        default="awq",
+        help="awq: activation-aware scale search on calibration text, then 4-bit groups; "
+        "rtn: plain round-to-nearest (default: awq)",
+    )
+    a("--group-size", type=int, default=32, help="weights per scale/zero group: 32, 64 or 128")
     a("--wbits", type=int, default=4, help="weight bits (only 4)")
     a("--abits", type=int, default=16, help="8: W4A8 (dynamic per-token int8 inputs); 16: W4A16")
     a(
@@ -44,9 +50,14 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "(e.g. '*.down_proj'); the seed's ln_1/ln_2/attn.softmax are accepted (never quantized)",
     )
     a("--calib-data", default=None, help="plain text, or JSONL with a 'text' field")
-    a("--calib-samples", type=int, default=128)
-    a("--calib-seq-len", type=int, default=512)
-    a("--format", choices=["pagedserve", "autoawq"], default="pagedserve")
+    a("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
+    a("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence")
+    a(
+        "--format",
+        choices=["pagedserve", "autoawq"],
+        default="pagedserve",
+        help="output layout: pagedserve's own, or AutoAWQ's GEMM layout for other engines",
+    )
     a("--no-clip", action="store_true", help="AWQ without the clipping search")
     a("--seed", type=int, default=0, help="for random calibration ids (no tokenizer)")
     return parser
