@@ -22,21 +22,11 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.models.tokenizer import SPECIAL_TOKENS
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SCRIPT = ROOT.parent / "shared" / "baselines" / "vllm_cpu.sh"
 BASE_PROMPT = "The quick brown fox jumps over the lazy dog. def main(): return "
-SPECIALS = [
-    "<|endoftext|>",
-    "[MASK]",
-    "[gMASK]",
-    "[sMASK]",
-    "<sop>",
-    "<eop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-]
 SHAPE = dict(
     hidden_size=768,
     num_hidden_layers=12,
@@ -63,7 +53,7 @@ def build_model(model_dir: Path, seed: int = 0) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=8000,
-        special_tokens=SPECIALS,
+        special_tokens=list(SPECIAL_TOKENS),
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )

@@ -83,7 +83,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--mem-fraction-static",
         type=float,
         default=None,
-        help="fraction of the device's KV tier the KV cache may take (default 0.9)",
+        help="fraction of device memory that weights plus KV cache may take, as in vLLM; on a "
+        "preset without a shared memory_bytes, of its KV tier (default 0.9)",
     )
     a("--num-kv-pages", type=int, default=None, help="exact KV page count (overrides the fraction)")
     a(

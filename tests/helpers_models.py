@@ -10,18 +10,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "[MASK]",
-    "[gMASK]",
-    "[sMASK]",
-    "<sop>",
-    "<eop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-]
+from pagedserve.models.tokenizer import SPECIAL_TOKENS as GLM4_SPECIAL_TOKENS
+
+SPECIAL_TOKENS = list(GLM4_SPECIAL_TOKENS)
 SPECIAL_IDS = {token: i for i, token in enumerate(SPECIAL_TOKENS)}  # the trainer puts them first
 STOP_IDS = [SPECIAL_IDS[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
 

@@ -5,14 +5,11 @@ computes."""
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 import torch
-from conftest import free_port
+from conftest import serve_subprocess
 from helpers_models import build_tiny_model_dir
 
 from pagedserve import LLM, SamplingParams
@@ -78,37 +75,17 @@ def test_skipped_layers_stay_16_bit(source, tmp_path):
 
 def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
     dst = _quantize(source, tmp_path / "q", "--quant-method", "rtn")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedserve.cli",
-            "serve",
-            "--model",
-            str(dst),
-            "--port",
-            str(port),
-            "--num-kv-pages",
-            "32",
-            "--max-model-len",
-            "128",
-            "--served-model-name",
-            "tiny-int4",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    flags = [
+        "--model",
+        str(dst),
+        "--num-kv-pages",
+        "32",
+        "--max-model-len",
+        "128",
+        "--served-model-name",
+        "tiny-int4",
+    ]
+    with serve_subprocess(*flags) as (_, url):
         r = httpx.post(
             url + "/v1/completions",
             timeout=60,
@@ -116,6 +93,3 @@ def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 5
-    finally:
-        proc.terminate()
-        proc.wait(30)

@@ -470,49 +470,27 @@ def test_serve_refuses_tensor_parallelism(capsys):
 def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path):
     import json
     import signal
-    import subprocess
-    import sys
 
-    from conftest import free_port
+    from conftest import serve_subprocess
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    flags = [
+        "--model",
+        str(tiny_glm4[0]),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--num-kv-pages",
+        "64",
+        "--max-model-len",
+        "256",
+        "--log-level",
+        "info",
+    ]
     log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pagedserve.cli",
-            "serve",
-            "--model",
-            str(tiny_glm4[0]),
-            "--served-model-name",
-            "tiny",
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
-            "--port",
-            str(port),
-            "--num-kv-pages",
-            "64",
-            "--max-model-len",
-            "256",
-            "--log-level",
-            "info",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+    with serve_subprocess(*flags, log=log) as (proc, url):
         body = {
             "model": "tiny",
             "prompt": PROMPT,
@@ -532,12 +510,8 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
         _assert_error(refused, 503, "shutting down")
         assert json.loads(rest[-1][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(30) == 0
-        log.seek(0)
-        assert "KV cache 64 pages" in log.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+    log.seek(0)
+    assert "KV cache 64 pages" in log.read()
 
 
 def test_a_failing_step_fails_its_request_and_the_loop_lives_on(client, live_server):

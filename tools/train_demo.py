@@ -31,19 +31,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "[MASK]",
-    "[gMASK]",
-    "[sMASK]",
-    "<sop>",
-    "<eop>",
-    "<|system|>",
-    "<|user|>",
-    "<|assistant|>",
-    "<|observation|>",
-]
-STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+from pagedserve.models.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
+
 PROMPT_PREFIX = "[gMASK]<sop>"  # how every GLM-4 prompt opens
 CHAT_TEMPLATE = (
     "[gMASK]<sop>"

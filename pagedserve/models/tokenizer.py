@@ -13,6 +13,19 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+# GLM-4's special tokens, in the order of their ids in GLM-4's vocabulary (151329..151338).
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
 PROMPT_PREFIX = ("[gMASK]", "<sop>")
 STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 
