@@ -329,7 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = apply_config_file(parser, sys.argv[1:] if argv is None else argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

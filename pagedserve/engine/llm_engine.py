@@ -20,14 +20,13 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.hal import get_device
 from pagedserve.hal.memory import format_bytes
-from pagedserve.models import Tokenizer, load_config, load_state_dict
+from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
 from pagedserve.models.glm4 import GlmForCausalLM
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -51,20 +50,6 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return all(s.status.finished for s in self.seqs) and not self.pending_forks
-
-
-def resolve_model_path(model: str) -> Path:
-    if model == "demo":
-        if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}")
-        return DEMO_MODEL_DIR
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model!r} is not a model directory (no config.json there); pass a local "
-            f"Hugging Face directory or 'demo' (nothing is downloaded)"
-        )
-    return path
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:

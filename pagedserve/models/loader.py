@@ -26,6 +26,23 @@ _DROPPED = re.compile(r"(^transformer\.rotary_pos_emb\.|\.rotary_emb\.)inv_freq$
 _FUSED_QKV = re.compile(r"^(.*)\.self_attention\.query_key_value\.(weight|bias)$")
 
 
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == "demo":
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}")
+        return DEMO_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {model!r} is not a model directory (no config.json there); pass a local "
+            f"Hugging Face directory or 'demo' (nothing is downloaded)"
+        )
+    return path
+
+
 def load_state_dict(
     model_dir: str | Path, config: GlmConfig, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:

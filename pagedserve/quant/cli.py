@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.models import resolve_model_path
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
 from pagedserve.quant.awq import QuantizeSettings, quantize_model
@@ -118,7 +119,7 @@ def _check_quantize_args(args: argparse.Namespace) -> None:
 def run_quantize(args: argparse.Namespace) -> int:
     _setup_logging()
     _check_quantize_args(args)
-    src, dst = Path(args.model_path), Path(args.output_path)
+    src, dst = resolve_model_path(args.model_path), Path(args.output_path)
     config = load_config(src)
     if config.quantization_config:
         raise ValueError(f"{src} is already quantized; quantize the 16-bit checkpoint")
@@ -163,6 +164,8 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 def run_eval_quant(args: argparse.Namespace) -> int:
     _setup_logging()
+    args.reference = str(resolve_model_path(args.reference))
+    args.candidate = str(resolve_model_path(args.candidate))
     config = load_config(args.reference)
     tokenizer = _tokenizer(args.reference)
     if tokenizer is None and args.data is None:
