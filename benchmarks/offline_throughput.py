@@ -210,6 +210,7 @@ def bench_vllm(model_dir: Path, sizes) -> dict[int, float]:
 def profile_decode(model_dir: Path, quantization: str | None, n: int, new_tokens: int) -> None:
     from pagedserve import LLM, SamplingParams
 
+    quantization = None if quantization == "none" else quantization
     llm = LLM(model=str(model_dir), dtype="bfloat16", quantization=quantization, max_model_len=2048)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts(n), sp, use_tqdm=False)
@@ -232,7 +233,8 @@ def main() -> None:
         default=["pagedserve-int4", "pagedserve-bf16", "transformers"],
         help="any of pagedserve-int4 pagedserve-bf16 transformers vllm, or 'all'",
     )
-    ap.add_argument("--profile", action="store_true", help="profile pagedserve-int4 decode instead")
+    ap.add_argument("--profile", action="store_true", help="profile pagedserve decode instead")
+    ap.add_argument("--profile-quantization", default="int4", help="int4, or none for bf16")
     args = ap.parse_args()
     systems = (
         ["pagedserve-int4", "pagedserve-bf16", "transformers", "vllm"]
@@ -241,7 +243,7 @@ def main() -> None:
     )
     model_dir = build_model(args.model_dir)
     if args.profile:
-        profile_decode(model_dir, "int4", args.batch_sizes[0], args.new_tokens)
+        profile_decode(model_dir, args.profile_quantization, args.batch_sizes[0], args.new_tokens)
         return
     runners = {
         "pagedserve-int4": lambda: bench_pagedserve(

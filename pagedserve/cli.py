@@ -164,6 +164,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
 
 
+SWITCH_INTERVAL_S = 0.0001
+
+
 def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -180,6 +183,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
+    # The engine thread drops the GIL in every torch op and must get it back quickly; with the
+    # default 5 ms switch interval the HTTP thread, busy with many streams, holds it for whole
+    # slices and each step waits (a convoy). See README "Serving" for the measurement.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     _serve(engine, args)
     return 0
 

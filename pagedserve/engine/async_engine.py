@@ -232,10 +232,13 @@ class AsyncLLMEngine:
             logger.exception("engine.step() failed; aborting the requests in flight")
             self._fail_in_flight(e)
             return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream.put(output)
+                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, deliveries in by_loop.items():  # one wake-up of the event loop per step
+            loop.call_soon_threadsafe(_deliver, deliveries)
         self._mark_tokens()
 
     def _fail_in_flight(self, error: Exception) -> None:
@@ -255,6 +258,11 @@ class AsyncLLMEngine:
         self._token_marks.append((now, self.engine.stats["generation_tokens_total"]))
         while len(self._token_marks) > 2 and now - self._token_marks[0][0] > THROUGHPUT_WINDOW_S:
             self._token_marks.popleft()
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, output in deliveries:
+        q.put_nowait(output)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
