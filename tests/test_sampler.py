@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedserve.engine.sampler import (
+    NUCLEUS_CANDIDATES,
     Sampler,
     SamplingMetadata,
     apply_logit_bias,
@@ -272,3 +273,44 @@ def test_prompt_logprobs_match_log_softmax():
 def test_logits_rows_must_match_the_metadata():
     with pytest.raises(ValueError, match=r"shape \(3, 12\).*\[2, vocab_size\]"):
         Sampler()(torch.zeros(3, VOCAB), make_meta([SamplingParams()] * 2))
+
+
+def test_top_k_row_beside_an_unrestricted_row_keeps_its_own_k_largest():
+    logits = torch.zeros(2, 100)
+    logits[:, 90:] = 10.0  # all the mass on ids 90..99
+    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)]
+    meta = SamplingMetadata(params, [[1]] * 2, [[]] * 2, [None] * 2, [frozenset()] * 2)
+    torch.manual_seed(0)
+    draws = [Sampler()(logits, meta).sampled_token_ids for _ in range(200)]
+    assert {row[0] for row in draws} <= set(range(90, 100))
+    assert {row[1] for row in draws} <= set(range(90, 100))
+
+
+@pytest.mark.parametrize("vocab", [3000, 200])  # nucleus within the bounded candidates, and not
+def test_top_p_alone_draws_exactly_the_nucleus(vocab):
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, vocab, generator=g) * 4
+    probs = torch.softmax(logits[0], -1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    nucleus = set(order[before < 0.8].tolist())
+    params = [SamplingParams(temperature=1.0, top_p=0.8)] * 64
+    meta = SamplingMetadata(params, [[1]] * 64, [[]] * 64, [None] * 64, [frozenset()] * 64)
+    torch.manual_seed(1)
+    drawn = set()
+    for _ in range(20):
+        drawn |= set(Sampler()(logits.expand(64, -1), meta).sampled_token_ids)
+    assert drawn <= nucleus
+    assert len(drawn) >= min(len(nucleus), 5)
+
+
+def test_flat_distribution_needs_the_full_sort_and_still_keeps_the_nucleus():
+    logits = torch.zeros(1, 5000)  # uniform: the 0.5-nucleus holds 2,500 tokens
+    params = [SamplingParams(temperature=1.0, top_p=0.5)] * 64
+    meta = SamplingMetadata(params, [[1]] * 64, [[]] * 64, [None] * 64, [frozenset()] * 64)
+    torch.manual_seed(2)
+    drawn = set()
+    for _ in range(40):
+        drawn |= set(Sampler()(logits.expand(64, -1), meta).sampled_token_ids)
+    # more distinct tokens than the bounded candidate set holds, and no more than the nucleus
+    assert NUCLEUS_CANDIDATES < len(drawn) <= 2500
