@@ -200,3 +200,18 @@ def write_chatglm_checkpoint(model, model_dir: str | Path, rope_ratio: float = 5
     config = chatglm_config_dict(model.config, rope_ratio)
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: pagedserve's log-probabilities of every vocabulary entry at each
+    prompt position after the first (its prompt_logprobs with top-N = the whole vocabulary)."""
+    from pagedserve import SamplingParams
+
+    vocab = llm.llm_engine.model_config.vocab_size
+    out = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(max_tokens=1, prompt_logprobs=vocab, temperature=0.0),
+        use_tqdm=False,
+    )[0]
+    assert out.prompt_logprobs[0] is None
+    return torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])

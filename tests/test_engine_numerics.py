@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import build_tiny_hf_model
+from helpers_models import build_tiny_hf_model, prompt_logprobs
 
 from pagedserve import LLM, SamplingParams
 
@@ -119,14 +119,7 @@ def test_bf16_logprobs_close_to_transformers_bf16(arch, tmp_path):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", num_kv_pages=64)
-    vocab = hf.config.vocab_size
-    out = llm.generate(
-        {"prompt_token_ids": prompt},
-        SamplingParams(max_tokens=1, prompt_logprobs=vocab, temperature=0.0),
-        use_tqdm=False,
-    )[0]
-    got = torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])
-    assert out.prompt_logprobs[0] is None
+    got = prompt_logprobs(llm, prompt)
     # bf16 has ~3 significant digits; through 2 layers, log-probabilities agree to a few 1e-2.
     torch.testing.assert_close(got, ref[:-1], atol=0.1, rtol=0.0)
     assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9

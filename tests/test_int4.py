@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_models import build_tiny_hf_model
+from helpers_models import build_tiny_hf_model, prompt_logprobs
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device
@@ -64,13 +64,7 @@ def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(arch, tmp_pa
     with torch.no_grad():
         ref = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], -1)[:-1]
     llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization="int4", num_kv_pages=64)
-    vocab = hf.config.vocab_size
-    out = llm.generate(
-        {"prompt_token_ids": prompt},
-        SamplingParams(max_tokens=1, prompt_logprobs=vocab),
-        use_tqdm=False,
-    )[0]
-    got = torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])
+    got = prompt_logprobs(llm, prompt)
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0.0)
 
 
