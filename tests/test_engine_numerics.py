@@ -123,3 +123,13 @@ def test_bf16_logprobs_close_to_transformers_bf16(arch, tmp_path):
     # bf16 has ~3 significant digits; through 2 layers, log-probabilities agree to a few 1e-2.
     torch.testing.assert_close(got, ref[:-1], atol=0.1, rtol=0.0)
     assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
+
+
+def test_tied_embeddings_match_transformers_and_stay_one_copy(tmp_path):
+    hf = build_tiny_hf_model(tmp_path, "glm4", tie_word_embeddings=True)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_pages=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == _hf_greedy(hf, PROMPTS[1], MAX_TOKENS)
+    allocations = llm.llm_engine.device.memory_stats()["weight"]["allocations"]
+    assert "model.embed_tokens.weight" in allocations and "lm_head.weight" not in allocations

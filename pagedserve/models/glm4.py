@@ -72,13 +72,14 @@ class GlmForCausalLM:
         qc = self.config.quantization_config
         self.int4_layers: dict[str, CanonicalInt4] = load_quantized_linears(sd, qc) if qc else {}
         put = self._place
-        self.embed_tokens = put(sd.pop("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
+        embed = sd.pop("model.embed_tokens.weight")
         lm_head = sd.pop("lm_head.weight", None)
-        if lm_head is None:
-            assert self.config.tie_word_embeddings, "checkpoint has no lm_head.weight"
-            self.lm_head = self.embed_tokens
+        self.embed_tokens = put(embed, "model.embed_tokens.weight")
+        self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
+        if self.config.tie_word_embeddings and (lm_head is None or lm_head is embed):
+            self.lm_head = self.embed_tokens  # one copy on the device
         else:
+            assert lm_head is not None, "checkpoint has no lm_head.weight"
             self.lm_head = put(lm_head, "lm_head.weight")
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
 
