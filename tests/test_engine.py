@@ -128,3 +128,11 @@ def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(llm, monkeypatch)
     assert _generate_with_fault(llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
     llm.llm_engine.device.take_faulted_pages()
     assert _drained(llm)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
+    with pytest.raises(
+        RequestRejectedError, match=r"stop_token_ids 5000 is outside the vocabulary"
+    ):
+        llm.llm_engine.add_request("s", [1, 2], SamplingParams(stop_token_ids=[3, 5000]))
+    assert _drained(llm)

@@ -228,11 +228,15 @@ class LLMEngine:
         if n_prompt == 0:
             raise RequestRejectedError("the prompt is empty; send at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejectedError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
+        for what, ids in (
+            ("prompt token id", prompt_ids),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejectedError(
+                    f"{what} {bad[0]} is outside the vocabulary [0, {vocab})"
+                )
         if total > self.max_model_len:
             raise RequestRejectedError(
                 f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
