@@ -160,3 +160,9 @@ def test_interleaved_partial_rotary_rotates_adjacent_pairs_of_the_first_dims():
     torch.testing.assert_close(y[0, 0, 0], x0 * angle0.cos() - x1 * angle0.sin())
     torch.testing.assert_close(y[0, 0, 1], x1 * angle0.cos() + x0 * angle0.sin())
     torch.testing.assert_close(y[0, 0, 4:], x[0, 0, 4:])  # dims past rotary_dim pass through
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error_naming_the_alternatives():
+    with pytest.raises(ValueError, match="needs a GPU.*--device kunlun-emu or cpu"):
+        get_device("cuda")

@@ -12,7 +12,7 @@ class CudaDevice(Device):
 
     def __init__(self, preset: DevicePreset):
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise ValueError(
                 "--device cuda needs a GPU that torch can see; use --device kunlun-emu or cpu"
             )
         super().__init__(preset, "cuda")
