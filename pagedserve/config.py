@@ -3,7 +3,7 @@ keyword arguments. Field names are vLLM's."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class _Config(BaseModel):
@@ -59,4 +59,11 @@ class EngineConfig(_Config):
                 known = sorted(f for c in sections.values() for f in c.model_fields)
                 raise TypeError(f"unknown engine argument {key!r}; known: {', '.join(known)}")
             tree[owner][key] = value
-        return cls(**tree)
+        try:
+            return cls(**tree)
+        except ValidationError as e:  # name the flag, as the user typed it
+            problems = "; ".join(
+                f"--{str(err['loc'][-1]).replace('_', '-')} {err['input']!r}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise ValueError(f"invalid setting: {problems}") from None

@@ -136,3 +136,14 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
     ):
         llm.llm_engine.add_request("s", [1, 2], SamplingParams(stop_token_ids=[3, 5000]))
     assert _drained(llm)
+
+
+def test_invalid_engine_settings_name_the_flag():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(
+        ValueError, match=r"--block-size 0: Input should be greater than or equal to 1"
+    ):
+        EngineConfig.from_kwargs(block_size=0)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 1.5"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
