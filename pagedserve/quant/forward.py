@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedserve.hal.kernels import rotary_cos_sin
+from pagedserve.hal.kernels import apply_rotary, rotary_at, rotary_cos_sin
 from pagedserve.models.config import GlmConfig
 
 LINEARS = (
@@ -112,8 +112,5 @@ class ReferenceGlm:
         return linear("self_attn.o_proj", o.transpose(1, 2).reshape(b, t, -1))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        rot = self.cos_sin.shape[-1]
-        cos, sin = self.cos_sin[: x.shape[1]].view(1, x.shape[1], 1, rot).chunk(2, -1)
-        x1, x2 = x[..., :rot:2], x[..., 1:rot:2]
-        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
-        return torch.cat([rotated, x[..., rot:]], -1)
+        """x [B, T, heads, head_dim] at positions 0..T-1: the HAL's reference rotary."""
+        return apply_rotary(x, *rotary_at(self.cos_sin, torch.arange(x.shape[1])))
