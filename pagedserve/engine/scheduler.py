@@ -79,7 +79,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted request
-                self._preempt(victim, out)
+                self._preempt(victim)
+                out.preempted.append(victim)
                 if victim is req:
                     break
             else:
@@ -113,9 +114,9 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Take a running request back to the front of the queue, its pages freed (recompute)."""
         self.running.remove(req)
-        self._preempt(req, SchedulerOutput())
+        self._preempt(req)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request) -> None:
         """Free the request's pages; it recomputes from scratch (prefix caching may help) later."""
         self.block_manager.free(req)
         req.num_computed_tokens = 0
@@ -123,8 +124,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req)
-        logger.debug("preempted %s (out of KV pages)", req.request_id)
+        logger.debug("preempted %s", req.request_id)
 
     def admit_forked(self, child: Request) -> None:
         """A child of an ``n > 1`` request that shares its parent's pages joins the running set."""
