@@ -22,7 +22,8 @@ logger = logging.getLogger("pagedserve.serve")
 ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "num_kv_pages", "enable_prefix_caching", "seed", "device",
+    "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
+    "quantize_lm_head",
 )  # fmt: skip
 
 
@@ -64,6 +65,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="weight quantization: int4 (group-wise weight-only) or the checkpoint's own",
     )
     a("--quant-group-size", type=int, default=None, help="int4 group size: 32, 64 or 128")
+    a(
+        "--quantize-lm-head",
+        choices=["none", "int8", "int4"],
+        default=None,
+        help="lm_head weights: 16-bit, int8 per channel, or int4 in groups of --quant-group-size "
+        "(default: as the checkpoint has them). At batch 1 lm_head is a large share of each "
+        "token; check the quality with `pagedserve eval-quant --lm-head`",
+    )
     a("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     a("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
     a(
@@ -97,7 +106,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a(
         "--enforce-eager",
         action="store_true",
-        help="accepted for vLLM compatibility; pagedserve always runs eagerly",
+        default=None,
+        help="run plain PyTorch ops instead of the native CPU kernels that are compiled once per "
+        "machine and cached (slower; for debugging and for machines without a C++ compiler)",
     )
     a(
         "--enable-prefix-caching",
@@ -195,8 +206,6 @@ def _build_engine(args: argparse.Namespace):
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
 
-    if args.enforce_eager:
-        logger.info("--enforce-eager: pagedserve always runs eagerly")
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
     logger.info("engine ready: %s", engine.describe())
     return engine

@@ -16,6 +16,7 @@ class ModelConfig(_Config):
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str | None = None  # None | "int4" (or a checkpoint's own quantization_config)
     quant_group_size: int = Field(32, description="int4 group size: 32, 64 or 128")
+    quantize_lm_head: str | None = None  # none | int8 | int4; None: as the checkpoint has it
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
@@ -35,6 +36,7 @@ class SchedulerConfig(_Config):
 
 class DeviceConfig(_Config):
     device: str = "kunlun-emu"
+    enforce_eager: bool = False  # plain PyTorch ops instead of the compiled (native) kernels
 
 
 class EngineConfig(_Config):

@@ -67,7 +67,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.model_config.torch_dtype)
-        self.device = get_device(config.device.device)
+        self.device = get_device(config.device.device, config.device.enforce_eager)
         self.tokenizer = self._load_tokenizer()
         self.model = self._load_model()
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
@@ -111,7 +111,12 @@ class LLMEngine:
                 f"quantize at load time, or run `pagedserve quantize` first"
             )
         model = GlmForCausalLM(
-            self.model_config, self.device, self.dtype, mc.quantization, mc.quant_group_size
+            self.model_config,
+            self.device,
+            self.dtype,
+            mc.quantization,
+            mc.quant_group_size,
+            mc.quantize_lm_head,
         )
         model.load_weights(state_dict)
         return model

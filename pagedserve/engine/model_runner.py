@@ -41,7 +41,7 @@ class ModelRunner:
         self.device = device
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=device.argmax)
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -70,38 +70,43 @@ class ModelRunner:
         return out
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled requests: one pass in Python, one tensor per field.
+
+        At batch 1 the step's whole budget is a few milliseconds, so this avoids per-token tensor
+        ops: slots are computed with integer arithmetic, and each field becomes a tensor once.
+        """
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slot_mapping: list[int] = []
         query_start_loc, seq_lens, logits_indices = [0], [], []
         for s in sched.scheduled:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
+            table = s.block_table
             input_ids += s.request.all_token_ids[start:end]
             positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             if s.completes_sequence:
                 logits_indices.append(len(input_ids) - 1)
         max_blocks = max(len(s.block_table) for s in sched.scheduled)
-        block_tables = torch.tensor(
-            [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.scheduled],
-            dtype=torch.long,
-        )
-        pos = torch.tensor(positions, dtype=torch.long)
-        owner = torch.repeat_interleave(
-            torch.arange(len(seq_lens)), torch.tensor([s.num_new_tokens for s in sched.scheduled])
-        )
-        slot_mapping = block_tables[owner, pos // bs] * bs + pos % bs
+        padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.scheduled]
         dev = self.device.torch_device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
+            slot_mapping=torch.tensor(slot_mapping, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=block_tables.to(dev),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
             block_size=bs,
         )
-        return ModelInput(torch.tensor(input_ids, device=dev), pos.to(dev), meta, logits_indices)
+        return ModelInput(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            logits_indices,
+        )
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         return SamplingMetadata(

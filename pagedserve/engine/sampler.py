@@ -23,6 +23,7 @@ benchmarks/sampler_speed.py measures the whole sampler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,17 +57,28 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # chosen token + top-N, where params.logprobs is set
 
 
+def _row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
+    """``argmax`` may be a backend's faster row-wise argmax (same ties: the first maximum)."""
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = _row_argmax):
+        self.argmax = argmax
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         _check_logits(logits, len(meta.params))
         logits = logits.float()
+        if all(p.greedy and p.logprobs is None and not _modifies_logits(p) for p in meta.params):
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(meta.params))
         if any(_modifies_logits(p) for p in meta.params):
             logits = logits.clone()  # the steps below work in place; the caller's stay intact
         apply_logit_bias(logits, meta.params)
         apply_min_tokens(logits, meta)
         apply_penalties(logits, meta)
         logprobs = gather_logprobs(logits, meta.params)
-        token_ids = sample(logits, meta.params, meta.generators)
+        token_ids = sample(logits, meta.params, meta.generators, self.argmax)
         return SamplerOutput(
             sampled_token_ids=token_ids.tolist(),
             logprobs=build_logprob_dicts(logprobs, token_ids, meta.params),
@@ -222,11 +234,12 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: Callable[[torch.Tensor], torch.Tensor] = _row_argmax,
 ) -> torch.Tensor:
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
-        token_ids[_long(greedy_rows, logits)] = _select_rows(logits, greedy_rows).argmax(dim=-1)
+        token_ids[_long(greedy_rows, logits)] = argmax(_select_rows(logits, greedy_rows))
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         scaled = _select_rows(logits, random_rows) / _row_values(

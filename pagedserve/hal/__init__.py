@@ -7,8 +7,10 @@ from pagedserve.hal.memory import DeviceOutOfMemoryError, MemoryAttr
 DEFAULT_DEVICE = "kunlun-emu"
 
 
-def get_device(name: str = DEFAULT_DEVICE) -> Device:
-    """A device from a backend name (``kunlun-emu``, ``cpu``, ``cuda``) or a preset name / YAML path."""
+def get_device(name: str = DEFAULT_DEVICE, enforce_eager: bool = False) -> Device:
+    """A device from a backend name (``kunlun-emu``, ``cpu``, ``cuda``) or a preset name / YAML path.
+
+    ``enforce_eager`` keeps a backend on plain PyTorch ops (no compiled kernels)."""
     from pagedserve.hal.cpu import CpuDevice
     from pagedserve.hal.cuda import CudaDevice
     from pagedserve.hal.kunlun_emu import KunlunEmuDevice
@@ -20,7 +22,7 @@ def get_device(name: str = DEFAULT_DEVICE) -> Device:
             f"device preset {preset.name!r} names unknown backend {preset.backend!r}; "
             f"backends: {', '.join(backends)}"
         )
-    return backends[preset.backend](preset)
+    return backends[preset.backend](preset, enforce_eager=enforce_eager)
 
 
 __all__ = [

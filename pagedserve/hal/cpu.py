@@ -1,25 +1,54 @@
-"""Plain PyTorch on the host CPU, with a batched decode path for paged attention."""
+"""Plain PyTorch on the host CPU, with native kernels for what a decode step spends its time on.
+
+Two kernel sets, chosen at start-up:
+- **native** (default where it builds): ``csrc/cpu_kernels.cpp`` through ``native.py``: an int4
+  GEMM that reads each packed weight once for up to 8 rows, a bf16 GEMV for a few rows, fused
+  residual-add + RMSNorm, SiLU-and-mul, rotary + KV-cache write, and paged decode attention that
+  reads keys and values straight from their pages.
+- **eager** (``--enforce-eager``, or where the native kernels cannot be built): PyTorch ops only,
+  PyTorch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) and SDPA over gathered pages.
+
+benchmarks/linear_paths.py and benchmarks/compare.py measure both; the tests hold both to the
+references in ``kernels.py`` and ``int4.py``.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.hal.device import Device, DevicePreset
-from pagedserve.hal.int4 import Int4Linear, cpu_int4_scales_and_zeros, quantize_activations_int8
+from pagedserve.hal.int4 import (
+    Int4Linear,
+    cpu_int4_scales_and_zeros,
+    pack_tiles16,
+    quantize_activations_int8,
+)
+from pagedserve.hal.int8 import Int8Linear
 from pagedserve.hal.kernels import AttentionMetadata, gather_context
+from pagedserve.hal.native import load_native_kernels
 
 logger = logging.getLogger(__name__)
+
+# Up to this many rows a dense bf16 layer runs through the native GEMV, beyond it through oneDNN's
+# GEMM (benchmarks/linear_paths.py: the GEMV streams lm_head 3-4x faster at 1 row, ties at 4-8).
+FEW_ROWS = 4
 
 
 class CpuDevice(Device):
     backend = "cpu"
 
-    def __init__(self, preset: DevicePreset):
+    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
         super().__init__(preset, "cpu")
+        self.native = None if enforce_eager else load_native_kernels()
+
+    @property
+    def kernel_set(self) -> str:
+        return "native" if self.native is not None else "eager"
 
     def host_memory_limit(self) -> float:
         """Half of the host's free RAM: a preset larger than this machine must not swap it to death."""
@@ -29,6 +58,7 @@ class CpuDevice(Device):
             return float("inf")
         return free / 2
 
+    # ---- int4 ---------------------------------------------------------------------------------
     def prepare_int4(
         self,
         qcodes: torch.Tensor,
@@ -38,60 +68,145 @@ class CpuDevice(Device):
         tag: str,
         abits: int = 16,
     ) -> Int4Linear:
-        """Pack for PyTorch's CPU int4 kernel (``_weight_int4pack_mm_for_cpu``)."""
+        """Pack for the native int4 kernel, else for PyTorch's (``_weight_int4pack_mm_for_cpu``)."""
         n, k = qcodes.shape
         if n % 16 or group_size not in (32, 64, 128, 256):
             return super().prepare_int4(qcodes, scales, zeros, group_size, tag, abits)
         w = Int4Linear(n, k, group_size, abits)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qcodes.to(torch.int32), 1)
+        if self.native is not None:
+            w.layout = "tiles16"
+            packed, scales_and_zeros = pack_tiles16(qcodes, scales, zeros, group_size)
+        else:
+            w.layout = "aten"
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qcodes.to(torch.int32), 1)
+            scales_and_zeros = cpu_int4_scales_and_zeros(scales, zeros)
         w.packed = self.to_device(packed, "weight", f"{tag}.qweight")
-        w.scales_and_zeros = self.to_device(
-            cpu_int4_scales_and_zeros(scales, zeros), "weight", f"{tag}.scales_zeros"
-        )
+        w.scales_and_zeros = self.to_device(scales_and_zeros, "weight", f"{tag}.scales_zeros")
         return w
 
     def int4_linear(
         self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """bf16 activations always: the kernel is 20-60x slower with fp32 or fp16 ones (GLM4.md)."""
-        if w.packed is None:
+        """bf16 activations always: PyTorch's kernel is 20-60x slower with fp32 or fp16 ones
+        (GLM4.md), and the native kernel multiplies bf16 pairs."""
+        if w.layout == "reference":
             return super().int4_linear(x, w, b)
         if w.abits == 8:
             x = quantize_activations_int8(x)
-        xb = x.reshape(-1, w.in_features).to(torch.bfloat16).contiguous()
+        rows = x.reshape(-1, w.in_features)
+        if w.layout == "tiles16":
+            bias = None if b is None else b.to(x.dtype)
+            out = self.native.int4_linear(
+                rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias
+            )
+            return out.view(*x.shape[:-1], w.out_features)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            xb, w.packed, w.group_size, w.scales_and_zeros
+            rows.to(torch.bfloat16).contiguous(), w.packed, w.group_size, w.scales_and_zeros
         )
         if b is not None:
             out = out + b.to(out.dtype)
         return out.view(*x.shape[:-1], w.out_features).to(x.dtype)
 
+    def int8_linear(
+        self, x: torch.Tensor, w: Int8Linear, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rows = x.reshape(-1, w.in_features).to(w.scales.dtype).contiguous()
+        out = torch._weight_int8pack_mm(rows, w.qweight, w.scales)
+        if b is not None:
+            out = out + b.to(out.dtype)
+        return out.view(*x.shape[:-1], w.out_features).to(x.dtype)
+
+    # ---- dense --------------------------------------------------------------------------------
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """A few bf16 rows through a dense bf16 matrix stream it with the native GEMV."""
+        if (
+            self.native is not None
+            and isinstance(w, torch.Tensor)
+            and w.dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and x.shape[0] <= FEW_ROWS
+            and x.shape[1] % 32 == 0
+        ):
+            return self.native.bf16_linear_few_rows(x.contiguous(), w, b)
+        return super().linear(x, w, b)
+
+    # ---- norms and activations ----------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """The reference's rounding (normalise in fp32, cast, then scale) in half the ops."""
+        """The reference's rounding (normalise in fp32, cast, then scale)."""
+        if self._native_rows(x):
+            return self.native.rms_norm(x.contiguous(), w, eps)
         return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
-    def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """As complex numbers: an interleaved pair (x[2i], x[2i+1]) is x[2i] + i x[2i+1], and the
-        rotation is one complex product (half the ops of the reference)."""
-        cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return torch.complex(cos.contiguous(), sin.contiguous())
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The native kernel adds ``x`` into ``residual`` in place."""
+        if residual is None or not self._native_rows(x):
+            return super().add_rms_norm(x, residual, w, eps)
+        return self.native.add_rms_norm(x.contiguous(), residual, w, eps), residual
 
-    def apply_rotary(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_rows(x) and x.shape[-1] % 32 == 0:
+            return self.native.silu_and_mul(x.contiguous())
+        return super().silu_and_mul(x)
+
+    def _native_rows(self, x: torch.Tensor) -> bool:
+        return self.native is not None and x.shape[-1] % 16 == 0 and x.dtype != torch.float64
+
+    # ---- rotary and the KV cache --------------------------------------------------------------
+    def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> object:
+        """Native: the cos/sin table and the positions, looked up inside the kernel. Eager: complex
+        factors, an interleaved pair (x[2i], x[2i+1]) being x[2i] + i x[2i+1], so that the rotation
+        is one complex product (half the ops of the reference)."""
+        if self.native is not None:
+            return cos_sin, positions
+        return _complex_rotary(cos_sin, positions)
+
+    def apply_rotary(self, x: torch.Tensor, rope: object) -> torch.Tensor:
         """Rotates ``x`` in place."""
+        if isinstance(rope, tuple):  # the native form
+            rope = _complex_rotary(*rope)
         rot = 2 * rope.shape[-1]
         pairs = torch.view_as_complex(x[..., :rot].float().unflatten(-1, (-1, 2)).contiguous())
         x[..., :rot] = torch.view_as_real(pairs * rope).flatten(-2)
         return x
 
-    def linear(
-        self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
+    def rotary_and_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        rope: object,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """One row through a dense matrix is a matrix-vector product: ``torch.mv`` ran lm_head
-        (32000 x 768 bf16) in 2.5 ms against 4.4 ms for ``F.linear`` here (benchmarks/linear_paths.py)."""
-        if x.dim() == 2 and x.shape[0] == 1 and isinstance(w, torch.Tensor) and b is None:
-            return torch.mv(w, x[0]).unsqueeze(0)
-        return super().linear(x, w, b)
+        if self.native is None or qkv.dtype != k_cache.dtype or not qkv.is_contiguous():
+            return super().rotary_and_write_kv(qkv, num_heads, rope, k_cache, v_cache, slot_mapping)
+        cos_sin, positions = rope
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        self.native.rotary_and_write_kv(
+            qkv,
+            positions,
+            cos_sin,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        return qkv[:, :num_heads]
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Native: one vectorised pass per row (torch.argmax is scalar here: 28 us for 32000)."""
+        if self.native is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+            return self.native.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
+        return super().argmax(logits)
+
+    # ---- attention ----------------------------------------------------------------------------
     def paged_attention(
         self,
         q: torch.Tensor,
@@ -101,42 +216,69 @@ class CpuDevice(Device):
         scale: float,
     ) -> torch.Tensor:
         plan = meta.scratch.get("cpu") or meta.scratch.setdefault("cpu", _AttentionPlan(meta))
+        native = self.native is not None and q.shape[-1] % 16 == 0 and q.shape[-1] <= 128
         if plan.all_decode:
-            return decode_attention(q, k_cache, v_cache, plan, scale).to(q.dtype)
+            return self._decode_attention(q, k_cache, v_cache, plan, scale, native)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            out[plan.decode_rows] = decode_attention(
-                q[plan.decode_rows], k_cache, v_cache, plan, scale
-            ).to(q.dtype)
+            out[plan.decode_rows] = self._decode_attention(
+                q[plan.decode_rows], k_cache, v_cache, plan, scale, native
+            )
         for sl, table, ctx in plan.prefills:
             k = gather_context(k_cache, table, ctx)
             v = gather_context(v_cache, table, ctx)
             out[sl] = prefill_attention(q[sl], k, v, scale).to(q.dtype)
         return out
 
+    def _decode_attention(self, q, k_cache, v_cache, plan, scale, native: bool) -> torch.Tensor:
+        if native and q.dtype == k_cache.dtype:
+            return self.native.paged_attention_decode(
+                q.contiguous(), k_cache, v_cache, plan.pages, plan.seq_lens, scale
+            )
+        return decode_attention(q, k_cache, v_cache, plan, scale).to(q.dtype)
+
+
+def _complex_rotary(cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    return torch.complex(cos.contiguous(), sin.contiguous())
+
 
 class _AttentionPlan:
-    """What every layer of one forward pass shares: which rows decode, their page gather and mask."""
+    """What every layer of one forward pass shares: which rows decode, their pages and lengths;
+    the eager path's gather indices and mask are made only if it runs."""
 
     def __init__(self, meta: AttentionMetadata):
         qs = meta.query_start_loc
-        decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        query_lens = meta.query_lens
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
         self.prefills = [
             (slice(qs[i], qs[i + 1]), meta.block_tables[i], meta.seq_lens[i])
-            for i, n in enumerate(meta.query_lens)
+            for i, n in enumerate(query_lens)
             if n > 1
         ]
+        self.all_decode = len(decode) == len(query_lens)
         self.decode_rows = None
-        self.all_decode = len(decode) == len(meta.seq_lens)
-        if decode:
+        self.block_size = meta.block_size
+        if self.all_decode:
+            self.pages = meta.block_tables
+            self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.long)
+        elif decode:
             self.decode_rows = torch.tensor([qs[i] for i in decode])
-            seq_lens = torch.tensor([meta.seq_lens[i] for i in decode])
-            self.max_ctx = int(seq_lens.max())
-            num_blocks = -(-self.max_ctx // meta.block_size)
-            self.pages = meta.block_tables[decode, :num_blocks]
-            self.flat_pages = self.pages.flatten()
-            allowed = torch.arange(self.max_ctx) < seq_lens.unsqueeze(1)  # [B, C]
-            self.allowed = allowed[:, None, None, :]
+            self.seq_lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.long)
+            self.pages = meta.block_tables[decode]
+
+    @cached_property
+    def max_ctx(self) -> int:
+        return int(self.seq_lens.max())
+
+    @cached_property
+    def flat_pages(self) -> torch.Tensor:
+        return self.pages[:, : -(-self.max_ctx // self.block_size)].flatten()
+
+    @cached_property
+    def allowed(self) -> torch.Tensor:
+        """[B, 1, 1, C]: which context positions each decoding sequence may attend to."""
+        return (torch.arange(self.max_ctx) < self.seq_lens.unsqueeze(1))[:, None, None, :]
 
 
 def decode_attention(
@@ -146,7 +288,7 @@ def decode_attention(
     plan: _AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once: q [B, H, D] -> [B, H, D].
+    """Eager: one query per sequence, all sequences at once: q [B, H, D] -> [B, H, D].
 
     Gathers each sequence's pages (``index_select``: 2.3x faster than advanced indexing) into a
     [B, KV, C, D] context padded to the longest one and runs SDPA in the cache's dtype (it
@@ -155,7 +297,7 @@ def decode_attention(
     1.6x.
     """
     B, H, D = q.shape
-    num_kv, num_blocks = k_cache.shape[2], plan.pages.shape[1]
+    num_kv, num_blocks = k_cache.shape[2], len(plan.flat_pages) // B
     context = (B, num_blocks * k_cache.shape[1], num_kv, D)
     k = k_cache.index_select(0, plan.flat_pages).view(context)[:, : plan.max_ctx].transpose(1, 2)
     v = v_cache.index_select(0, plan.flat_pages).view(context)[:, : plan.max_ctx].transpose(1, 2)

@@ -10,7 +10,7 @@ from pagedserve.hal.device import Device, DevicePreset
 class CudaDevice(Device):
     backend = "cuda"
 
-    def __init__(self, preset: DevicePreset):
+    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
         if not torch.cuda.is_available():
             raise ValueError(
                 "--device cuda needs a GPU that torch can see; use --device kunlun-emu or cpu"

@@ -15,6 +15,7 @@ import yaml
 
 from pagedserve.hal import int4, kernels
 from pagedserve.hal.int4 import Int4Linear
+from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
 from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
 
@@ -221,13 +222,35 @@ class Device:
         w.zeros = self.to_device(zeros.float(), "weight", f"{tag}.zeros")
         return w
 
+    def prepare_int8(
+        self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, tag: str
+    ) -> Int8Linear:
+        """Place an int8 per-channel layer (``int8.py``) in the weight tier."""
+        n, k = qweight.shape
+        return Int8Linear(
+            n,
+            k,
+            self.to_device(qweight.to(torch.int8), "weight", f"{tag}.qweight"),
+            self.to_device(scales.to(dtype), "weight", f"{tag}.scales"),
+        )
+
     # ---- kernels (reference implementations; backends override) -------------------------------
     def linear(
-        self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor | Int4Linear | Int8Linear,
+        b: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if isinstance(w, Int4Linear):
             return self.int4_linear(x, w, b)
+        if isinstance(w, Int8Linear):
+            return self.int8_linear(x, w, b)
         return kernels.linear(x, w, b)
+
+    def int8_linear(
+        self, x: torch.Tensor, w: Int8Linear, b: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return int8_linear_reference(x, w, b)
 
     def int4_linear(
         self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
@@ -237,6 +260,18 @@ class Device:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return kernels.rms_norm(x, w, eps)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` (just ``x`` when there is no residual yet) and its RMSNorm: the
+        residual stream of a decoder, vLLM's fused_add_rms_norm. A backend may update
+        ``residual`` in place."""
+        residual = x if residual is None else residual + x
+        return self.rms_norm(residual, w, eps), residual
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_and_mul(x)
+
     def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> object:
         """Per-token rotary factors, made once per forward pass in the form ``apply_rotary`` wants."""
         return kernels.rotary_at(cos_sin, positions)
@@ -244,6 +279,24 @@ class Device:
     def apply_rotary(self, x: torch.Tensor, rope: object) -> torch.Tensor:
         """Rotated ``x``; a backend may rotate ``x`` in place and return it."""
         return kernels.apply_rotary(x, *rope)
+
+    def rotary_and_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        rope: object,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotate q and k of ``qkv`` [T, heads + 2 kv_heads, D], store k and v at their slots;
+        returns q [T, heads, D]. The cache holds rotated keys."""
+        num_kv_heads = k_cache.shape[2]
+        qk = self.apply_rotary(qkv[:, : num_heads + num_kv_heads], rope)
+        self.write_kv(
+            qk[:, num_heads:], qkv[:, num_heads + num_kv_heads :], k_cache, v_cache, slot_mapping
+        )
+        return qk[:, :num_heads]
 
     def write_kv(
         self,
@@ -264,6 +317,10 @@ class Device:
         scale: float,
     ) -> torch.Tensor:
         return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Per row, the index of the first largest value (greedy sampling)."""
+        return logits.argmax(dim=-1)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         assert self.kv_cache is not None, "copy_pages before the KV cache was allocated"

@@ -24,9 +24,10 @@ class Int4Linear:
     qcodes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
-    # PyTorch's CPU int4 kernel form
-    packed: torch.Tensor | None = None  # uint8 [N, K/2], opaque
-    scales_and_zeros: torch.Tensor | None = None  # bf16 [K/G, N, 2]
+    # a backend kernel's packed form: which kernel, its codes, and its scales and zeros
+    layout: str = "reference"  # "aten": _weight_int4pack_mm_for_cpu; "tiles16": native kernels
+    packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles16: [N/16, K/8, 64]
+    scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles16: pack_tiles16
 
     @property
     def nbytes(self) -> int:
@@ -71,3 +72,33 @@ def cpu_int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torc
         .contiguous()
         .to(torch.bfloat16)
     )
+
+
+def pack_tiles16(
+    qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernels' layout (see ``csrc/cpu_kernels.cpp``): tiles of 16 output rows.
+
+    codes: uint8 [N/16, K/8, 64]; chunk c holds k = 8c .. 8c+7 of the tile's rows as four k-pairs
+    (pair p: k = 8c + 2p + e, e in {0, 1}). Byte b, with lane = b // 16 and i = b % 16, holds
+    row 4 * lane + (i % 8) // 2, element e = i % 2: bytes with i < 8 carry pair 0 in the low nibble
+    and pair 2 in the high one; bytes with i >= 8, pairs 1 and 3. (Unpacking the low and high
+    nibbles of a chunk with the kernel's byte interleave yields each pair for all 16 rows.)
+    scales and zeros: fp16 [N/16, K/G, 2, 16], the tile's 16 scales, then its 16 zero points plus
+    128 (integers up to 143, exact). fp16 keeps the scales of AWQ and GPTQ checkpoints exactly.
+    """
+    n, k = qcodes.shape
+    codes = qcodes.to(torch.uint8).view(n // 16, 16, k // 8, 4, 2)  # tile, row, chunk, pair, e
+    b = torch.arange(64)
+    lane, i = b // 16, b % 16
+    row, e = 4 * lane + (i % 8) // 2, i % 2
+    low_pair = (i >= 8).long()
+    low = codes[:, row, :, low_pair, e]  # [64, tiles, chunks]: advanced indices come first
+    high = codes[:, row, :, low_pair + 2, e]
+    packed = (low | (high << 4)).permute(1, 2, 0).contiguous()
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
+        return t.float().view(n // 16, 16, k // group_size).transpose(1, 2)
+
+    sz = torch.stack([per_tile(scales), per_tile(zeros) + 128], dim=2)
+    return packed, sz.to(torch.float16).contiguous()

@@ -48,6 +48,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: silu(gate) * up, gate first (GLM-4's fused gate_up_proj)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary_cos_sin(rotary_dim: int, theta: float, max_position: int) -> torch.Tensor:
     """[max_position, rotary_dim] fp32: cos in the first half, sin in the second."""
     inv_freq = theta ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)

@@ -16,8 +16,8 @@ from pagedserve.hal.device import DevicePreset
 class KunlunEmuDevice(CpuDevice):
     backend = "kunlun-emu"
 
-    def __init__(self, preset: DevicePreset):
-        super().__init__(preset)
+    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
+        super().__init__(preset, enforce_eager)
         self._faulted_pages: set[int] = set()
 
     def inject_fault(self, page: int, layer: int = 0) -> None:

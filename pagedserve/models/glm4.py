@@ -12,11 +12,13 @@ import torch
 
 from pagedserve.hal import AttentionMetadata, Device
 from pagedserve.hal.int4 import Int4Linear
+from pagedserve.hal.int8 import Int8Linear, quantize_int8
 from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
 from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 
-Linear = torch.Tensor | Int4Linear
+Linear = torch.Tensor | Int4Linear | Int8Linear
+LM_HEAD_QUANTIZATIONS = ("none", "int8", "int4")
 CanonicalInt4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
@@ -37,8 +39,9 @@ class GlmForCausalLM:
     """Both architectures: ``config.architecture`` is ``"glm"`` or ``"glm4"``.
 
     Linear layers are INT4 when the checkpoint is quantized (``quantization_config``) or when
-    ``quantization="int4"`` asks for load-time round-to-nearest quantization; embeddings, norms,
-    biases and lm_head stay 16-bit.
+    ``quantization="int4"`` asks for load-time round-to-nearest quantization; embeddings, norms and
+    biases stay 16-bit. lm_head is as the checkpoint has it unless ``quantize_lm_head`` says
+    ``none``, ``int8`` (per-channel) or ``int4`` (group-wise, the decoder's group size).
     """
 
     def __init__(
@@ -48,7 +51,13 @@ class GlmForCausalLM:
         dtype: torch.dtype,
         quantization: str | None = None,
         quant_group_size: int = 32,
+        quantize_lm_head: str | None = None,
     ):
+        if quantize_lm_head not in (None, *LM_HEAD_QUANTIZATIONS):
+            raise ValueError(
+                f"--quantize-lm-head {quantize_lm_head!r}: use one of {', '.join(LM_HEAD_QUANTIZATIONS)}"
+            )
+        self.quantize_lm_head = quantize_lm_head
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -76,11 +85,7 @@ class GlmForCausalLM:
         lm_head = sd.pop("lm_head.weight", None)
         self.embed_tokens = put(embed, "model.embed_tokens.weight")
         self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
-        if self.config.tie_word_embeddings and (lm_head is None or lm_head is embed):
-            self.lm_head = self.embed_tokens  # one copy on the device
-        else:
-            assert lm_head is not None, "checkpoint has no lm_head.weight"
-            self.lm_head = put(lm_head, "lm_head.weight")
+        self.lm_head = self._load_lm_head(sd, lm_head, embed)
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
 
     def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
@@ -106,6 +111,28 @@ class GlmForCausalLM:
             down_proj=self._linear(sd, [p + "mlp.down_proj"]),
             **sandwich,
         )
+
+    def _load_lm_head(
+        self, sd: dict[str, torch.Tensor], weight: torch.Tensor | None, embed: torch.Tensor
+    ) -> Linear:
+        mode = self.quantize_lm_head
+        if "lm_head" in self.int4_layers and mode in (None, "int4"):
+            return self._linear(sd, ["lm_head"])  # quantized in the checkpoint
+        if "lm_head" in self.int4_layers:
+            weight = self._dense_weight(sd, "lm_head")
+        tied = self.config.tie_word_embeddings and (weight is None or weight is embed)
+        if tied and mode in (None, "none"):
+            return self.embed_tokens  # one copy on the device
+        if weight is None:
+            assert tied, "checkpoint has no lm_head.weight"
+            weight = embed
+        if mode == "int4":
+            q, s, z = quantize_rtn(weight, self.quant_group_size)
+            return self.device.prepare_int4(q, s, z, self.quant_group_size, "lm_head")
+        if mode == "int8":
+            codes, scales = quantize_int8(weight)
+            return self.device.prepare_int8(codes, scales, self.dtype, "lm_head")
+        return self._place(weight, "lm_head.weight")
 
     def _linear(self, sd: dict[str, torch.Tensor], prefixes: list[str]) -> Linear:
         """One linear layer from one or more checkpoint layers stacked along the output dim.
@@ -144,12 +171,18 @@ class GlmForCausalLM:
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the flat batch."""
+        """Hidden states [T, hidden] after the final norm, for every token of the flat batch.
+
+        The residual stream is vLLM's: each layer returns its last output and the running sum
+        separately, and the next norm adds them (one fused op on backends that have it).
+        """
+        dev = self.device
         h = self.embed_tokens[input_ids]
-        rope = self.device.rotary_at(self.cos_sin, positions)  # the same for every layer
+        rope = dev.rotary_at(self.cos_sin, positions)  # the same for every layer
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = self._decoder_layer(layer, h, rope, meta, kv_cache[i])
-        return self.device.rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, residual = self._decoder_layer(layer, h, residual, rope, meta, kv_cache[i])
+        return dev.add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.device.linear(hidden, self.lm_head).float()
@@ -158,19 +191,21 @@ class GlmForCausalLM:
         self,
         w: DecoderLayerWeights,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: object,
         meta: AttentionMetadata,
         kv: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dev, eps = self.device, self.config.rms_norm_eps
-        attn = self._attention(w, dev.rms_norm(h, w.input_layernorm, eps), rope, meta, kv)
+        x, residual = dev.add_rms_norm(h, residual, w.input_layernorm, eps)
+        attn = self._attention(w, x, rope, meta, kv)
         if self.sandwich:
             attn = dev.rms_norm(attn, w.post_self_attn_layernorm, eps)
-        h = h + attn
-        mlp = self._mlp(w, dev.rms_norm(h, w.post_attention_layernorm, eps))
+        x, residual = dev.add_rms_norm(attn, residual, w.post_attention_layernorm, eps)
+        mlp = self._mlp(w, x)
         if self.sandwich:
             mlp = dev.rms_norm(mlp, w.post_mlp_layernorm, eps)
-        return h + mlp
+        return mlp, residual
 
     def _attention(
         self,
@@ -183,12 +218,11 @@ class GlmForCausalLM:
         dev, T, D = self.device, x.shape[0], self.head_dim
         H, KV = self.num_heads, self.num_kv_heads
         qkv = dev.linear(x, w.qkv_proj, w.qkv_bias).view(T, H + 2 * KV, D)
-        qk = dev.apply_rotary(qkv[:, : H + KV], rope)  # q and k heads rotate alike
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV :]
-        dev.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        q = dev.rotary_and_write_kv(qkv, H, rope, kv[0], kv[1], meta.slot_mapping)
         o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return dev.linear(o.reshape(T, self.num_heads * D), w.o_proj)
+        return dev.linear(o.reshape(T, H * D), w.o_proj)
 
     def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.device.linear(x, w.gate_up_proj).chunk(2, dim=-1)
-        return self.device.linear(torch.nn.functional.silu(gate) * up, w.down_proj)
+        return self.device.linear(
+            self.device.silu_and_mul(self.device.linear(x, w.gate_up_proj)), w.down_proj
+        )

@@ -1,0 +1,88 @@
+"""The native CPU kernels (``csrc/cpu_kernels.cpp``): built once per machine, cached on disk.
+
+The first start on a machine compiles them with the C++ compiler PyTorch's extensions use (about 30 s
+on 2 cores) into ``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``); later starts load the
+cached library in well under a second. Where they cannot be built (no compiler, no AVX-512 BF16) the
+CPU backends run eager PyTorch and say so once; ``--enforce-eager`` asks for eager explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # built on the machine it runs on
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve"
+    return Path(root) / "kernels"
+
+
+def _build_key() -> str:
+    """Source, torch version, flags and CPU: a change of any of them means a new build."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__} {CFLAGS} {platform.machine()} {_cpu_flags()}".encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@cache
+def load_native_kernels() -> ModuleType | None:
+    """The compiled kernels, or None (with one warning saying why) where they cannot be had."""
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / _build_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build_dir.glob("*.so"))
+    if fresh:
+        logger.info("building the native CPU kernels for this machine (once; about 30 s) ...")
+    start = time.monotonic()
+    try:
+        module = cpp_extension.load(
+            name="pagedserve_cpu_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logger.warning(
+            "native CPU kernels unavailable (%s); running eager PyTorch kernels, which are "
+            "several times slower at small batches. Install a C++ compiler (g++) and ninja to "
+            "enable them.",
+            first_line,
+        )
+        return None
+    if not module.available:
+        logger.warning(
+            "this CPU lacks AVX-512 BF16, which the native kernels need; running eager PyTorch"
+        )
+        return None
+    if fresh:
+        logger.info(
+            "native CPU kernels built in %.0f s (cached in %s)", time.monotonic() - start, build_dir
+        )
+    return module
