@@ -11,6 +11,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device
 from pagedserve.hal.device import Device
 from pagedserve.hal.int4 import dequantize, quantize_activations_int8
+from pagedserve.hal.native import load_native_kernels
 from pagedserve.quant.formats import dequantize as dequantize_canonical
 from pagedserve.quant.formats import quantize_rtn
 
@@ -57,15 +58,38 @@ def _dequantized_copy(hf, group_size: int):
 
 
 @pytest.mark.parametrize("arch", ["glm", "glm4"])
-def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(arch, tmp_path):
+@pytest.mark.parametrize(
+    "dtype,enforce_eager,atol",
+    [
+        ("bfloat16", True, 0.1),  # PyTorch's int4 kernel: bf16 scales and zero points
+        ("bfloat16", False, 0.1),
+        pytest.param(  # native: fp16 scales kept exactly, only the activations are bf16
+            "float32",
+            False,
+            0.01,
+            marks=pytest.mark.skipif(
+                load_native_kernels() is None, reason="native CPU kernels unavailable here"
+            ),
+        ),
+    ],
+)
+def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(
+    arch, dtype, enforce_eager, atol, tmp_path
+):
     hf = build_tiny_hf_model(tmp_path, arch)
     prompt = [(7 * i) % 300 + 10 for i in range(24)]
     reference = _dequantized_copy(hf, 32)
     with torch.no_grad():
         ref = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], -1)[:-1]
-    llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization="int4", num_kv_pages=64)
+    llm = LLM(
+        model=str(tmp_path),
+        dtype=dtype,
+        quantization="int4",
+        num_kv_pages=64,
+        enforce_eager=enforce_eager,
+    )
     got = prompt_logprobs(llm, prompt)
-    torch.testing.assert_close(got, ref, atol=0.1, rtol=0.0)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0.0)
 
 
 def test_int4_greedy_tokens_do_not_depend_on_batch_composition(tmp_path):

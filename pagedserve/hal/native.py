@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from functools import cache
 from pathlib import Path
@@ -47,11 +48,32 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _missing_tool() -> str | None:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed"
+    return None
+
+
+def _warn_eager(reason: str) -> None:
+    logger.warning(
+        "native CPU kernels unavailable (%s); running eager PyTorch kernels, which are several "
+        "times slower at small batches. Install a C++ compiler (g++) and ninja to enable them.",
+        reason,
+    )
+
+
 @cache
 def load_native_kernels() -> ModuleType | None:
     """The compiled kernels, or None (with one warning saying why) where they cannot be had."""
     from torch.utils import cpp_extension
 
+    missing = _missing_tool()
+    if missing:
+        _warn_eager(missing)
+        return None
     build_dir = cache_dir() / _build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
@@ -68,13 +90,7 @@ def load_native_kernels() -> ModuleType | None:
             verbose=False,
         )
     except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        logger.warning(
-            "native CPU kernels unavailable (%s); running eager PyTorch kernels, which are "
-            "several times slower at small batches. Install a C++ compiler (g++) and ninja to "
-            "enable them.",
-            first_line,
-        )
+        _warn_eager(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         return None
     if not module.available:
         logger.warning(
