@@ -1,77 +1,124 @@
-"""Which path each linear layer should take on this CPU, by batch rows M: PyTorch's int4 kernel
-(``_weight_int4pack_mm_for_cpu``, bf16 activations), dense bf16 ``F.linear``, and ``torch.mv`` for a
-single row. Shapes of the 120M benchmark model (hidden 768) plus its lm_head.
+"""Every path a linear layer can take on this CPU, by batch rows M, on real layer shapes:
 
-    python benchmarks/linear_paths.py [--rows 1 8 32 128] [--threads 2]
+- native int4: pagedserve's kernel (``hal/csrc/cpu_kernels.cpp``): weights stay INT4 in memory,
+  each packed tile is unpacked once per 8 rows and multiplied with vdpbf16ps;
+- aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--enforce-eager`` runs);
+- bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
+- native bf16 GEMV (up to 4 rows) and torch.mv (1 row): the dense few-row paths.
 
-The figures behind the choices in ``pagedserve/hal/cpu.py`` and the README come from this script.
+    python benchmarks/linear_paths.py [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512]
+
+Prints microseconds per call and GFLOP/s, and writes benchmarks/results/linear_paths.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_models import SHAPES  # noqa: E402
+from results import write_result  # noqa: E402
+
+from pagedserve.hal import get_device  # noqa: E402
+from pagedserve.hal.int4 import cpu_int4_scales_and_zeros  # noqa: E402
+from pagedserve.quant.formats import quantize_rtn  # noqa: E402
+
 GROUP = 32
-SHAPES = [
-    ("qkv", 1024, 768),
-    ("o_proj", 768, 768),
-    ("gate_up", 4096, 768),
-    ("down", 768, 2048),
-    ("lm_head", 32000, 768),
+PATHS = [
+    "native int4",
+    "aten int4",
+    "bf16 F.linear",
+    "native bf16 GEMV",
+    "torch.mv",
 ]
 
 
-def per_call_us(fn: Callable[[], torch.Tensor], iters: int) -> float:
-    for _ in range(3):
+def layer_shapes(model: str) -> list[tuple[str, int, int]]:
+    s = SHAPES[model]
+    h, d = s["hidden_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    return [
+        ("qkv", q + 2 * kv, h),
+        ("o_proj", h, q),
+        ("gate_up", 2 * s["intermediate_size"], h),
+        ("down", h, s["intermediate_size"]),
+        ("lm_head", s["vocab_size"], h),
+    ]
+
+
+def per_call_us(fn: Callable[[], torch.Tensor], min_seconds: float = 0.2) -> float:
+    for _ in range(2):
         fn()
-    start = time.perf_counter()
-    for _ in range(iters):
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_seconds:
         fn()
+        iters += 1
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(n: int, k: int, m: int, iters: int) -> dict[str, float]:
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales_zeros = torch.randn(k // GROUP, n, 2, dtype=torch.bfloat16)
-    w = torch.randn(n, k, dtype=torch.bfloat16)
-    x = torch.randn(m, k, dtype=torch.bfloat16)
-    out = {
-        "int4": per_call_us(
-            lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros),
-            iters,
-        ),
-        "bf16": per_call_us(lambda: F.linear(x, w), iters),
-    }
-    if m == 1:
-        out["bf16 mv"] = per_call_us(lambda: torch.mv(w, x[0]), iters)
-    return out
+def measure(n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
+    native = get_device("cpu")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    q, s, z = quantize_rtn(w.float(), GROUP)
+    layer = native.prepare_int4(q, s, z, GROUP, "w") if native.native is not None else None
+    aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    aten_sz = cpu_int4_scales_and_zeros(s, z)
+
+    def paths(x: torch.Tensor) -> dict[str, float]:
+        m = x.shape[0]
+        t = {
+            "aten int4": per_call_us(
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten, GROUP, aten_sz)
+            ),
+            "bf16 F.linear": per_call_us(lambda: F.linear(x, w)),
+        }
+        if layer is not None:
+            t["native int4"] = per_call_us(lambda: native.linear(x, layer))
+            if m <= 4:
+                t["native bf16 GEMV"] = per_call_us(
+                    lambda: native.native.bf16_linear_few_rows(x, w, None)
+                )
+        if m == 1:
+            t["torch.mv"] = per_call_us(lambda: torch.mv(w, x[0]))
+        return t
+
+    return {m: paths(torch.randn(m, k, generator=g).to(torch.bfloat16)) for m in rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--model", default="122m", choices=sorted(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; microseconds per call (GFLOP/s)")
-    print(f"{'layer':8s} {'M':>4s} {'int4':>16s} {'bf16':>16s} {'bf16 mv':>16s}")
-    for name, n, k in SHAPES:
-        for m in args.rows:
-            t = measure(n, k, m, args.iters)
+    print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
+    table = {}
+    for name, n, k in layer_shapes(args.model):
+        table[name] = {"n": n, "k": k, "rows": {}}
+        for m, t in measure(n, k, args.rows).items():
+            table[name]["rows"][m] = {p: round(us, 1) for p, us in t.items()}
             cells = [
-                f"{t[p]:8.0f} ({2 * m * n * k / t[p] / 1e3:4.0f})" if p in t else f"{'-':>16s}"
-                for p in ("int4", "bf16", "bf16 mv")
+                f"{t[p]:9.0f} ({2 * m * n * k / t[p] / 1e3:5.0f})" if p in t else "-" for p in PATHS
             ]
-            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>16s}" for c in cells))
+            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells), flush=True)
+    path = write_result(
+        f"linear_paths_{args.model}",
+        {"model": args.model, "threads": args.threads, "group_size": GROUP, "us_per_call": table},
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,13 @@ def add_eval_quant_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default="reference",
         help="greedy continuations from the fp32 reference forward or from pagedserve's LLM",
     )
+    a(
+        "--lm-head",
+        choices=["none", "int8", "int4"],
+        default=None,
+        help="round the candidate's lm_head as `serve --quantize-lm-head` would (int4 in groups of "
+        "32), to judge that setting; the candidate may be the reference directory itself",
+    )
     a("--seed", type=int, default=1234, help="for random held-out ids (no tokenizer)")
     a("--json", default=None, help="write the results here")
     return parser
@@ -194,6 +201,7 @@ def run_eval_quant(args: argparse.Namespace) -> int:
         args.max_tokens,
         args.generator,
         args.abits,
+        args.lm_head,
     )
     print(format_table(result))
     if args.json:

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
-from pagedserve.quant.formats import dequantize, load_quantized_linears
+from pagedserve.hal.int8 import quantize_int8
+from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 from pagedserve.quant.forward import ReferenceGlm
 
 DEFAULT_HELDOUT = Path(__file__).parent.parent / "data" / "demo_heldout.txt"
@@ -74,11 +75,19 @@ def rouge_l(candidates: list[list[int]], references: list[list[int]]) -> float:
 
 
 # ---- models ---------------------------------------------------------------------------------------
-def load_reference_model(model_dir: str | Path, act_bits: int | None = None) -> ReferenceGlm:
+def load_reference_model(
+    model_dir: str | Path,
+    act_bits: int | None = None,
+    lm_head: str | None = None,
+    lm_head_group_size: int = 32,
+) -> ReferenceGlm:
     """fp32 reference forward over a checkpoint, quantized linears dequantized; ``act_bits``
-    defaults to the checkpoint's ``abits`` (16 when unquantized)."""
+    defaults to the checkpoint's ``abits`` (16 when unquantized). ``lm_head`` ("int8", "int4")
+    rounds lm_head as ``--quantize-lm-head`` does at load time."""
     config = load_config(model_dir)
     sd = load_state_dict(model_dir, config, torch.float32)
+    if lm_head not in (None, "none"):
+        _round_trip_lm_head(sd, lm_head, lm_head_group_size)
     qc = config.quantization_config
     quantized: set[str] = set()
     if qc:
@@ -88,6 +97,18 @@ def load_reference_model(model_dir: str | Path, act_bits: int | None = None) -> 
     if act_bits is None:
         act_bits = int(qc.get("abits", 16)) if qc else 16
     return ReferenceGlm(config, sd, act_bits=act_bits, quantized=quantized)
+
+
+def _round_trip_lm_head(sd: dict[str, torch.Tensor], mode: str, group_size: int) -> None:
+    weight = sd.get("lm_head.weight", sd["model.embed_tokens.weight"]).float()
+    if mode == "int4":
+        weight = dequantize(*quantize_rtn(weight, group_size), group_size)
+    elif mode == "int8":
+        codes, scales = quantize_int8(weight)
+        weight = codes.float() * scales.unsqueeze(1)
+    else:
+        raise ValueError(f"--lm-head {mode!r}: use none, int8 or int4")
+    sd["lm_head.weight"] = weight
 
 
 @torch.no_grad()
@@ -114,12 +135,12 @@ def sample_blocks(model: ReferenceGlm, num_samples: int, seq_len: int, seed: int
 
 
 def llm_continuations(
-    model_dir: str | Path, prompts: torch.Tensor, max_tokens: int
+    model_dir: str | Path, prompts: torch.Tensor, max_tokens: int, lm_head: str | None = None
 ) -> list[list[int]]:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32")
+    llm = LLM(model=str(model_dir), dtype="float32", quantize_lm_head=lm_head)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts.tolist()], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -178,14 +199,15 @@ def evaluate(
     max_tokens: int = 32,
     generator: str = "reference",
     act_bits: int | None = None,
+    lm_head: str | None = None,
 ) -> EvalResult:
     reference = load_reference_model(reference_dir, act_bits=16)
-    candidate = load_reference_model(candidate_dir, act_bits=act_bits)
+    candidate = load_reference_model(candidate_dir, act_bits=act_bits, lm_head=lm_head)
     m = distribution_metrics(reference, candidate, blocks)
     prompts = blocks[:, : min(prompt_len, blocks.shape[1])]
     if generator == "llm":
         ref_out = llm_continuations(reference_dir, prompts, max_tokens)
-        cand_out = llm_continuations(candidate_dir, prompts, max_tokens)
+        cand_out = llm_continuations(candidate_dir, prompts, max_tokens, lm_head)
     elif generator == "reference":
         ref_out = greedy_continuations(reference, prompts, max_tokens)
         cand_out = greedy_continuations(candidate, prompts, max_tokens)

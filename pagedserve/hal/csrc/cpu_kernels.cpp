@@ -201,34 +201,45 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // ---- dense bf16 linear for a few rows -----------------------------------------------------------
 
-// out[m, n] = x[m] . w[n] for row-major bf16 w [N, K]: four weight rows at a time, 32 products per
-// vdpbf16ps, one horizontal sum per output. oneDNN's GEMM is faster from about 8 rows on.
+// out[m, n] = x[m] . w[n] for row-major bf16 w [N, K] and MB <= 4 rows of x: each weight vector is
+// loaded once for all rows (32 products per vdpbf16ps), one horizontal sum per output.
+template <int MB>
+void bf16_rows(const BFloat16* w, const BFloat16* x, int64_t K, int64_t n0, int64_t n1,
+               int64_t N, float* acc) {
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t rows = std::min<int64_t>(4, n1 - n);
+    __m512 s[4][MB];
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < MB; ++m) s[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      for (int r = 0; r < rows; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n + r) * K + k);
+        for (int m = 0; m < MB; ++m) s[r][m] = _mm512_dpbf16_ps(s[r][m], wv, xv[m]);
+      }
+    }
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < MB; ++m) acc[m * N + n + r] = _mm512_reduce_add_ps(s[r][m]);
+  }
+}
+
 torch::Tensor bf16_linear_few_rows(const torch::Tensor& x, const torch::Tensor& weight,
                                    const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
               "bf16_linear_few_rows: weight must be contiguous bf16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % 32 == 0, "bf16_linear_few_rows: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(M >= 1 && M <= 4 && K % 32 == 0, "bf16_linear_few_rows: 1-4 rows, K % 32 == 0");
   auto xb = x.to(at::kBFloat16).contiguous();
   auto out = torch::empty({M, N}, x.options());
   const auto* w = weight.data_ptr<BFloat16>();
   const auto* xp = xb.data_ptr<BFloat16>();
   std::vector<float> acc(M * N);
-  at::parallel_for(0, N / 4 + (N % 4 != 0), 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t m = 0; m < M; ++m) {
-      const BFloat16* xm = xp + m * K;
-      for (int64_t n0 = r0 * 4; n0 < std::min(r1 * 4, N); n0 += 4) {
-        const int64_t rows = std::min<int64_t>(4, N - n0);
-        __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-        for (int64_t k = 0; k < K; k += 32) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + k);
-          for (int r = 0; r < rows; ++r)
-            s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k), xv);
-        }
-        for (int r = 0; r < rows; ++r) acc[m * N + n0 + r] = _mm512_reduce_add_ps(s[r]);
-      }
-    }
+  using RowsFn = void (*)(const BFloat16*, const BFloat16*, int64_t, int64_t, int64_t, int64_t,
+                          float*);
+  const RowsFn kernels[5] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>, bf16_rows<4>};
+  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t q0, int64_t q1) {
+    kernels[M](w, xp, K, q0 * 4, std::min(q1 * 4, N), N, acc.data());
   });
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;

@@ -1,0 +1,53 @@
+"""Results files: every figure the README quotes comes from one of these, written by the benchmark
+command that measured it (JSON under benchmarks/results/, with the date, the machine, the torch
+version and the command line)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "system": platform.platform()}
+
+
+def write_result(name: str, figures: dict, command: list[str] | None = None) -> Path:
+    import torch
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "torch": torch.__version__,
+        "command": " ".join(command or ["python", *sys.argv]),
+        **figures,
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def spread(values: list[float]) -> dict:
+    """Median and range of repeated runs."""
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": values,
+    }
