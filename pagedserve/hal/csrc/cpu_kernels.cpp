@@ -71,6 +71,13 @@ inline __m512 round_to(__m512 v) {
   }
 }
 
+// An fp32 result into the output dtype; PyTorch adds a bias to the rounded product.
+template <typename T>
+inline void store_output(T* out, __m512 v, const T* bias) {
+  if (bias) v = _mm512_add_ps(round_to<T>(v), load16(bias));
+  store16(out, v);
+}
+
 // exp for the softmax: Cody-Waite range reduction and a degree-6 polynomial, ~2 ulp in fp32.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
@@ -94,10 +101,13 @@ inline __m512 exp16(__m512 x) {
 // each activation row's bf16 values per group. A code q becomes the bf16 number 128 + q when its
 // byte gets 0x43 as the high byte (exact: bf16 steps by 1 in [128, 256)), so the products are
 // exact and the kernel subtracts (zero + 128) * sum(x) per group instead of converting each code.
-template <int MB>
+#ifndef PREFETCH_LINES
+#define PREFETCH_LINES 16
+#endif
+template <int MB, typename T>
 inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
-                      const float* xsum, int64_t num_groups, int64_t group_size, float* out,
-                      int64_t out_stride) {
+                      const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
+                      T* out, int64_t out_stride) {
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __m512i bf16_128 = _mm512_set1_epi8(0x43);
   const int64_t chunks_per_group = group_size / 8;
@@ -127,42 +137,35 @@ inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, i
       acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, dot[m]), acc[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) store16(out + m * out_stride, acc[m]);
+  for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, acc[m], bias);
 }
 
-using Int4TileFn = void (*)(const uint8_t*, const at::Half*, const uint32_t*, int64_t,
-                            const float*, int64_t, int64_t, float*, int64_t);
-constexpr int kMaxRowsPerPass = 8;  // 2 x 8 accumulators + codes stay in the 32 zmm registers
-const Int4TileFn kInt4Tiles[kMaxRowsPerPass + 1] = {
-    nullptr,      int4_tile<1>, int4_tile<2>, int4_tile<3>, int4_tile<4>,
-    int4_tile<5>, int4_tile<6>, int4_tile<7>, int4_tile<8>};
+// Pointers to int4_tile<1..8, T>: one pass over a tile serves up to 8 activation rows (2 x 8
+// accumulators and the unpacked codes stay in the 32 zmm registers).
+constexpr int kMaxRowsPerPass = 8;
+template <typename T>
+struct Int4Tiles {
+  using Fn = void (*)(const uint8_t*, const at::Half*, const uint32_t*, int64_t, const float*,
+                      int64_t, int64_t, const T*, T*, int64_t);
+  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
+      nullptr,           int4_tile<1, T>, int4_tile<2, T>, int4_tile<3, T>, int4_tile<4, T>,
+      int4_tile<5, T>, int4_tile<6, T>, int4_tile<7, T>, int4_tile<8, T>};
+};
 
-// x [M, K] -> bf16 pairs and per-group sums of the rounded values.
+// x [M, K] -> bf16 pairs and per-group sums of the rounded values (group_size % 16 == 0).
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t group_size, BFloat16* xb,
                          float* xsum) {
   const int64_t num_groups = K / group_size;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < num_groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-        const BFloat16 v = BFloat16(float(x[m * K + k]));
-        xb[m * K + k] = v;
-        s += float(v);
-      }
-      xsum[m * num_groups + g] = s;
-    }
-  }
-}
-
-template <typename T>
-void finish_rows(const float* acc, const T* bias, int64_t M, int64_t N, int64_t n0, int64_t n1,
-                 T* out) {
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n1; ++n) {
-      float v = acc[m * N + n];
-      if (bias) v = float(T(v)) + float(bias[n]);  // PyTorch adds the bias to the rounded product
-      out[m * N + n] = T(v);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 16) {
+        const __m512 rounded = round_to<BFloat16>(load16(x + k));
+        store16(xb + k, rounded);
+        sum = _mm512_add_ps(sum, rounded);
+      }
+      xsum[m * num_groups + g] = _mm512_reduce_add_ps(sum);
     }
 }
 
@@ -174,26 +177,28 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(packed.size(1) * 8 == K, "int4_linear: packed weight is for K=", packed.size(1) * 8,
               ", x has K=", K);
   const int64_t num_groups = K / group_size;
-  std::vector<BFloat16> xb(M * K);
-  std::vector<float> xsum(M * num_groups), acc(M * N);
+  thread_local std::vector<BFloat16> xb;
+  thread_local std::vector<float> xsum;
+  xb.resize(M * K);
+  xsum.resize(M * num_groups);
   auto out = torch::empty({M, N}, x.options());
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_linear", [&] {
     prepare_activations(x.data_ptr<scalar_t>(), M, K, group_size, xb.data(), xsum.data());
     const auto* w = packed.data_ptr<uint8_t>();
     const auto* sz = scales_zeros.data_ptr<at::Half>();
     const auto* xp = reinterpret_cast<const uint32_t*>(xb.data());
+    const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t t = t0; t < t1; ++t)
         for (int64_t m = 0; m < M; m += kMaxRowsPerPass) {
           const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m);
-          kInt4Tiles[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 2, K / 2,
-                           xsum.data() + m * num_groups, num_groups, group_size,
-                           acc.data() + m * N + t * 16, N);
+          Int4Tiles<scalar_t>::by_rows[rows](
+              w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 2, K / 2,
+              xs + m * num_groups, num_groups, group_size, b ? b + t * 16 : nullptr,
+              o + m * N + t * 16, N);
         }
-      }
-      finish_rows(acc.data(), b, M, N, t0 * 16, t1 * 16, o);
     });
   });
   return out;
@@ -243,7 +248,17 @@ torch::Tensor bf16_linear_few_rows(const torch::Tensor& x, const torch::Tensor& 
   });
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    finish_rows(acc.data(), b, M, N, 0, N, out.data_ptr<scalar_t>());
+    auto* o = out.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t n = 0;
+      for (; n + 16 <= N; n += 16)
+        store_output(o + m * N + n, _mm512_loadu_ps(acc.data() + m * N + n), b ? b + n : nullptr);
+      for (; n < N; ++n) {
+        float v = acc[m * N + n];
+        if (b) v = float(scalar_t(v)) + float(b[n]);
+        o[m * N + n] = scalar_t(v);
+      }
+    }
   });
   return out;
 }
