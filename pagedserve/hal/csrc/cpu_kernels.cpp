@@ -101,9 +101,6 @@ inline __m512 exp16(__m512 x) {
 // each activation row's bf16 values per group. A code q becomes the bf16 number 128 + q when its
 // byte gets 0x43 as the high byte (exact: bf16 steps by 1 in [128, 256)), so the products are
 // exact and the kernel subtracts (zero + 128) * sum(x) per group instead of converting each code.
-#ifndef PREFETCH_LINES
-#define PREFETCH_LINES 16
-#endif
 template <int MB, typename T>
 inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
                       const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
