@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.presets import preset_names
+
 logger = logging.getLogger("pagedserve.serve")
 
 ENGINE_ARGS = (
@@ -48,8 +50,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a(
         "--device",
         default=None,
-        help="kunlun-emu (default), cpu, cuda, or a device preset name / "
-        "YAML path from configs/devices",
+        help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
+        f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
     )
     a(
         "--dtype",

@@ -33,8 +33,8 @@ from pathlib import Path
 import yaml
 
 from pagedserve.hal.memory import parse_bytes
+from pagedserve.presets import find_preset, preset_names
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 WORKSPACE_CAP = 256 * 2**20
@@ -101,18 +101,6 @@ class TuneResult:
     launch_script: str = ""
 
 
-def _preset_path(spec: str, kind: str) -> Path | None:
-    path = Path(spec)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    candidate = CONFIGS_DIR / kind / f"{spec}.yaml"
-    return candidate if candidate.is_file() else None
-
-
-def _presets(kind: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
-
-
 def _shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
     if cfg.get("model_type") == "chatglm":
         cfg = {
@@ -155,20 +143,20 @@ def load_model_shape(spec: str) -> ModelShape:
                 "tune knows glm, glm4 and chatglm checkpoints"
             )
         return _shape_from_hf_config(cfg, path.name)
-    preset = _preset_path(spec, "models")
+    preset = find_preset("models", spec)
     if preset is None:
         raise TuneError(
             f"--model {spec!r} is neither a directory with config.json nor a preset; "
-            f"presets: {', '.join(_presets('models'))}"
+            f"presets: {', '.join(preset_names('models'))}"
         )
     return _shape_from_hf_config(yaml.safe_load(preset.read_text()), preset.stem)
 
 
 def load_device(spec: str) -> DevicePreset:
-    preset = _preset_path(spec, "devices")
+    preset = find_preset("devices", spec)
     if preset is None:
         raise TuneError(
-            f"--device {spec!r} is not a device preset; presets: {', '.join(_presets('devices'))}"
+            f"--device {spec!r} is not a device preset; presets: {', '.join(preset_names('devices'))}"
         )
     cfg = yaml.safe_load(preset.read_text())
     memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
@@ -484,8 +472,16 @@ def explain(result: TuneResult) -> str:
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True, help="checkpoint directory or model preset")
-    parser.add_argument("--device", required=True, help="device preset (configs/devices)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"checkpoint directory or model preset ({', '.join(preset_names('models'))})",
+    )
+    parser.add_argument(
+        "--device",
+        required=True,
+        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument(
         "--max-model-len",

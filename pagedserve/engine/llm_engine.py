@@ -23,6 +23,7 @@ from pagedserve.hal.memory import format_bytes
 from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
 from pagedserve.models.glm4 import GlmForCausalLM
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.presets import find_preset
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,13 @@ class RequestGroup:
         return all(s.status.finished for s in self.seqs) and not self.pending_forks
 
 
+def _device_spec(spec: str) -> str:
+    """A device preset name as the path of its packaged YAML file, which the HAL reads in any
+    install; a path, a backend name or an unknown name goes to the HAL unchanged."""
+    path = find_preset("devices", spec)
+    return str(path) if path else spec
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
     if dtype == "auto":
         dtype = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
@@ -67,7 +75,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.model_config.torch_dtype)
-        self.device = get_device(config.device.device)
+        self.device = get_device(_device_spec(config.device.device))
         self.tokenizer = self._load_tokenizer()
         self.model = self._load_model()
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
