@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from pagedserve.presets import DEMO_MODEL, demo_model_dir
+
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PERCENTILES = (90, 99)
 WORDS = (
@@ -66,16 +68,25 @@ class RequestOutput:
 # ---- datasets
 
 
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that ``--tokenizer`` names: ``demo``, a model directory or the file."""
+    path = demo_model_dir() if spec == DEMO_MODEL else Path(spec).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(
+            f"--tokenizer {spec!r}: no tokenizer.json there; give a model directory, the path "
+            f"of a tokenizer.json file, or {DEMO_MODEL} (the embedded demo model's)"
+        )
+    return file
+
+
 class _TokenCounter:
-    def __init__(self, tokenizer_dir: str | None) -> None:
+    def __init__(self, tokenizer: str | None) -> None:
         self.tokenizer = None
-        if tokenizer_dir:
+        if tokenizer:
             from tokenizers import Tokenizer
 
-            path = Path(tokenizer_dir)
-            self.tokenizer = Tokenizer.from_file(
-                str(path / "tokenizer.json" if path.is_dir() else path)
-            )
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file(tokenizer)))
 
     def count(self, text: str) -> int | None:
         if self.tokenizer is None:
@@ -436,7 +447,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument(
-        "--tokenizer", default=None, help="directory with tokenizer.json, for exact prompt lengths"
+        "--tokenizer",
+        default=None,
+        help="model directory, tokenizer.json file, or demo: for exact prompt lengths",
     )
     parser.add_argument(
         "--dataset", "--dataset-name", dest="dataset", choices=list(DATASETS), default="random"

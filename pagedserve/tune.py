@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from pagedserve.hal.memory import parse_bytes
-from pagedserve.presets import find_preset, preset_names
+from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
 MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -357,9 +357,17 @@ def tune(
 # ---- output
 
 
+def _serve_model(result: TuneResult) -> str:
+    """What the launch script passes to ``serve --model``."""
+    if result.model_arg in (DEMO_MODEL, DEMO_MODEL_PRESET):
+        return DEMO_MODEL  # built in
+    if Path(result.model_arg).is_dir():
+        return str(Path(result.model_arg).resolve())
+    return "${MODEL_DIR:?set MODEL_DIR}"
+
+
 def serve_args(result: TuneResult) -> list[str]:
-    is_dir = Path(result.model_arg).is_dir()
-    model = str(Path(result.model_arg).resolve()) if is_dir else "${MODEL_DIR:?set MODEL_DIR}"
+    model = _serve_model(result)
     args = [
         "--model",
         model,
@@ -397,7 +405,7 @@ def launch_script(result: TuneResult) -> str:
         f"{result.num_kv_pages} KV pages",
         "set -euo pipefail",
     ]
-    if not Path(result.model_arg).is_dir():
+    if _serve_model(result).startswith("${"):
         lines.append(f"# MODEL_DIR: the local checkpoint directory of {result.model}")
     lines.append(
         "exec pagedserve serve \\\n  "
@@ -475,7 +483,8 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"checkpoint directory or model preset ({', '.join(preset_names('models'))})",
+        help="checkpoint directory or model preset "
+        f"({', '.join(preset_names('models'))}; demo: the embedded demo model's)",
     )
     parser.add_argument(
         "--device",

@@ -32,7 +32,13 @@ logger = logging.getLogger("pagedserve.quant")
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a("--model-path", "--model", dest="model_path", required=True, help="16-bit source model dir")
+    a(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        required=True,
+        help="16-bit source model directory, or demo (the embedded demo model)",
+    )
     a("--output-path", "--output", dest="output_path", required=True, help="output directory")
     a(
         "--quant-method",
@@ -66,7 +72,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def add_eval_quant_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a("--reference", required=True, help="16-bit model directory")
+    a("--reference", required=True, help="16-bit model directory, or demo (the embedded model)")
     a("--candidate", required=True, help="quantized model directory")
     a(
         "--data",
