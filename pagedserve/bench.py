@@ -523,7 +523,7 @@ def _rate(value: str) -> float:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's URL")
     parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
     parser.add_argument(
         "--model",
@@ -531,7 +531,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="model name sent in each request (default: the first of the server's /v1/models)",
     )
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument(
+        "--api-key", default=None, help="the server's API key (default: $OPENAI_API_KEY)"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -695,6 +697,7 @@ def _fit_lengths(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     http = httpx.Client(
         base_url=args.base_url.rstrip("/"), headers=headers, timeout=60.0, trust_env=False
