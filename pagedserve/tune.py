@@ -9,7 +9,7 @@ All figures are per tensor-parallel rank, in bytes:
   kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
   embed_tokens and lm_head (vocab-parallel); norms are replicated.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
-  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the seed's tuning notes said about
+  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's KV-cache formula gave about
   4.6 GB; that figure is too low).
 - reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
   per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
@@ -455,7 +455,7 @@ def explain(result: TuneResult) -> str:
         (
             "KV per max-model-len seq",
             _gib(r.kv_bytes_per_seq),
-            f"{r.max_model_len} tokens x KV bytes per token (exact; not the seed's ~4.6 GB estimate)",
+            f"{r.max_model_len} tokens x KV bytes per token (exact; the deployment guide estimated ~4.6 GB)",
         ),
         ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
         ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),

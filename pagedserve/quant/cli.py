@@ -1,4 +1,5 @@
-"""``pagedserve quantize`` (also ``glm4_quantize`` with the seed's flags) and ``pagedserve eval-quant``.
+"""``pagedserve quantize`` (also ``glm4_quantize``, with the Kunlun XPU deployment guide's flags)
+and ``pagedserve eval-quant``.
 
 ``eval-quant`` exits 0 on PASS and 1 on FAIL.
 """
@@ -54,7 +55,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--skip-layers",
         default="",
         help="comma-separated linear names or globs kept 16-bit "
-        "(e.g. '*.down_proj'); the seed's ln_1/ln_2/attn.softmax are accepted (never quantized)",
+        "(e.g. '*.down_proj'); the deployment guide's ln_1/ln_2/attn.softmax are accepted (never quantized)",
     )
     a("--calib-data", default=None, help="plain text, or JSONL with a 'text' field")
     a("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
