@@ -134,3 +134,15 @@ def test_readme_names_the_routes_the_api_key_guards(live_server):
         assert (r.status_code != 401) == route.path.startswith(public), (route.path, r.status_code)
         if r.status_code == 401:
             assert any(route.path.startswith(g.rstrip("*")) for g in guarded), route.path
+
+
+def test_readme_lists_exactly_the_presets_that_ship():
+    from pagedserve.presets import preset_names
+
+    text = README.read_text()
+    table = re.search(r"`--device` takes .*?\n\n(\|.*?)\n\n", text, flags=re.S).group(1)
+    rows = table.splitlines()[2:]
+    devices = {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    assert devices - {"cuda"} == set(preset_names("devices"))  # cuda: the backend, no preset
+    models = re.search(r"From a model preset \(`configs/models/`: (.*?)\) or", text, flags=re.S)
+    assert set(re.findall(r"`([^`]+)`", models.group(1))) - {"demo"} == set(preset_names("models"))
