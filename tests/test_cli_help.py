@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -29,13 +27,7 @@ def test_help_shows_the_default_of_every_option_that_has_one(command):
 
 
 def test_serve_help_shows_host_and_port_defaults():
-    out = subprocess.run(
-        [sys.executable, "-m", "pagedserve.cli", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    text = re.sub(r"\s+", " ", out)
+    text = re.sub(r"\s+", " ", _subparser(build_parser(), "serve").format_help())
     assert (
         "--host HOST address to listen on; 0.0.0.0 for all interfaces (default: 127.0.0.1)" in text
     )
