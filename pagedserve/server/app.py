@@ -314,15 +314,18 @@ class TextOffsets:
     adds nothing), so the offsets never go back and ``text[offset[i]:offset[i + 1]]`` is token
     i's text."""
 
-    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool, start=0):
-        self.tokenizer = tokenizer
+    def __init__(
+        self, tokenizer, context_ids: list[int], skip_special_tokens: bool, start: int = 0
+    ) -> None:
         params = SamplingParams(skip_special_tokens=skip_special_tokens)
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, context_ids, params) if tokenizer else None
         )
         self.pos = start
 
-    def take(self, token_ids: list[int], end: int | None = None, shown: str | None = None):
+    def take(
+        self, token_ids: list[int], end: int | None = None, shown: str | None = None
+    ) -> list[int]:
         """Offsets of the next tokens, at most ``end``. With ``shown`` (the text from offset 0),
         a token whose text is not where the previous one ended takes no room."""
         offsets = []
