@@ -12,7 +12,6 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve
-COPY configs ./configs
 COPY deploy ./deploy
 RUN pip install . && useradd --create-home --uid 1000 pagedserve
 USER pagedserve

@@ -3,11 +3,19 @@
 Streams requests to any OpenAI-compatible server (``/v1/completions`` or ``/v1/chat/completions``)
 and reports TTFT, TPOT, ITL and E2E latency and throughput under vLLM's JSON field names.
 
+- Model: ``--model``, else the first model the server lists at ``/v1/models`` (as vLLM does).
+- Prompt lengths are tokens as the server counts a prompt (its special tokens included, as vLLM's
+  random dataset aims), measured with ``--tokenizer`` when given, else with the server's own
+  ``/tokenize`` and ``/detokenize`` (pagedserve's and vLLM's), else with the model's tokenizer
+  when ``--model`` is ``demo`` or a local directory; with none of them they are word counts, and
+  the command says so.
+- Lengths against ``max_model_len`` (from ``/v1/models``): the default random lengths shrink to
+  fit it; lengths you set that cannot fit are refused before anything is sent.
 - TTFT: request sent -> first chunk with non-empty text. ITL: gaps between content chunks.
 - TPOT: ``(e2e - ttft) / (output_tokens - 1)`` per request with more than one output token.
 - Token counts: the server's ``usage`` when it streams one (``stream_options.include_usage``),
-  else ``--tokenizer``'s count of the text, else the number of content chunks (output) or the
-  dataset's estimate (input).
+  else the tokenizer's count of the text, else the number of content chunks (output) or the
+  dataset's length (input).
 """
 
 from __future__ import annotations
@@ -24,12 +32,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from tqdm import tqdm
 
+from pagedserve.presets import DEMO_MODEL, demo_model_dir
+
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PERCENTILES = (90, 99)
+DEFAULT_RANDOM_INPUT_LEN = 1024
+DEFAULT_RANDOM_OUTPUT_LEN = 128
+MAX_LENGTH_ADJUSTMENTS = 8
 WORDS = (
     "time year people way day man thing woman life child world school state family student "
     "group country problem hand part place case week company system program question work "
@@ -60,37 +74,99 @@ class RequestOutput:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    num_chunks: int = 0
     error: str = ""
 
 
-# ---- datasets
+# ---- tokenizers and datasets
 
 
-class _TokenCounter:
-    def __init__(self, tokenizer_dir: str | None) -> None:
-        self.tokenizer = None
-        if tokenizer_dir:
-            from tokenizers import Tokenizer
+class PromptTokenizer(Protocol):
+    """What the datasets need of a tokenizer: pagedserve's ``Tokenizer`` and the server's."""
 
-            path = Path(tokenizer_dir)
-            self.tokenizer = Tokenizer.from_file(
-                str(path / "tokenizer.json" if path.is_dir() else path)
-            )
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def count(self, text: str) -> int | None:
-        if self.tokenizer is None:
-            return None
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def random_text(self, rng: random.Random, num_tokens: int) -> str:
-        """About ``num_tokens`` tokens of random words (exactly, with a tokenizer)."""
-        words = [rng.choice(WORDS) for _ in range(num_tokens)]
-        if self.tokenizer is None:
-            return " ".join(words)
-        ids = self.tokenizer.encode(" ".join(words), add_special_tokens=False).ids
-        while len(ids) < num_tokens:
-            ids += self.tokenizer.encode(" " + rng.choice(WORDS), add_special_tokens=False).ids
-        return self.tokenizer.decode(ids[:num_tokens])
+
+class ServerTokenizer:
+    """The server's ``POST /tokenize`` and ``POST /detokenize`` (pagedserve's and vLLM's)."""
+
+    def __init__(self, http: httpx.Client, model: str) -> None:
+        self.http, self.model = http, model
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = {"model": self.model, "prompt": text, "add_special_tokens": add_special_tokens}
+        response = self.http.post("/tokenize", json=body)
+        response.raise_for_status()
+        return response.json()["tokens"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        response = self.http.post("/detokenize", json={"model": self.model, "tokens": ids})
+        response.raise_for_status()
+        return response.json()["prompt"]
+
+    def works(self) -> bool:
+        try:
+            return bool(self.encode("Hello", add_special_tokens=False))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return False
+
+
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that ``--tokenizer`` names: ``demo``, a model directory or the file."""
+    path = demo_model_dir() if spec == DEMO_MODEL else Path(spec).expanduser()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if file.name != "tokenizer.json" or not file.is_file():
+        raise ValueError(
+            f"--tokenizer {spec!r}: no tokenizer.json there; give a model directory, the path "
+            f"of its tokenizer.json, or {DEMO_MODEL} (the embedded demo model's)"
+        )
+    return file
+
+
+def local_tokenizer(spec: str) -> PromptTokenizer:
+    """A tokenizer on this machine, read as pagedserve's server reads it (GLM-4's prompt prefix
+    included), so that its counts are the server's."""
+    from pagedserve.models.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_file(spec).parent)
+
+
+class PromptBuilder:
+    """Token counts and random prompts of a given length, with a tokenizer or (estimates) without."""
+
+    def __init__(self, tok: PromptTokenizer | None) -> None:
+        self.tok = tok
+        # what the server adds to a prompt (GLM-4: [gMASK]<sop>)
+        self.num_special = self.count("x") - self.count("x", as_prompt=False) if tok else 0
+
+    def count(self, text: str, as_prompt: bool = True) -> int | None:
+        """Tokens of ``text``: as a prompt (the server's special tokens included) or bare."""
+        return None if self.tok is None else len(self.tok.encode(text, as_prompt))
+
+    def text(self, rng: random.Random, num_tokens: int, as_prompt: bool = True) -> tuple[str, int]:
+        """(random words of ``num_tokens`` tokens, their real count). As vLLM's random dataset
+        does: cut the words' token ids, decode, re-encode, adjust until the count is exact. The
+        count is what the last try gave if no cut lands exactly; with no tokenizer, the words."""
+        words = " ".join(rng.choice(WORDS) for _ in range(num_tokens))
+        if self.tok is None:
+            return words, num_tokens
+        tok = self.tok
+        extra = self.num_special if as_prompt else 0
+        ids = tok.encode(words, add_special_tokens=False)[: max(1, num_tokens - extra)]
+        for _ in range(MAX_LENGTH_ADJUSTMENTS):
+            text = tok.decode(ids)
+            got = self.count(text, as_prompt)
+            if got == num_tokens:
+                break
+            ids = tok.encode(text, add_special_tokens=False)
+            if got > num_tokens:
+                ids = ids[: max(1, len(ids) - (got - num_tokens))]
+            else:
+                more = tok.encode(" " + rng.choice(WORDS), add_special_tokens=False)
+                ids += more[: num_tokens - got]
+        return text, got
 
 
 def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
@@ -98,35 +174,38 @@ def _lengths(rng: random.Random, mean: int, range_ratio: float) -> int:
     return max(1, rng.randint(low, high))
 
 
-def random_dataset(args: argparse.Namespace, counter: _TokenCounter) -> list[SampleRequest]:
+def random_dataset(args: argparse.Namespace, prompts: PromptBuilder) -> list[SampleRequest]:
     rng = random.Random(args.seed)
     out = []
     for _ in range(args.num_prompts):
         n_in = _lengths(rng, args.random_input_len, args.random_range_ratio)
         n_out = _lengths(rng, args.random_output_len, args.random_range_ratio)
-        out.append(SampleRequest(counter.random_text(rng, n_in), n_in, n_out))
+        prompt, n_in = prompts.text(rng, n_in)
+        out.append(SampleRequest(prompt, n_in, n_out))
     return out
 
 
 def prefix_repetition_dataset(
-    args: argparse.Namespace, counter: _TokenCounter
+    args: argparse.Namespace, prompts: PromptBuilder
 ) -> list[SampleRequest]:
     rng = random.Random(args.seed)
     prefixes = [
-        counter.random_text(rng, args.prefix_repetition_prefix_len)
+        prompts.text(rng, args.prefix_repetition_prefix_len)[0]
         for _ in range(args.prefix_repetition_num_prefixes)
     ]
     out = []
     for i in range(args.num_prompts):
-        suffix = counter.random_text(rng, args.prefix_repetition_suffix_len)
+        suffix, _ = prompts.text(rng, args.prefix_repetition_suffix_len, as_prompt=False)
         prompt = prefixes[i % len(prefixes)] + " " + suffix
-        n_in = args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+        n_in = prompts.count(prompt) or (
+            args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+        )
         out.append(SampleRequest(prompt, n_in, args.prefix_repetition_output_len))
     rng.shuffle(out)
     return out
 
 
-def sharegpt_dataset(args: argparse.Namespace, counter: _TokenCounter) -> list[SampleRequest]:
+def sharegpt_dataset(args: argparse.Namespace, prompts: PromptBuilder) -> list[SampleRequest]:
     if not args.dataset_path:
         raise ValueError(
             "--dataset sharegpt needs --dataset-path FILE.json (ShareGPT format: a list "
@@ -139,18 +218,19 @@ def sharegpt_dataset(args: argparse.Namespace, counter: _TokenCounter) -> list[S
         if len(c.get("conversations", [])) >= 2
     ]
     random.Random(args.seed).shuffle(pairs)
+    max_len = min(2048, args.max_model_len or 2048)
     out = []
     for prompt, reply in pairs:
-        n_in = counter.count(prompt) or len(prompt.split())
-        n_out = args.sharegpt_output_len or counter.count(reply) or len(reply.split())
-        if n_in >= 4 and n_out >= 4 and n_in <= 1024 and n_in + n_out <= 2048:
+        n_in = prompts.count(prompt) or len(prompt.split())
+        n_out = args.sharegpt_output_len or prompts.count(reply, False) or len(reply.split())
+        if n_in >= 4 and n_out >= 4 and n_in <= 1024 and n_in + n_out <= max_len:
             out.append(SampleRequest(prompt, n_in, n_out))
         if len(out) == args.num_prompts:
             break
     if len(out) < args.num_prompts:
         raise ValueError(
             f"{args.dataset_path} gives {len(out)} usable conversations (prompt "
-            f"4..1024 tokens, prompt+reply <= 2048); --num-prompts is "
+            f"4..1024 tokens, prompt+reply <= {max_len}); --num-prompts is "
             f"{args.num_prompts}: lower it or use a larger file"
         )
     return out
@@ -207,8 +287,10 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, body: dict, sample: SampleRequest, counter: _TokenCounter
+    client: httpx.AsyncClient, url: str, body: dict, sample: SampleRequest
 ) -> RequestOutput:
+    """One streamed request, timed; ``output_tokens`` stays 0 when the server sends no usage
+    (``count_output_tokens`` fills it in after the run, off the clock)."""
     out = RequestOutput(prompt_len=sample.prompt_len)
     usage, chunks, text = None, 0, []
     out.start = last = time.perf_counter()
@@ -243,9 +325,8 @@ async def send_request(
         return out
     out.latency = time.perf_counter() - out.start
     out.generated_text = "".join(text)
-    out.output_tokens = (
-        (usage or {}).get("completion_tokens") or counter.count(out.generated_text) or chunks
-    )
+    out.output_tokens = (usage or {}).get("completion_tokens") or 0
+    out.num_chunks = chunks
     out.prompt_len = (usage or {}).get("prompt_tokens") or sample.prompt_len
     return out
 
@@ -262,8 +343,20 @@ def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) ->
     return [rng.gammavariate(burstiness, theta) for _ in range(num)]
 
 
+def count_output_tokens(outputs: list[RequestOutput], prompts: PromptBuilder) -> None:
+    """Output tokens of the requests whose server sent no usage: the tokenizer's count of the
+    text, else the number of content chunks."""
+    for o in outputs:
+        if o.success and not o.output_tokens:
+            try:
+                counted = prompts.count(o.generated_text, as_prompt=False)
+            except httpx.HTTPError:  # the server's tokenizer is gone
+                counted = None
+            o.output_tokens = counted or o.num_chunks
+
+
 async def run_benchmark(
-    args: argparse.Namespace, samples: list[SampleRequest], counter: _TokenCounter
+    args: argparse.Namespace, samples: list[SampleRequest]
 ) -> tuple[list[RequestOutput], float]:
     url = args.base_url.rstrip("/") + ENDPOINTS[args.endpoint]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -273,7 +366,7 @@ async def run_benchmark(
 
     async def one(client: httpx.AsyncClient, sample: SampleRequest) -> RequestOutput:
         async with semaphore:
-            result = await send_request(client, url, request_body(args, sample), sample, counter)
+            result = await send_request(client, url, request_body(args, sample), sample)
         bar.update(1)
         return result
 
@@ -430,13 +523,22 @@ def _rate(value: str) -> float:
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's URL")
     parser.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
-    parser.add_argument("--model", required=True, help="model name sent in each request")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument(
-        "--tokenizer", default=None, help="directory with tokenizer.json, for exact prompt lengths"
+        "--model",
+        default=None,
+        help="model name sent in each request (default: the first of the server's /v1/models)",
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--api-key", default=None, help="the server's API key (default: $OPENAI_API_KEY)"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model directory, its tokenizer.json, or demo, for exact prompt lengths "
+        "(default: the server's /tokenize, else --model's tokenizer when it is local)",
     )
     parser.add_argument(
         "--dataset", "--dataset-name", dest="dataset", choices=list(DATASETS), default="random"
@@ -456,8 +558,19 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="gamma shape of the arrival gaps: <1 burstier, >1 more uniform",
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        help=f"prompt tokens (default {DEFAULT_RANDOM_INPUT_LEN}, lowered to fit the server's "
+        "max_model_len)",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=None,
+        help=f"max_tokens (default {DEFAULT_RANDOM_OUTPUT_LEN}, lowered with the input length)",
+    )
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--sharegpt-output-len", type=int, default=None)
     parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
@@ -476,6 +589,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--plot", default=None, metavar="FILE.png")
     parser.add_argument("--disable-tqdm", action="store_true")
+    parser.set_defaults(max_model_len=None)  # the server's, from /v1/models
     return parser
 
 
@@ -488,17 +602,118 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--burstiness {args.burstiness} must be > 0 (1 is Poisson)")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio {args.random_range_ratio} must be in [0, 1)")
+    for flag in ("random_input_len", "random_output_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
+
+
+def _note(message: str) -> None:
+    print(f"pagedserve bench: {message}", file=sys.stderr)
+
+
+def _server_model(args: argparse.Namespace, http: httpx.Client) -> None:
+    """Fill in ``--model`` (when not given) and the server's ``max_model_len`` from /v1/models."""
+    try:
+        response = http.get("/v1/models")
+        response.raise_for_status()
+        cards = response.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        if args.model is None:
+            raise ValueError(
+                f"--model is not given and {args.base_url}/v1/models does not list the served "
+                f"models ({type(exc).__name__}: {exc}); pass --model"
+            ) from None
+        return
+    if args.model is None:
+        if not cards:
+            raise ValueError(f"{args.base_url}/v1/models lists no model; pass --model")
+        args.model = cards[0]["id"]
+        _note(f"--model {args.model} (the first model of {args.base_url}/v1/models)")
+    name = args.served_model_name or args.model
+    card = next((c for c in cards if c.get("id") == name), None)
+    args.max_model_len = card.get("max_model_len") if card else None
+
+
+def _prompt_tokenizer(args: argparse.Namespace, http: httpx.Client) -> PromptTokenizer | None:
+    if args.tokenizer:
+        return local_tokenizer(args.tokenizer)
+    server = ServerTokenizer(http, args.served_model_name or args.model)
+    if server.works():
+        _note(f"prompt lengths measured with {args.base_url}/tokenize")
+        return server
+    if args.model == DEMO_MODEL or (Path(args.model) / "tokenizer.json").is_file():
+        _note(f"prompt lengths measured with the tokenizer of --model {args.model}")
+        return local_tokenizer(args.model)
+    _note(
+        f"no tokenizer ({args.base_url}/tokenize does not answer and --model is not a local "
+        "directory): prompt lengths are counted in words, not tokens; pass --tokenizer DIR"
+    )
+    return None
+
+
+def _fit_lengths(args: argparse.Namespace) -> None:
+    """Random lengths: the defaults shrink to fit the server's max_model_len; lengths that were
+    set and cannot fit are refused, since every request would fail."""
+    chosen = args.random_input_len is not None or args.random_output_len is not None
+    n_in = args.random_input_len or DEFAULT_RANDOM_INPUT_LEN
+    n_out = args.random_output_len or DEFAULT_RANDOM_OUTPUT_LEN
+    args.random_input_len, args.random_output_len = n_in, n_out
+    limit, ratio = args.max_model_len, args.random_range_ratio
+    if limit is None:
+        return
+    if args.dataset == "prefix-repetition":
+        longest = (
+            args.prefix_repetition_prefix_len
+            + args.prefix_repetition_suffix_len
+            + args.prefix_repetition_output_len
+        )
+        if longest > limit:
+            raise ValueError(
+                f"prefix + suffix + output lengths are {longest} tokens, more than the server's "
+                f"max_model_len {limit}: every request would fail; lower the "
+                "--prefix-repetition-*-len flags"
+            )
+        return
+    if args.dataset != "random":
+        return
+    longest = int(n_in * (1 + ratio)) + int(n_out * (1 + ratio))
+    if longest <= limit:
+        return
+    if chosen:
+        raise ValueError(
+            f"--random-input-len {n_in} + --random-output-len {n_out} (up to {longest} tokens "
+            f"with --random-range-ratio {ratio}) is more than the server's max_model_len "
+            f"{limit}: every request would fail; lower them"
+        )
+    scale = limit / ((n_in + n_out) * (1 + ratio))
+    args.random_input_len = max(1, int(n_in * scale))
+    args.random_output_len = max(1, int(n_out * scale))
+    _note(
+        f"the server's max_model_len is {limit}: random requests are "
+        f"{args.random_input_len} tokens in and {args.random_output_len} out "
+        "(--random-input-len and --random-output-len set them)"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    try:
-        _check(args)
-        counter = _TokenCounter(args.tokenizer)
-        samples = DATASETS[args.dataset](args, counter)
-    except (ValueError, OSError) as exc:
-        print(f"pagedserve bench: error: {exc}", file=sys.stderr)
-        return 2
-    outputs, duration = asyncio.run(run_benchmark(args, samples, counter))
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    http = httpx.Client(
+        base_url=args.base_url.rstrip("/"), headers=headers, timeout=60.0, trust_env=False
+    )
+    with http:
+        try:
+            _check(args)
+            _server_model(args, http)
+            prompts = PromptBuilder(_prompt_tokenizer(args, http))
+            _fit_lengths(args)
+            samples = DATASETS[args.dataset](args, prompts)
+        except (ValueError, OSError, httpx.HTTPError) as exc:
+            print(f"pagedserve bench: error: {exc}", file=sys.stderr)
+            return 2
+        outputs, duration = asyncio.run(run_benchmark(args, samples))
+        count_output_tokens(outputs, prompts)
     metrics = compute_metrics(outputs, duration)
     print(format_table(metrics))
     result = {

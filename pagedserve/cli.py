@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.presets import preset_names
+
 logger = logging.getLogger("pagedserve.serve")
 
 ENGINE_ARGS = (
@@ -25,6 +27,28 @@ ENGINE_ARGS = (
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
     "quantize_lm_head",
 )  # fmt: skip
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not _has_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _has_default(action: argparse.Action) -> bool:
+    return bool(action.option_strings) and action.default not in (None, False, argparse.SUPPRESS)
+
+
+def _document_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """argparse prints no help line, so no default, for an option without help: give it one."""
+    for action in parser._actions:
+        if not action.help and _has_default(action):
+            action.help = "default: %(default)s"
+    return parser
 
 
 # ---- serve ------------------------------------------------------------------------------------
@@ -44,13 +68,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     a("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
     a("--port", type=int, default=8000, help="TCP port to listen on")
     a(
         "--device",
         default=None,
-        help="kunlun-emu (default), cpu, cuda, or a device preset name / "
-        "YAML path from configs/devices",
+        help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
+        f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
     )
     a(
         "--dtype",
@@ -120,7 +144,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $PAGEDSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
+        "/version and the API docs (default: $PAGEDSERVE_API_KEY)",
     )
     a(
         "--max-queue-len",
@@ -262,10 +287,12 @@ def DrainingServer(config, async_engine):  # noqa: N802 - a class built lazily (
 def _lazy_subcommand(
     subparsers, name: str, help_text: str, module: str, add: str, run: str
 ) -> None:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser = subparsers.add_parser(
+        name, help=help_text, description=help_text, formatter_class=HelpFormatter
+    )
     try:
         mod = __import__(module, fromlist=[add, run])
-        getattr(mod, add)(parser)
+        _document_defaults(getattr(mod, add)(parser))
         parser.set_defaults(func=getattr(mod, run))
     except (ImportError, AttributeError) as e:
         parser.add_argument("rest", nargs=argparse.REMAINDER)
@@ -299,14 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the OpenAI-compatible HTTP server",
         description="Run the OpenAI-compatible HTTP server.",
+        formatter_class=HelpFormatter,
     )
-    add_serve_args(serve).set_defaults(func=run_serve)
+    _document_defaults(add_serve_args(serve)).set_defaults(func=run_serve)
     smi = subparsers.add_parser(
         "smi",
         help="show a running server's device, memory and KV pages",
         description="nvidia-smi for a running pagedserve server.",
+        formatter_class=HelpFormatter,
     )
-    add_smi_args(smi).set_defaults(func=_run_smi)
+    _document_defaults(add_smi_args(smi)).set_defaults(func=_run_smi)
     _lazy_subcommand(
         subparsers,
         "tune",

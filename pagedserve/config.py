@@ -3,7 +3,32 @@ keyword arguments. Field names are vLLM's."""
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class UsageContext(enum.Enum):
+    """Who builds the engine (vLLM's name), so that its messages name settings the way that user
+    writes them: ``serve``'s flags or ``LLM(...)``'s keywords."""
+
+    OPENAI_API_SERVER = "serve"
+    LLM_CLASS = "LLM"
+
+    def name_of(self, setting: str) -> str:
+        """``--max-model-len`` for the server, ``max_model_len`` for ``LLM(...)``."""
+        return setting if self is UsageContext.LLM_CLASS else "--" + setting.replace("_", "-")
+
+    def assignment(self, setting: str, value: object) -> str:
+        """``--max-model-len 4096`` for the server, ``max_model_len=4096`` for ``LLM(...)``."""
+        if self is UsageContext.LLM_CLASS:
+            return f"{setting}={value!r}"
+        return f"{self.name_of(setting)} {value!r}"
+
+    @property
+    def start_with(self) -> str:
+        """How a setting changes: "start the server with" or "create the LLM with"."""
+        return "create the LLM with" if self is UsageContext.LLM_CLASS else "start the server with"
 
 
 class _Config(BaseModel):
@@ -46,8 +71,11 @@ class EngineConfig(_Config):
     device: DeviceConfig = Field(default_factory=DeviceConfig)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineConfig:
-        """Flat vLLM-style keyword arguments (``block_size=16, max_num_seqs=8``) into the tree."""
+    def from_kwargs(
+        cls, usage_context: UsageContext = UsageContext.OPENAI_API_SERVER, /, **kwargs
+    ) -> EngineConfig:
+        """Flat vLLM-style keyword arguments (``block_size=16, max_num_seqs=8``) into the tree;
+        an invalid value is reported as ``usage_context``'s user wrote it."""
         sections = {
             "model": ModelConfig,
             "cache": CacheConfig,
@@ -63,9 +91,9 @@ class EngineConfig(_Config):
             tree[owner][key] = value
         try:
             return cls(**tree)
-        except ValidationError as e:  # name the flag, as the user typed it
+        except ValidationError as e:  # name the setting, as the user typed it
             problems = "; ".join(
-                f"--{str(err['loc'][-1]).replace('_', '-')} {err['input']!r}: {err['msg']}"
+                f"{usage_context.assignment(str(err['loc'][-1]), err['input'])}: {err['msg']}"
                 for err in e.errors()
             )
             raise ValueError(f"invalid setting: {problems}") from None

@@ -15,7 +15,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "rejected" | None: running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -33,3 +33,4 @@ class RequestOutput:
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # why LLM.generate rejected this prompt (finish_reason "rejected")

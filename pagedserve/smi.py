@@ -42,6 +42,12 @@ def add_smi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def fetch_devices(url: str, api_key: str | None = None, timeout: float = 5.0) -> list[dict]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     response = httpx.get(url.rstrip("/") + "/device", headers=headers, timeout=timeout)
+    if response.status_code == 401:
+        what = "a different key" if api_key else "an API key"
+        raise ValueError(
+            f"{url}/device answered 401: the server was started with --api-key; pass {what} "
+            "with --api-key"
+        )
     response.raise_for_status()
     body = response.json()
     return body if isinstance(body, list) else [body]

@@ -9,7 +9,7 @@ All figures are per tensor-parallel rank, in bytes:
   kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
   embed_tokens and lm_head (vocab-parallel); norms are replicated.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
-  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the seed's tuning notes said about
+  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's KV-cache formula gave about
   4.6 GB; that figure is too low).
 - reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
   per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
@@ -33,8 +33,8 @@ from pathlib import Path
 import yaml
 
 from pagedserve.hal.memory import parse_bytes
+from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 WORKSPACE_CAP = 256 * 2**20
@@ -101,18 +101,6 @@ class TuneResult:
     launch_script: str = ""
 
 
-def _preset_path(spec: str, kind: str) -> Path | None:
-    path = Path(spec)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    candidate = CONFIGS_DIR / kind / f"{spec}.yaml"
-    return candidate if candidate.is_file() else None
-
-
-def _presets(kind: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
-
-
 def _shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
     if cfg.get("model_type") == "chatglm":
         cfg = {
@@ -155,20 +143,20 @@ def load_model_shape(spec: str) -> ModelShape:
                 "tune knows glm, glm4 and chatglm checkpoints"
             )
         return _shape_from_hf_config(cfg, path.name)
-    preset = _preset_path(spec, "models")
+    preset = find_preset("models", spec)
     if preset is None:
         raise TuneError(
             f"--model {spec!r} is neither a directory with config.json nor a preset; "
-            f"presets: {', '.join(_presets('models'))}"
+            f"presets: {', '.join(preset_names('models'))}"
         )
     return _shape_from_hf_config(yaml.safe_load(preset.read_text()), preset.stem)
 
 
 def load_device(spec: str) -> DevicePreset:
-    preset = _preset_path(spec, "devices")
+    preset = find_preset("devices", spec)
     if preset is None:
         raise TuneError(
-            f"--device {spec!r} is not a device preset; presets: {', '.join(_presets('devices'))}"
+            f"--device {spec!r} is not a device preset; presets: {', '.join(preset_names('devices'))}"
         )
     cfg = yaml.safe_load(preset.read_text())
     memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
@@ -369,9 +357,17 @@ def tune(
 # ---- output
 
 
+def _serve_model(result: TuneResult) -> str:
+    """What the launch script passes to ``serve --model``."""
+    if result.model_arg in (DEMO_MODEL, DEMO_MODEL_PRESET):
+        return DEMO_MODEL  # built in
+    if Path(result.model_arg).is_dir():
+        return str(Path(result.model_arg).resolve())
+    return "${MODEL_DIR:?set MODEL_DIR}"
+
+
 def serve_args(result: TuneResult) -> list[str]:
-    is_dir = Path(result.model_arg).is_dir()
-    model = str(Path(result.model_arg).resolve()) if is_dir else "${MODEL_DIR:?set MODEL_DIR}"
+    model = _serve_model(result)
     args = [
         "--model",
         model,
@@ -409,7 +405,7 @@ def launch_script(result: TuneResult) -> str:
         f"{result.num_kv_pages} KV pages",
         "set -euo pipefail",
     ]
-    if not Path(result.model_arg).is_dir():
+    if _serve_model(result).startswith("${"):
         lines.append(f"# MODEL_DIR: the local checkpoint directory of {result.model}")
     lines.append(
         "exec pagedserve serve \\\n  "
@@ -459,7 +455,7 @@ def explain(result: TuneResult) -> str:
         (
             "KV per max-model-len seq",
             _gib(r.kv_bytes_per_seq),
-            f"{r.max_model_len} tokens x KV bytes per token (exact; not the seed's ~4.6 GB estimate)",
+            f"{r.max_model_len} tokens x KV bytes per token (exact; the deployment guide estimated ~4.6 GB)",
         ),
         ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
         ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),
@@ -484,8 +480,17 @@ def explain(result: TuneResult) -> str:
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", required=True, help="checkpoint directory or model preset")
-    parser.add_argument("--device", required=True, help="device preset (configs/devices)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory or model preset "
+        f"({', '.join(preset_names('models'))}; demo: the embedded demo model's)",
+    )
+    parser.add_argument(
+        "--device",
+        required=True,
+        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument(
         "--max-model-len",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import socket
 import statistics
 import threading
@@ -235,7 +236,7 @@ def test_prefix_repetition_prompts_share_prefixes():
         "--prefix-repetition-num-prefixes",
         "2",
     )
-    samples = bench.prefix_repetition_dataset(args, bench._TokenCounter(None))
+    samples = bench.prefix_repetition_dataset(args, bench.PromptBuilder(None))
     prefixes = {" ".join(s.prompt.split()[:20]) for s in samples}
     assert len(samples) == 8 and len(prefixes) == 2
 
@@ -290,10 +291,103 @@ def test_tokenizer_gives_exact_prompt_lengths(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    counter = bench._TokenCounter(str(tmp_path))
+    prompts = bench.PromptBuilder(bench.local_tokenizer(str(tmp_path)))
     args = _args("http://unused", "--tokenizer", str(tmp_path), "--random-input-len", "37")
-    samples = bench.random_dataset(args, counter)
-    assert all(counter.count(s.prompt) == s.prompt_len == 37 for s in samples)
+    samples = bench.random_dataset(args, prompts)
+    assert all(prompts.count(s.prompt) == s.prompt_len == 37 for s in samples)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 17, 128, 1000])
+def test_random_prompts_have_the_asked_length_as_the_demo_server_counts_it(num_tokens):
+    from pagedserve.models.tokenizer import Tokenizer
+    from pagedserve.presets import demo_model_dir
+
+    server_side = Tokenizer(demo_model_dir())  # what `pagedserve serve` counts with
+    prompts = bench.PromptBuilder(bench.local_tokenizer("demo"))
+    assert prompts.num_special == 2  # [gMASK]<sop>
+    rng = random.Random(num_tokens)
+    for _ in range(5):
+        text, count = prompts.text(rng, max(num_tokens, 3))
+        assert count == len(server_side.encode(text)) == max(num_tokens, 3)
+
+
+def _live_args(live_server, *extra: str) -> argparse.Namespace:
+    return add_bench_args(argparse.ArgumentParser()).parse_args(
+        [
+            "--base-url",
+            live_server.url,
+            "--api-key",
+            live_server.api_key,
+            "--num-prompts",
+            "3",
+            "--ignore-eos",
+            "--save-detailed",
+            "--disable-tqdm",
+            *extra,
+        ]
+    )
+
+
+def _run_live(live_server, tmp_path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "live.json"
+    code = run_bench(_live_args(live_server, "--output-file", str(out), *extra))
+    return code, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_prompts_have_the_asked_length_by_the_servers_tokenize(live_server, tmp_path, capsys):
+    lengths = ["--random-input-len", "40", "--random-output-len", "3"]
+    code, result = _run_live(live_server, tmp_path, "--model", live_server.model, *lengths)
+    assert code == 0 and result["failed"] == 0
+    assert result["input_lens"] == [40] * 3  # the server's own usage.prompt_tokens
+    assert "/tokenize" in capsys.readouterr().err
+
+
+def test_without_model_the_servers_first_model_is_benchmarked(live_server, tmp_path, capsys):
+    lengths = ["--random-input-len", "8", "--random-output-len", "2"]
+    code, result = _run_live(live_server, tmp_path, *lengths)
+    assert code == 0 and result["completed"] == 3
+    assert result["model_id"] == live_server.model
+    assert f"--model {live_server.model}" in capsys.readouterr().err
+
+
+def test_default_lengths_shrink_to_fit_the_servers_max_model_len(live_server, tmp_path, capsys):
+    limit = live_server.serving.max_model_len
+    assert limit < bench.DEFAULT_RANDOM_INPUT_LEN + bench.DEFAULT_RANDOM_OUTPUT_LEN
+    code, result = _run_live(live_server, tmp_path, "--num-prompts", "2")
+    assert code == 0 and result["failed"] == 0
+    default_total = bench.DEFAULT_RANDOM_INPUT_LEN + bench.DEFAULT_RANDOM_OUTPUT_LEN
+    n_in = int(bench.DEFAULT_RANDOM_INPUT_LEN * limit / default_total)  # 1024:128, scaled down
+    n_out = int(bench.DEFAULT_RANDOM_OUTPUT_LEN * limit / default_total)
+    assert set(result["input_lens"]) == {n_in} and set(result["output_lens"]) == {n_out}
+    assert n_in + n_out <= limit
+    assert f"max_model_len is {limit}" in capsys.readouterr().err
+
+
+def test_lengths_that_cannot_fit_are_refused_before_any_request(live_server, tmp_path, capsys):
+    engine = live_server.serving.llm_engine
+    before = engine.stats["prompt_tokens_total"]
+    code, _ = _run_live(live_server, tmp_path, "--random-input-len", "300")
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--random-input-len 300" in err and "max_model_len 256" in err
+    assert engine.stats["prompt_tokens_total"] == before
+
+
+def test_model_demo_measures_prompts_with_the_local_demo_tokenizer(tmp_path, capsys):
+    with serve(FakeBehaviour(usage=False)) as url:  # no /tokenize, no usage
+        args = _args(url, "--model", "demo", "--random-input-len", "50", "--save-detailed")
+        out = tmp_path / "r.json"
+        args.output_file = str(out)
+        assert run_bench(args) == 0
+    assert json.loads(out.read_text())["input_lens"] == [50] * 6
+    assert "tokenizer of --model demo" in capsys.readouterr().err
+
+
+def test_without_any_tokenizer_the_lengths_are_said_to_be_words(tmp_path, capsys):
+    with serve(FakeBehaviour()) as url:
+        code, _ = _run(url, tmp_path)
+    assert code == 0
+    assert "counted in words, not tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -10,10 +10,17 @@ from pagedserve.engine.llm_engine import RequestRejectedError
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model_dir(path, "glm4", max_position_embeddings=128)
-    return LLM(model=str(path), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(
+        model=str(tiny_dir), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100
+    )
 
 
 def _drained(llm: LLM) -> bool:
@@ -21,17 +28,62 @@ def _drained(llm: LLM) -> bool:
     return not e.has_unfinished_requests() and e.block_manager.num_free_pages == e.num_kv_pages
 
 
-def test_request_longer_than_max_model_len_is_rejected_with_both_numbers(llm):
-    with pytest.raises(RequestRejectedError, match=r"needs 110 tokens.*max_model_len is 100"):
-        llm.generate({"prompt_token_ids": [5] * 90}, SamplingParams(max_tokens=20), use_tqdm=False)
+def _rejection(llm: LLM, prompt_len: int, max_tokens: int, n: int = 1) -> str:
+    """The error of a prompt that LLM.generate rejects (after checking the output's shape)."""
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    (out,) = llm.generate({"prompt_token_ids": [5] * prompt_len}, params, use_tqdm=False)
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["rejected"] * n
+    assert all(o.token_ids == [] and o.text == "" for o in out.outputs)
     assert _drained(llm)
+    return out.error
+
+
+def test_request_longer_than_max_model_len_is_rejected_with_both_numbers(llm):
+    error = _rejection(llm, 90, 20)
+    assert "needs 110 tokens" in error and "max_model_len is 100" in error
+    # offline, the way out is LLM's keyword, not a server flag
+    assert "create the LLM with a larger max_model_len" in error
+    assert "server" not in error and "--" not in error
 
 
 def test_request_larger_than_the_whole_pool_is_rejected_with_the_pool_size(llm):
     # 16 pages x 4 tokens = 64 tokens in the whole cache
-    with pytest.raises(RequestRejectedError, match=r"needs 80 tokens.*holds 64 tokens"):
-        llm.generate({"prompt_token_ids": [5] * 60}, SamplingParams(max_tokens=20), use_tqdm=False)
+    error = _rejection(llm, 60, 20, n=2)
+    assert "needs 80 tokens" in error and "holds 64 tokens" in error
+    assert "gpu_memory_utilization" in error and "num_kv_pages" in error
+    assert "server" not in error and "--" not in error
+
+
+def test_generate_serves_every_prompt_that_fits_beside_one_that_never_can(llm, caplog):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fits = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 8]}]
+    alone = [llm.generate(p, greedy, use_tqdm=False)[0] for p in fits]
+    too_long = {"prompt_token_ids": [5] * 99}
+    with caplog.at_level("WARNING", logger="pagedserve.entrypoints.llm"):
+        outs = llm.generate([fits[0], too_long, fits[1]], greedy, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "rejected", "length"]
+    assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert outs[0].error is None and outs[2].error is None
+    assert "needs 105 tokens" in outs[1].error
+    assert "prompt 1 rejected" in caplog.text and "needs 105 tokens" in caplog.text
     assert _drained(llm)
+
+
+def test_server_engine_names_server_flags_in_its_messages(tiny_dir):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_dir), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100
+    )
+    engine = LLMEngine(config)
+    with pytest.raises(
+        RequestRejectedError, match="start the server with a larger --max-model-len"
+    ):
+        engine.add_request("long", [5] * 90, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestRejectedError, match="--gpu-memory-utilization, more --num-kv-pages"):
+        engine.add_request("big", [5] * 60, SamplingParams(max_tokens=20))
 
 
 def test_rejection_leaves_the_engine_serving_others(llm):
@@ -147,3 +199,10 @@ def test_invalid_engine_settings_name_the_flag():
         EngineConfig.from_kwargs(block_size=0)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization 1.5"):
         EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
+
+
+def test_invalid_llm_settings_name_the_keyword():
+    with pytest.raises(ValueError, match=r"block_size=0: Input should be greater than or equal"):
+        LLM(model="demo", block_size=0)
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds .* use max_model_len=2048"):
+        LLM(model="demo", max_model_len=4096, num_kv_pages=16)

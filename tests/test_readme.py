@@ -1,24 +1,40 @@
-"""The README's curl examples, run verbatim against `pagedserve serve` on the embedded demo model,
-work; and the completion the README shows is the one the demo model really gives."""
+"""The README's examples run as a new user would run them, against `pagedserve serve` on the
+embedded demo model (on a free port instead of the README's 8000), and its claims hold: the
+completion it shows is the one the demo model gives, the memory it quotes is what the server
+takes, and the routes it says the API key guards are the ones it guards."""
 
 from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import serve_subprocess
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-PORT = 8000  # the README's examples say localhost:8000
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+README_PORT = 8000
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
 
 
 def curl_examples() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-    return [b.strip() for b in blocks if b.lstrip().startswith("curl ")]
+    return [b.strip() for b in code_blocks("bash") if b.lstrip().startswith("curl ")]
+
+
+def python_examples(server: bool) -> list[str]:
+    """The Python blocks that talk to the server (they name its address), or the others."""
+    return [b for b in code_blocks("python") if (f":{README_PORT}" in b) == server]
+
+
+def on_port(example: str, port: int) -> str:
+    return re.sub(rf"(localhost|127\.0\.0\.1):{README_PORT}\b", rf"\1:{port}", example)
 
 
 def shown_completion() -> str:
@@ -28,13 +44,32 @@ def shown_completion() -> str:
     return json.loads(m.group(1))["choices"][0]["text"]
 
 
+def readme_gb(pattern: str) -> float:
+    text = re.sub(r"\s+", " ", README.read_text())
+    m = re.search(pattern, text)
+    assert m, f"README no longer says {pattern!r}"
+    return float(m.group(1))
+
+
+def resident_gb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status")
+    if not status.exists():
+        pytest.skip("no /proc on this system")
+    kib = int(re.search(r"VmRSS:\s+(\d+) kB", status.read_text()).group(1))
+    return kib * 1024 / 1e9
+
+
 @pytest.fixture(scope="module")
 def demo_server():
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", PORT)) == 0:
-            pytest.fail(f"port {PORT} is taken; the README examples need it free")
-    with serve_subprocess(port=PORT):
-        yield
+    """`pagedserve serve` with no flags, as the README starts it: (process, port)."""
+    with serve_subprocess() as (proc, url):
+        yield proc, int(url.rsplit(":", 1)[1])
+
+
+def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc
 
 
 def test_readme_has_curl_examples_for_completions_chat_and_streaming():
@@ -44,21 +79,70 @@ def test_readme_has_curl_examples_for_completions_chat_and_streaming():
 
 
 @pytest.mark.parametrize("index", range(len(curl_examples())))
-def test_readme_curl_example_runs_verbatim(demo_server, index):
-    example = curl_examples()[index]
-    proc = subprocess.run(
-        ["bash", "-c", f"set -o pipefail; {example}"], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout.strip()
+def test_readme_curl_example_runs(demo_server, index):
+    _, port = demo_server
+    example = on_port(curl_examples()[index], port)
+    out = _run(["bash", "-c", f"set -o pipefail; {example}"], timeout=120).stdout.strip()
     assert out, "no output"
     if out.startswith("{"):
         assert "error" not in json.loads(out)
-    elif out.startswith("data:"):
-        assert out.rstrip().endswith("data: [DONE]")
+    else:
+        assert out.startswith("data:") and out.rstrip().endswith("data: [DONE]")
 
 
 def test_readme_shows_the_demo_models_real_completion(demo_server):
-    first = curl_examples()[0]
-    proc = subprocess.run(["bash", "-c", first], capture_output=True, text=True, timeout=120)
-    assert json.loads(proc.stdout)["choices"][0]["text"] == shown_completion()
+    _, port = demo_server
+    out = _run(["bash", "-c", on_port(curl_examples()[0], port)], timeout=120).stdout
+    assert json.loads(out)["choices"][0]["text"] == shown_completion()
+
+
+@pytest.mark.parametrize("index", range(len(python_examples(server=True))))
+def test_readme_python_example_against_the_server_runs_as_a_script(demo_server, index):
+    _, port = demo_server
+    example = on_port(python_examples(server=True)[index], port)
+    assert _run([sys.executable, "-c", example]).stdout.strip(), "printed nothing"
+
+
+def test_readme_offline_python_examples_run_as_one_script():
+    """The blocks without a server, in README order (the later ones use the first's `llm`)."""
+    examples = python_examples(server=False)
+    assert any("LLM(" in e for e in examples)
+    out = _run([sys.executable, "-c", "\n".join(examples)]).stdout
+    assert "rejected: this request needs" in out  # the rejection example's prompt
+
+
+def test_readme_memory_figures_are_what_the_demo_server_takes(demo_server):
+    proc, _ = demo_server
+    default = readme_gb(r"The demo server takes about ([\d.]+) GB")
+    assert resident_gb(proc.pid) == pytest.approx(default, rel=0.25)
+    small = readme_gb(r"--num-kv-pages 512` \(8,192 tokens\) takes about ([\d.]+) GB")
+    with serve_subprocess("--num-kv-pages", "512") as (small_proc, _):
+        assert resident_gb(small_proc.pid) == pytest.approx(small, rel=0.5)
+
+
+def test_readme_names_the_routes_the_api_key_guards(live_server):
+    text = re.sub(r"\s+", " ", README.read_text())
+    m = re.search(r"With `--api-key`, every route answers 401 (.*?)\. ", text)
+    assert m, "README no longer says which routes the API key guards"
+    guarded_part, _, open_part = m.group(1).partition(" except ")
+    guarded = re.findall(r"`(/[^`]*)`", guarded_part)
+    public = tuple(re.findall(r"`(/[^`]*)`", open_part))
+    assert "/tokenize" in guarded and "/health" in public
+    for route in live_server.app.routes:
+        method = sorted(getattr(route, "methods", None) or ["GET"])[0]
+        r = httpx.request(method, live_server.url + route.path, timeout=30)
+        assert (r.status_code != 401) == route.path.startswith(public), (route.path, r.status_code)
+        if r.status_code == 401:
+            assert any(route.path.startswith(g.rstrip("*")) for g in guarded), route.path
+
+
+def test_readme_lists_exactly_the_presets_that_ship():
+    from pagedserve.presets import preset_names
+
+    text = README.read_text()
+    table = re.search(r"`--device` takes .*?\n\n(\|.*?)\n\n", text, flags=re.S).group(1)
+    rows = table.splitlines()[2:]
+    devices = {name for row in rows for name in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    assert devices - {"cuda"} == set(preset_names("devices"))  # cuda: the backend, no preset
+    models = re.search(r"From a model preset \(`configs/models/`: (.*?)\) or", text, flags=re.S)
+    assert set(re.findall(r"`([^`]+)`", models.group(1))) - {"demo"} == set(preset_names("models"))

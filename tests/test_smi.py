@@ -61,3 +61,10 @@ def test_smi_reports_an_unreachable_server(capsys):
 
 def test_smi_rejects_an_unknown_device_index(capsys, live_server):
     assert main(["--url", live_server.url, "--api-key", live_server.api_key, "-d", "3"]) == 2
+
+
+def test_smi_without_the_servers_api_key_says_to_pass_it(capsys, live_server):
+    assert main(["--url", live_server.url]) == 2
+    assert "pass an API key with --api-key" in capsys.readouterr().err
+    assert main(["--url", live_server.url, "--api-key", "wrong"]) == 2
+    assert "pass a different key with --api-key" in capsys.readouterr().err

@@ -185,3 +185,10 @@ def test_eos_ids_are_glm4_stop_tokens_plus_configured_ones(tmp_path, hf_tokenize
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer(tmp_path)
+
+
+def test_tokenizer_json_without_tokenizer_config_loads(tmp_path, hf_tokenizer):
+    build_tiny_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()  # no eos_token named anywhere
+    stops = hf_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    assert Tokenizer(tmp_path).eos_token_ids == stops

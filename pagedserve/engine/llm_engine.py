@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -61,8 +61,11 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(
+        self, config: EngineConfig, usage_context: UsageContext = UsageContext.OPENAI_API_SERVER
+    ):
         self.config = config
+        self.usage_context = usage_context
         torch.manual_seed(config.model.seed)
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
@@ -122,11 +125,12 @@ class LLMEngine:
         return model
 
     def _check_max_model_len(self) -> None:
-        limit = self.model_config.max_position_embeddings
+        limit, ctx = self.model_config.max_position_embeddings, self.usage_context
         if self.max_model_len > limit:
             raise ValueError(
-                f"--max-model-len {self.max_model_len} exceeds the model's context of {limit} "
-                f"tokens (max_position_embeddings); use --max-model-len {limit} or less"
+                f"{ctx.assignment('max_model_len', self.max_model_len)} exceeds the model's "
+                f"context of {limit} tokens (max_position_embeddings); use "
+                f"{ctx.assignment('max_model_len', limit)} or less"
             )
 
     def kv_bytes_per_token(self) -> int:
@@ -141,9 +145,11 @@ class LLMEngine:
             page_bytes, cache.gpu_memory_utilization
         )
         if num_pages < 1:
+            name = self.usage_context.name_of
             raise ValueError(
                 f"no room for KV pages on {self.device.name}: one page needs "
-                f"{format_bytes(page_bytes)}; raise --gpu-memory-utilization or use a larger --device"
+                f"{format_bytes(page_bytes)}; raise {name('gpu_memory_utilization')} or use a "
+                f"larger {name('device')}"
             )
         return self.device.allocate_kv_cache(
             c.num_hidden_layers,
@@ -242,19 +248,23 @@ class LLMEngine:
                 raise RequestRejectedError(
                     f"{what} {bad[0]} is outside the vocabulary [0, {vocab})"
                 )
+        ctx = self.usage_context
         if total > self.max_model_len:
             raise RequestRejectedError(
                 f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
                 f"{params.max_tokens}), but max_model_len is {self.max_model_len}; shorten the "
-                f"prompt, lower max_tokens, or start the server with a larger --max-model-len"
+                f"prompt, lower max_tokens, or {ctx.start_with} a larger "
+                f"{ctx.name_of('max_model_len')}"
             )
         if not self.block_manager.can_fit(total):
             capacity = self.num_kv_pages * self.block_size
             raise RequestRejectedError(
                 f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
                 f"{params.max_tokens}), but the whole KV cache holds {capacity} tokens "
-                f"({self.num_kv_pages} pages of {self.block_size}); lower max_tokens or give the "
-                f"cache more memory (--gpu-memory-utilization, --num-kv-pages, a larger --device)"
+                f"({self.num_kv_pages} pages of {self.block_size}); lower max_tokens or "
+                f"{ctx.start_with} more KV cache (a higher "
+                f"{ctx.name_of('gpu_memory_utilization')}, more {ctx.name_of('num_kv_pages')} "
+                f"or a larger {ctx.name_of('device')})"
             )
 
     def abort_request(self, request_ids: str | list[str]) -> None:

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.outputs import RequestOutput
+from pagedserve.config import EngineConfig, UsageContext
+from pagedserve.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 
 
 class LLM:
     def __init__(self, model: str = "demo", **kwargs: Any):
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        context = UsageContext.LLM_CLASS
+        config = EngineConfig.from_kwargs(context, model=model, **kwargs)
+        self.llm_engine = LLMEngine(config, context)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -29,7 +34,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``; a prompt is a string or ``{"prompt_token_ids": [...]}``."""
+        """Outputs in the order of ``prompts``; a prompt is a string or ``{"prompt_token_ids": [...]}``.
+
+        A prompt that can never run (longer than ``max_model_len``, larger than the whole KV
+        cache, empty, or with ids outside the vocabulary) does not stop the others: its output has
+        ``finish_reason == "rejected"`` in every choice and the reason in ``error``, and a warning
+        is logged."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -41,15 +51,18 @@ class LLM:
                 f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params"
             )
         encoded = [self._encode(p) for p in prompts]
-        for ids, sp in zip(encoded, sampling_params):  # reject before queueing anything
-            self.llm_engine.check_request(ids, sp)
-        request_ids = []
-        for prompt, ids, sp in zip(prompts, encoded, sampling_params):
-            request_ids.append(str(self._counter))
+        request_ids, rejected = [], {}
+        for index, (prompt, ids, sp) in enumerate(zip(prompts, encoded, sampling_params)):
+            request_id = str(self._counter)
             self._counter += 1
+            request_ids.append(request_id)
             text = prompt if isinstance(prompt, str) else None
-            self.llm_engine.add_request(request_ids[-1], ids, sp, prompt=text)
-        return self._run_engine(request_ids, use_tqdm)
+            try:
+                self.llm_engine.add_request(request_id, ids, sp, prompt=text)
+            except RequestRejectedError as e:
+                logger.warning("prompt %d rejected: %s", index, e)
+                rejected[request_id] = _rejected_output(request_id, text, ids, sp, str(e))
+        return self._run_engine(request_ids, rejected, use_tqdm)
 
     def chat(
         self,
@@ -88,13 +101,26 @@ class LLM:
             return list(prompt["prompt_token_ids"])
         return self._tokenizer().encode(prompt)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(
+        self, request_ids: list[str], rejected: dict[str, RequestOutput], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished = dict(rejected)
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            bar.update(len(rejected))
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[rid] for rid in request_ids]
+
+
+def _rejected_output(
+    request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, error: str
+) -> RequestOutput:
+    choices = [
+        CompletionOutput(index=i, text="", token_ids=[], finish_reason="rejected")
+        for i in range(params.n)
+    ]
+    return RequestOutput(request_id, prompt, ids, choices, finished=True, error=error)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import yaml
@@ -18,10 +17,10 @@ from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
 from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
+from pagedserve.presets import find_preset, preset_names
 
 logger = logging.getLogger(__name__)
 
-DEVICE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "devices"
 
 # Used when no YAML preset of that name exists (e.g. an installed package without configs/).
 BUILTIN_PRESETS: dict[str, dict] = {
@@ -72,20 +71,16 @@ class DevicePreset:
 
 
 def available_presets() -> list[str]:
-    names = set(BUILTIN_PRESETS)
-    if DEVICE_CONFIG_DIR.is_dir():
-        names |= {p.stem for p in DEVICE_CONFIG_DIR.glob("*.yaml")}
+    names = set(BUILTIN_PRESETS) | set(preset_names("devices"))
     return sorted(names)
 
 
 def load_device_preset(name_or_path: str) -> DevicePreset:
-    """A preset by name (``configs/devices/NAME.yaml`` or a built-in) or by path to a YAML file."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+    """A preset by name (``configs/devices/NAME.yaml``, shipped in the package, or a built-in) or
+    by path to a YAML file."""
+    path = find_preset("devices", name_or_path)
+    if path is not None:
         return DevicePreset.from_dict(path.stem, yaml.safe_load(path.read_text()))
-    path = DEVICE_CONFIG_DIR / f"{name_or_path}.yaml"
-    if path.is_file():
-        return DevicePreset.from_dict(name_or_path, yaml.safe_load(path.read_text()))
     if name_or_path in BUILTIN_PRESETS:
         return DevicePreset.from_dict(name_or_path, BUILTIN_PRESETS[name_or_path])
     raise ValueError(

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.models.config import GlmConfig
+from pagedserve.presets import DEMO_MODEL, demo_model_dir
 
 _CHATGLM_RENAMES = [
     (r"^transformer\.embedding\.word_embeddings\.", "model.embed_tokens."),
@@ -26,11 +27,11 @@ _DROPPED = re.compile(r"(^transformer\.rotary_pos_emb\.|\.rotary_emb\.)inv_freq$
 _FUSED_QKV = re.compile(r"^(.*)\.self_attention\.query_key_value\.(weight|bias)$")
 
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
+DEMO_MODEL_DIR = demo_model_dir()
 
 
 def resolve_model_path(model: str) -> Path:
-    if model == "demo":
+    if model == DEMO_MODEL:
         if not (DEMO_MODEL_DIR / "config.json").is_file():
             raise FileNotFoundError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}")
         return DEMO_MODEL_DIR

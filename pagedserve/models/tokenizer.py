@@ -101,7 +101,7 @@ class Tokenizer:
         return [] if None in prefix else prefix
 
     def _find_eos_token_ids(self) -> list[int]:
-        ids = [self.token_to_id(token) for token in (*STOP_TOKENS, self.eos_token)]
+        ids = [self.token_to_id(t) for t in (*STOP_TOKENS, self.eos_token) if t is not None]
         for name in ("generation_config.json", "config.json"):
             ids += _id_list(_read_json(self.model_dir / name).get("eos_token_id"))
         return list(dict.fromkeys(i for i in ids if i is not None))

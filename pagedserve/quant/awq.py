@@ -72,7 +72,8 @@ def linear_prefixes(config: GlmConfig) -> list[str]:
 
 
 def resolve_skip_layers(patterns: list[str], config: GlmConfig) -> set[str]:
-    """Linear prefixes that stay 16-bit. The seed's norm/softmax names are accepted and ignored."""
+    """Linear prefixes that stay 16-bit. The norm/softmax names of the Kunlun XPU deployment
+    guide's glm4_quantize are accepted and ignored."""
     prefixes = linear_prefixes(config)
     skipped: set[str] = set()
     for pattern in patterns:

@@ -1,4 +1,5 @@
-"""``pagedserve quantize`` (also ``glm4_quantize`` with the seed's flags) and ``pagedserve eval-quant``.
+"""``pagedserve quantize`` (also ``glm4_quantize``, with the Kunlun XPU deployment guide's flags)
+and ``pagedserve eval-quant``.
 
 ``eval-quant`` exits 0 on PASS and 1 on FAIL.
 """
@@ -32,7 +33,13 @@ logger = logging.getLogger("pagedserve.quant")
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a("--model-path", "--model", dest="model_path", required=True, help="16-bit source model dir")
+    a(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        required=True,
+        help="16-bit source model directory, or demo (the embedded demo model)",
+    )
     a("--output-path", "--output", dest="output_path", required=True, help="output directory")
     a(
         "--quant-method",
@@ -48,7 +55,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--skip-layers",
         default="",
         help="comma-separated linear names or globs kept 16-bit "
-        "(e.g. '*.down_proj'); the seed's ln_1/ln_2/attn.softmax are accepted (never quantized)",
+        "(e.g. '*.down_proj'); the deployment guide's ln_1/ln_2/attn.softmax are accepted (never quantized)",
     )
     a("--calib-data", default=None, help="plain text, or JSONL with a 'text' field")
     a("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
@@ -66,7 +73,7 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def add_eval_quant_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a("--reference", required=True, help="16-bit model directory")
+    a("--reference", required=True, help="16-bit model directory, or demo (the embedded model)")
     a("--candidate", required=True, help="quantized model directory")
     a(
         "--data",

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedserve.hal.int8 import quantize_int8
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
-from pagedserve.hal.int8 import quantize_int8
 from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 from pagedserve.quant.forward import ReferenceGlm
 

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -256,19 +257,29 @@ class OpenAIServing:
             self._token_strs[token_id] = text
         return self._token_strs[token_id]
 
+    def prompt_offsets(self, token_ids: list[int], text: str) -> list[int]:
+        """Where each prompt token starts in the echoed prompt ``text``; a token whose text is
+        not where the previous one ended (the ``[gMASK]<sop>`` the tokenizer puts before a text
+        prompt) takes no room. See ``TextOffsets`` for the rest."""
+        offsets = TextOffsets(self.tokenizer, [], skip_special_tokens=False)
+        return offsets.take(token_ids, shown=text)
+
+    def completion_offsets(
+        self, prompt_ids: list[int], body: CompletionRequest, start: int = 0
+    ) -> TextOffsets:
+        """The ``TextOffsets`` of one completion whose text starts at ``start``."""
+        return TextOffsets(self.tokenizer, prompt_ids, body.skip_special_tokens, start)
+
     def completion_logprobs(
         self,
         token_ids: list[int],
         logprobs: list[dict[int, float] | None],
         top_n: int,
-        offset: int = 0,
+        offsets: list[int],
     ) -> CompletionLogprobs:
-        out = CompletionLogprobs()
+        out = CompletionLogprobs(text_offset=offsets)
         for tid, lp in zip(token_ids, logprobs, strict=False):
-            text = self.token_str(tid)
-            out.tokens.append(text)
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.tokens.append(self.token_str(tid))
             if lp is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -295,6 +306,42 @@ class OpenAIServing:
         )
 
 
+class TextOffsets:
+    """``logprobs.text_offset``: where each token starts in the returned text, in characters.
+
+    Tokens are decoded in turn as the incremental detokenizer splits the output text (a token
+    inside a UTF-8 character adds nothing until the one that completes it; a skipped special token
+    adds nothing), so the offsets never go back and ``text[offset[i]:offset[i + 1]]`` is token
+    i's text."""
+
+    def __init__(
+        self, tokenizer, context_ids: list[int], skip_special_tokens: bool, start: int = 0
+    ) -> None:
+        params = SamplingParams(skip_special_tokens=skip_special_tokens)
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, context_ids, params) if tokenizer else None
+        )
+        self.pos = start
+
+    def take(
+        self, token_ids: list[int], end: int | None = None, shown: str | None = None
+    ) -> list[int]:
+        """Offsets of the next tokens, at most ``end``. With ``shown`` (the text from offset 0),
+        a token whose text is not where the previous one ended takes no room."""
+        offsets = []
+        for tid in token_ids:
+            offsets.append(self.pos if end is None else min(self.pos, end))
+            piece = self._piece(tid)
+            if shown is None or shown.startswith(piece, self.pos):
+                self.pos += len(piece)
+        return offsets
+
+    def _piece(self, token_id: int) -> str:
+        if self.detokenizer is None:
+            return f"token_id:{token_id}"
+        return self.detokenizer.add_token(token_id)[0]
+
+
 # ---- /v1/completions --------------------------------------------------------------------------
 def _completion_choice(
     serving: OpenAIServing,
@@ -307,13 +354,19 @@ def _completion_choice(
     prefix = _prompt_text(serving, prompt) if body.echo else ""
     logprobs = None
     if body.logprobs is not None:
+        ids = prompt[1]
         logprobs = CompletionLogprobs()
         if body.echo:
             logprobs = serving.completion_logprobs(
-                prompt[1], prompt_output.prompt_logprobs or [None] * len(prompt[1]), body.logprobs
+                ids,
+                prompt_output.prompt_logprobs or [None] * len(ids),
+                body.logprobs,
+                serving.prompt_offsets(ids, prefix),
             )
+        offsets = serving.completion_offsets(ids, body, len(prefix))
+        end = len(prefix) + len(o.text)  # a matched stop string cut the text
         tail = serving.completion_logprobs(
-            o.token_ids, o.logprobs or [], body.logprobs, offset=len(prefix)
+            o.token_ids, o.logprobs or [], body.logprobs, offsets.take(o.token_ids, end=end)
         )
         for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(logprobs, field).extend(getattr(tail, field))
@@ -367,6 +420,7 @@ async def _completion_stream(
     created = int(time.time())
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    offsets: dict[int, TextOffsets] = {}
     finals: dict[int, RequestOutput] = {}
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
@@ -397,11 +451,13 @@ async def _completion_stream(
                 continue
             logprobs = None
             if body.logprobs is not None:
+                if index not in offsets:
+                    offsets[index] = serving.completion_offsets(prompts[p][1], body)
                 logprobs = serving.completion_logprobs(
                     new_tokens,
                     (o.logprobs or [])[sent_tokens[index] :],
                     body.logprobs,
-                    offset=sent_text[index],
+                    offsets[index].take(new_tokens, end=len(o.text)),
                 )
             sent_text[index] = -1 if o.finished else len(o.text)
             sent_tokens[index] = len(o.token_ids)
