@@ -49,6 +49,8 @@ def _cpu_flags() -> str:
 
 
 def _missing_tool() -> str | None:
+    if not SOURCE.is_file():
+        return f"{SOURCE} is not installed"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH)"
