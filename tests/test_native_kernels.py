@@ -244,3 +244,46 @@ def test_without_a_compiler_the_engine_runs_eager_after_one_warning(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "kernels: eager" in proc.stdout and "tokens: 4" in proc.stdout
     assert proc.stderr.count("native CPU kernels unavailable") == 1
+
+
+def _counted(fn, calls: list):
+    def counted(*args):
+        calls.append(1)
+        return fn(*args)
+
+    return counted
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["glm", "glm4"])
+@pytest.mark.parametrize(
+    "dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")]
+)
+def test_fused_decoder_layer_equals_the_op_by_op_layer_bit_for_bit(
+    tmp_path, arch, dtype, quantization
+):
+    from helpers_models import build_tiny_hf_model
+
+    build_tiny_hf_model(tmp_path, arch)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    results = []
+    for fused in (True, False):
+        llm = LLM(
+            model=str(tmp_path),
+            dtype=dtype,
+            device="cpu",
+            quantization=quantization,
+            num_kv_pages=64,
+        )
+        model = llm.llm_engine.model
+        calls = []
+        if fused:
+            assert all(f is not None for f in model.fused_layers)
+            model.fused_layers = [_counted(f, calls) for f in model.fused_layers]
+        else:
+            model.fused_layers = [None] * len(model.fused_layers)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+        assert bool(calls) == fused  # decode steps took the fused kernel when it was there
+    assert results[0] == results[1]  # token ids and every logprob, exactly

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -33,10 +34,6 @@ from pagedserve.hal.kernels import AttentionMetadata, gather_context
 from pagedserve.hal.native import load_native_kernels
 
 logger = logging.getLogger(__name__)
-
-# Up to this many rows a dense bf16 layer runs through the native GEMV, beyond it through oneDNN's
-# GEMM (benchmarks/linear_paths.py: the GEMV streams lm_head 3-4x faster at 1 row, ties at 4-8).
-FEW_ROWS = 4
 
 
 class CpuDevice(Device):
@@ -127,7 +124,7 @@ class CpuDevice(Device):
             and w.dtype == torch.bfloat16
             and x.dtype == torch.bfloat16
             and x.dim() == 2
-            and x.shape[0] <= FEW_ROWS
+            and x.shape[0] <= self.native.FEW_ROWS
             and x.shape[1] % 32 == 0
         ):
             return self.native.bf16_linear_few_rows(x.contiguous(), w, b)
@@ -199,6 +196,62 @@ class CpuDevice(Device):
             head_dim,
         )
         return qkv[:, :num_heads]
+
+    # ---- a whole decoder layer ----------------------------------------------------------------
+    def fused_decoder_layer(
+        self, weights: object, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
+    ) -> Callable | None:
+        """Native: the layer's kernels in one call for decode-only steps (``decoder_layer.h``), where
+        every linear is a native INT4 or a dense one (W4A8 and PyTorch's int4 layout run op by op)."""
+        linears = [weights.qkv_proj, weights.o_proj, weights.gate_up_proj, weights.down_proj]
+        if self.native is None or not all(map(self._native_linear_ok, linears)):
+            return None
+        if head_dim % 16 or head_dim > 128 or weights.input_layernorm.shape[0] % 16:
+            return None
+        n = self.native
+        layer = n.GlmDecoderLayer(
+            qkv_proj=self._native_linear(weights.qkv_proj, weights.qkv_bias),
+            o_proj=self._native_linear(weights.o_proj),
+            gate_up_proj=self._native_linear(weights.gate_up_proj),
+            down_proj=self._native_linear(weights.down_proj),
+            input_layernorm=weights.input_layernorm,
+            post_attention_layernorm=weights.post_attention_layernorm,
+            post_self_attn_layernorm=weights.post_self_attn_layernorm,
+            post_mlp_layernorm=weights.post_mlp_layernorm,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            eps=eps,
+            scale=head_dim**-0.5,
+        )
+
+        def decoder_layer(h, residual, rope, meta, kv):
+            plan = meta.scratch.get("cpu") or meta.scratch.setdefault("cpu", _AttentionPlan(meta))
+            cos_sin, positions = rope
+            return layer.forward(
+                h,
+                residual,
+                positions,
+                cos_sin,
+                kv[0],
+                kv[1],
+                meta.slot_mapping,
+                plan.pages,
+                plan.seq_lens,
+            )
+
+        return decoder_layer
+
+    @staticmethod
+    def _native_linear_ok(w: torch.Tensor | Int4Linear) -> bool:
+        if isinstance(w, Int4Linear):
+            return w.layout == "tiles16" and w.abits == 16
+        return isinstance(w, torch.Tensor) and w.dim() == 2
+
+    def _native_linear(self, w: torch.Tensor | Int4Linear, bias: torch.Tensor | None = None):
+        if isinstance(w, Int4Linear):
+            return self.native.NativeLinear(w.packed, w.scales_and_zeros, w.group_size, None, bias)
+        return self.native.NativeLinear(None, None, 0, w, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Native: one vectorised pass per row (torch.argmax is scalar here: 28 us for 32000)."""

@@ -7,6 +7,7 @@ reference in ``kernels.py`` by the tests.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -312,6 +313,18 @@ class Device:
         scale: float,
     ) -> torch.Tensor:
         return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def fused_decoder_layer(
+        self, weights: object, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
+    ) -> Callable | None:
+        """A backend's one-call kernel for a whole GLM-4 decoder layer on decode-only batches, or
+        None: the model then runs the layer op by op (which defines what the kernel computes).
+
+        ``weights`` has the fields of ``models.glm4.DecoderLayerWeights``. The callable takes
+        ``(h, residual, rope, meta, kv)`` and returns ``(output, residual)`` as
+        ``GlmForCausalLM._decoder_layer`` does.
+        """
+        return None
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row, the index of the first largest value (greedy sampling)."""

@@ -22,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_kernels.cpp"  # includes the headers beside it
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # built on the machine it runs on
 
 
@@ -33,7 +34,9 @@ def cache_dir() -> Path:
 
 def _build_key() -> str:
     """Source, torch version, flags and CPU: a change of any of them means a new build."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
     h.update(f"{torch.__version__} {CFLAGS} {platform.machine()} {_cpu_flags()}".encode())
     return h.hexdigest()[:16]
 

@@ -73,6 +73,7 @@ class GlmForCausalLM:
             config.rotary_dim, config.rope_theta, config.max_position_embeddings
         ).to(device.torch_device)
         self.layers: list[DecoderLayerWeights] = []
+        self.fused_layers: list = []  # per layer: the device's one-call kernel, or None
 
     # ---- weights ------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -87,6 +88,12 @@ class GlmForCausalLM:
         self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
         self.lm_head = self._load_lm_head(sd, lm_head, embed)
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
+        self.fused_layers = [
+            self.device.fused_decoder_layer(
+                w, self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps
+            )
+            for w in self.layers
+        ]
 
     def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."
@@ -180,8 +187,13 @@ class GlmForCausalLM:
         h = self.embed_tokens[input_ids]
         rope = dev.rotary_at(self.cos_sin, positions)  # the same for every layer
         residual = None
+        decode_only = meta.is_decode_only
         for i, layer in enumerate(self.layers):
-            h, residual = self._decoder_layer(layer, h, residual, rope, meta, kv_cache[i])
+            fused = self.fused_layers[i] if decode_only else None
+            if fused is not None:  # the backend's one-call kernel for the same computation
+                h, residual = fused(h, residual, rope, meta, kv_cache[i])
+            else:
+                h, residual = self._decoder_layer(layer, h, residual, rope, meta, kv_cache[i])
         return dev.add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
