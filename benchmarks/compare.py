@@ -67,6 +67,7 @@ def worker_pagedserve(model: str, lm_head: str, batch: str) -> float:
         quantization="int4",
         quantize_lm_head=lm_head,
         max_model_len=2048,
+        enable_prefix_caching=False,  # every repetition computes its prompts, as the peers do
     )
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [batch1_prompt()] if batch == "1" else offline_prompts()
