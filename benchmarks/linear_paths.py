@@ -1,7 +1,9 @@
 """Every path a linear layer can take on this CPU, by batch rows M, on real layer shapes:
 
-- native int4: pagedserve's kernel (``hal/csrc/cpu_kernels.cpp``): weights stay INT4 in memory,
-  each packed tile is unpacked once per 8 rows and multiplied with vdpbf16ps;
+- native int4: pagedserve's kernel (``hal/csrc/linear.h``): weights stay INT4 in memory, each
+  packed tile is unpacked once per 8 rows and multiplied with vdpbf16ps (bf16 activations);
+- native w4a8: the same weights with activations rounded to int8 per row (``--quantization
+  w4a8``), multiplied with vpdpbusd;
 - aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--enforce-eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
 - native bf16 GEMV (up to 4 rows) and torch.mv (1 row): the dense few-row paths.
@@ -34,6 +36,7 @@ from pagedserve.quant.formats import quantize_rtn  # noqa: E402
 GROUP = 32
 PATHS = [
     "native int4",
+    "native w4a8",
     "aten int4",
     "bf16 F.linear",
     "native bf16 GEMV",
@@ -70,6 +73,7 @@ def measure(n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
     q, s, z = quantize_rtn(w.float(), GROUP)
     layer = native.prepare_int4(q, s, z, GROUP, "w") if native.native is not None else None
+    layer_a8 = native.prepare_int4(q, s, z, GROUP, "w", 8) if native.native is not None else None
     aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     aten_sz = cpu_int4_scales_and_zeros(s, z)
 
@@ -83,6 +87,7 @@ def measure(n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
         }
         if layer is not None:
             t["native int4"] = per_call_us(lambda: native.linear(x, layer))
+            t["native w4a8"] = per_call_us(lambda: native.linear(x, layer_a8))
             if m <= 4:
                 t["native bf16 GEMV"] = per_call_us(
                     lambda: native.native.bf16_linear_few_rows(x, w, None)

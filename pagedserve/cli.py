@@ -86,7 +86,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--quantization",
         "-q",
         default=None,
-        help="weight quantization: int4 (group-wise weight-only) or the checkpoint's own",
+        help="weight quantization at load: int4 (group-wise round-to-nearest, bf16 activations) "
+        "or w4a8 (the same weights, activations rounded to int8 per token: integer dot products, "
+        "about twice the arithmetic rate); a quantized checkpoint's own setting is used by default",
     )
     a("--quant-group-size", type=int, default=None, help="int4 group size: 32, 64 or 128")
     a(

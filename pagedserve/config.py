@@ -39,7 +39,9 @@ class ModelConfig(_Config):
     model: str = "demo"
     tokenizer: str | None = None  # defaults to the model directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # None | "int4" (or a checkpoint's own quantization_config)
+    quantization: str | None = (
+        None  # None | "int4" | "w4a8" (or the checkpoint's quantization_config)
+    )
     quant_group_size: int = Field(32, description="int4 group size: 32, 64 or 128")
     quantize_lm_head: str | None = None  # none | int8 | int4; None: as the checkpoint has it
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings

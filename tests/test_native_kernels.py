@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device, kernels
-from pagedserve.hal.int4 import Int4Linear, dequantize
+from pagedserve.hal.int4 import Int4Linear, dequantize, quantize_activations_int8
 from pagedserve.hal.native import load_native_kernels
 from pagedserve.quant.formats import quantize_rtn
 
@@ -141,23 +141,39 @@ def test_paged_attention_equals_reference(kernel_set, dtype, block_size, heads, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size, rows):
-    # rows past 8 take several passes over each tile of the native kernel
+@pytest.mark.parametrize("abits", [16, 8])
+def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size, rows, abits):
+    # rows past 8 take several passes over each tile of the native kernel; abits 8 is W4A8
     g = torch.Generator().manual_seed(group_size + rows)
     w = torch.randn(48, 256, generator=g) * 0.05
     x = torch.randn(rows, 256, generator=g).to(dtype)
     bias = torch.randn(48, generator=g).to(dtype)
     q, s, z = quantize_rtn(w, group_size)
     dev = _device(kernel_set)
-    layer = dev.prepare_int4(q, s, z, group_size, "w")
-    assert layer.layout == ("tiles16" if kernel_set == "native" else "aten")
-    reference = Int4Linear(48, 256, group_size, qcodes=q, scales=s, zeros=z)
-    # W4A16: the activations enter the kernel as bf16
-    expected = x.to(torch.bfloat16).float() @ dequantize(reference).T + bias.float()
+    layer = dev.prepare_int4(q, s, z, group_size, "w", abits)
+    native_layout = "tiles16" if abits == 16 else "tiles16_a8"
+    assert layer.layout == (native_layout if kernel_set == "native" else "aten")
+    reference = Int4Linear(48, 256, group_size, abits, qcodes=q, scales=s, zeros=z)
+    # W4A16: the activations enter as bf16; W4A8: as int8 per row, in fp32
+    xr = x.to(torch.bfloat16).float() if abits == 16 else quantize_activations_int8(x.float())
+    expected = xr @ dequantize(reference).T + bias.float()
     got = dev.linear(x, layer, bias)
     assert got.dtype == dtype and got.shape == (rows, 48)
     scale = expected.abs().max().item()
     torch.testing.assert_close(got.float(), expected, atol=0.01 * scale, rtol=0.01)
+
+
+@needs_native
+def test_native_w4a8_equals_its_fp32_emulation_to_rounding():
+    # integer products are exact: in fp32 the kernel equals the emulation up to summation order
+    g = torch.Generator().manual_seed(11)
+    q, s, z = quantize_rtn(torch.randn(32, 256, generator=g), 32)
+    x = torch.randn(5, 256, generator=g) * 3
+    dev = _device("native")
+    layer = dev.prepare_int4(q, s, z, 32, "w", abits=8)
+    reference = Int4Linear(32, 256, 32, 8, qcodes=q, scales=s, zeros=z)
+    expected = quantize_activations_int8(x) @ dequantize(reference).T
+    torch.testing.assert_close(dev.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
 @needs_native

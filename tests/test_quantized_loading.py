@@ -13,6 +13,7 @@ from conftest import serve_subprocess
 from helpers_models import build_tiny_model_dir, prompt_logprobs
 
 from pagedserve import LLM
+from pagedserve.hal.native import load_native_kernels
 from pagedserve.quant.cli import add_quantize_args, run_quantize
 from pagedserve.quant.evaluate import load_reference_model
 
@@ -86,3 +87,25 @@ def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.skipif(load_native_kernels() is None, reason="native CPU kernels unavailable here")
+@pytest.mark.parametrize("lm_head", ["none", "int4"])
+def test_load_time_w4a8_equals_an_rtn_w4a8_directory(source, tmp_path, lm_head):
+    # --quantization w4a8 is RTN at load with int8 activations: the same numbers as quantizing the
+    # directory with `quantize --quant-method rtn --abits 8`, judged by its fp32 reference (which
+    # rounds lm_head's input to int8 too when lm_head is INT4). The native kernel's integer
+    # products make it exact to fp32 rounding; W4A16 differs from it by about 0.01 here.
+    dst = _quantize(source, tmp_path / "q", "--quant-method", "rtn", "--abits", "8")
+    llm = LLM(
+        model=str(source),
+        dtype="float32",
+        quantization="w4a8",
+        quantize_lm_head=lm_head,
+        num_kv_pages=64,
+    )
+    assert all(layer.down_proj.abits == 8 for layer in llm.llm_engine.model.layers)
+    got = prompt_logprobs(llm, PROMPT)
+    with torch.no_grad():
+        ref = load_reference_model(dst, lm_head=lm_head).forward(torch.tensor([PROMPT]))[0, :-1]
+    torch.testing.assert_close(got, torch.log_softmax(ref, -1), atol=1e-3, rtol=0.0)

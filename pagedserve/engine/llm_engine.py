@@ -102,10 +102,11 @@ class LLMEngine:
     def _load_model(self) -> GlmForCausalLM:
         state_dict = load_state_dict(self.model_path, self.model_config, self.dtype)
         mc = self.config.model
-        if mc.quantization not in (None, "int4", "awq", "gptq"):
+        if mc.quantization not in (None, "int4", "w4a8", "awq", "gptq"):
             raise ValueError(
                 f"--quantization {mc.quantization!r} is not supported; use int4 (load-time "
-                f"round-to-nearest), or point --model at an AWQ/GPTQ/pagedserve quantized directory"
+                f"round-to-nearest, bf16 activations), w4a8 (the same weights, int8 activations), "
+                f"or point --model at an AWQ/GPTQ/pagedserve quantized directory"
             )
         if mc.quantization in ("awq", "gptq") and not self.model_config.quantization_config:
             raise ValueError(

@@ -27,6 +27,7 @@ from pagedserve.hal.int4 import (
     Int4Linear,
     cpu_int4_scales_and_zeros,
     pack_tiles16,
+    pack_tiles16_a8,
     quantize_activations_int8,
 )
 from pagedserve.hal.int8 import Int8Linear
@@ -70,7 +71,10 @@ class CpuDevice(Device):
         if n % 16 or group_size not in (32, 64, 128, 256):
             return super().prepare_int4(qcodes, scales, zeros, group_size, tag, abits)
         w = Int4Linear(n, k, group_size, abits)
-        if self.native is not None:
+        if self.native is not None and abits == 8:
+            w.layout = "tiles16_a8"
+            packed, scales_and_zeros = pack_tiles16_a8(qcodes, scales, zeros, group_size)
+        elif self.native is not None:
             w.layout = "tiles16"
             packed, scales_and_zeros = pack_tiles16(qcodes, scales, zeros, group_size)
         else:
@@ -84,19 +88,19 @@ class CpuDevice(Device):
     def int4_linear(
         self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """bf16 activations always: PyTorch's kernel is 20-60x slower with fp32 or fp16 ones
-        (GLM4.md), and the native kernel multiplies bf16 pairs."""
+        """Native: bf16 activation pairs (W4A16) or int8 activations with integer products
+        (W4A8). PyTorch's kernel: bf16 activations always (20-60x slower with fp32 or fp16 ones,
+        GLM4.md); W4A8 rounds them to int8 first."""
         if w.layout == "reference":
             return super().int4_linear(x, w, b)
-        if w.abits == 8:
-            x = quantize_activations_int8(x)
         rows = x.reshape(-1, w.in_features)
-        if w.layout == "tiles16":
+        if w.layout in ("tiles16", "tiles16_a8"):
+            kernel = self.native.int4_int8_linear if w.abits == 8 else self.native.int4_linear
             bias = None if b is None else b.to(x.dtype)
-            out = self.native.int4_linear(
-                rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias
-            )
+            out = kernel(rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias)
             return out.view(*x.shape[:-1], w.out_features)
+        if w.abits == 8:
+            rows = quantize_activations_int8(rows)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(torch.bfloat16).contiguous(), w.packed, w.group_size, w.scales_and_zeros
         )
@@ -202,7 +206,7 @@ class CpuDevice(Device):
         self, weights: object, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
     ) -> Callable | None:
         """Native: the layer's kernels in one call for decode-only steps (``decoder_layer.h``), where
-        every linear is a native INT4 or a dense one (W4A8 and PyTorch's int4 layout run op by op)."""
+        every linear is a native INT4 or a dense one (PyTorch's int4 layout runs op by op)."""
         linears = [weights.qkv_proj, weights.o_proj, weights.gate_up_proj, weights.down_proj]
         if self.native is None or not all(map(self._native_linear_ok, linears)):
             return None
@@ -245,13 +249,15 @@ class CpuDevice(Device):
     @staticmethod
     def _native_linear_ok(w: torch.Tensor | Int4Linear) -> bool:
         if isinstance(w, Int4Linear):
-            return w.layout == "tiles16" and w.abits == 16
+            return w.layout in ("tiles16", "tiles16_a8")
         return isinstance(w, torch.Tensor) and w.dim() == 2
 
     def _native_linear(self, w: torch.Tensor | Int4Linear, bias: torch.Tensor | None = None):
         if isinstance(w, Int4Linear):
-            return self.native.NativeLinear(w.packed, w.scales_and_zeros, w.group_size, None, bias)
-        return self.native.NativeLinear(None, None, 0, w, bias)
+            return self.native.NativeLinear(
+                w.packed, w.scales_and_zeros, w.group_size, w.abits == 8, None, bias
+            )
+        return self.native.NativeLinear(None, None, 0, False, w, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Native: one vectorised pass per row (torch.argmax is scalar here: 28 us for 32000)."""

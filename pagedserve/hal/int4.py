@@ -25,8 +25,10 @@ class Int4Linear:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     # a backend kernel's packed form: which kernel, its codes, and its scales and zeros
-    layout: str = "reference"  # "aten": _weight_int4pack_mm_for_cpu; "tiles16": native kernels
-    packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles16: [N/16, K/8, 64]
+    # "aten": _weight_int4pack_mm_for_cpu; "tiles16": native, bf16 activations; "tiles16_a8":
+    # native, int8 activations (W4A8)
+    layout: str = "reference"
+    packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles16*: [N/16, K/8, 64]
     scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles16: pack_tiles16
 
     @property
@@ -96,9 +98,31 @@ def pack_tiles16(
     low = codes[:, row, :, low_pair, e]  # [64, tiles, chunks]: advanced indices come first
     high = codes[:, row, :, low_pair + 2, e]
     packed = (low | (high << 4)).permute(1, 2, 0).contiguous()
+    return packed, _tile_scales_and_zeros(scales, zeros, group_size)
+
+
+def pack_tiles16_a8(
+    qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native W4A8 kernel's layout: as ``pack_tiles16`` but byte 4r + j of chunk c holds row r,
+    k = 8c + j in the low nibble and k = 8c + 4 + j in the high one, so that each 32-bit lane of
+    vpdpbusd sums four products of one row."""
+    n, k = qcodes.shape
+    codes = qcodes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # tile, row, chunk, half, j
+    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).transpose(1, 2)  # tile, chunk, row, j
+    return packed.reshape(n // 16, k // 8, 64).contiguous(), _tile_scales_and_zeros(
+        scales, zeros, group_size
+    )
+
+
+def _tile_scales_and_zeros(
+    scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """fp16 [N/16, K/G, 2, 16]: per tile and group, 16 scales then 16 zero points plus 128."""
+    n, num_groups = scales.shape
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
-        return t.float().view(n // 16, 16, k // group_size).transpose(1, 2)
+        return t.float().view(n // 16, 16, num_groups).transpose(1, 2)
 
     sz = torch.stack([per_tile(scales), per_tile(zeros) + 128], dim=2)
-    return packed, sz.to(torch.float16).contiguous()
+    return sz.to(torch.float16).contiguous()

@@ -2,7 +2,8 @@
 
 The first start on a machine compiles them with the C++ compiler PyTorch's extensions use (about 30 s
 on 2 cores) into ``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``); later starts load the
-cached library in well under a second. Where they cannot be built (no compiler, no AVX-512 BF16) the
+cached library in well under a second. Where they cannot be built (no compiler, no AVX-512
+BF16 and VNNI) the
 CPU backends run eager PyTorch and say so once; ``--enforce-eager`` asks for eager explicitly.
 """
 
@@ -99,7 +100,8 @@ def load_native_kernels() -> ModuleType | None:
         return None
     if not module.available:
         logger.warning(
-            "this CPU lacks AVX-512 BF16, which the native kernels need; running eager PyTorch"
+            "this CPU lacks AVX-512 BF16 and VNNI, which the native kernels need; running eager "
+            "PyTorch"
         )
         return None
     if fresh:

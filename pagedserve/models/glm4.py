@@ -39,7 +39,8 @@ class GlmForCausalLM:
     """Both architectures: ``config.architecture`` is ``"glm"`` or ``"glm4"``.
 
     Linear layers are INT4 when the checkpoint is quantized (``quantization_config``) or when
-    ``quantization="int4"`` asks for load-time round-to-nearest quantization; embeddings, norms and
+    ``quantization="int4"`` asks for load-time round-to-nearest quantization (``"w4a8"``: the same,
+    with each linear's input rounded to int8 per token, as W4A8 checkpoints ask); embeddings, norms and
     biases stay 16-bit. lm_head is as the checkpoint has it unless ``quantize_lm_head`` says
     ``none``, ``int8`` (per-channel) or ``int4`` (group-wise, the decoder's group size).
     """
@@ -61,9 +62,11 @@ class GlmForCausalLM:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.quantize_at_load = quantization == "int4" and not config.quantization_config
+        self.quantize_at_load = quantization in ("int4", "w4a8") and not config.quantization_config
         self.quant_group_size = quant_group_size
         self.abits = int((config.quantization_config or {}).get("abits", 16))
+        if self.quantize_at_load and quantization == "w4a8":
+            self.abits = 8  # each linear's input rounded to int8 per token, on the fly
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -133,9 +136,9 @@ class GlmForCausalLM:
         if weight is None:
             assert tied, "checkpoint has no lm_head.weight"
             weight = embed
-        if mode == "int4":
+        if mode == "int4":  # its activations as the decoder's linears take theirs (W4A8: int8)
             q, s, z = quantize_rtn(weight, self.quant_group_size)
-            return self.device.prepare_int4(q, s, z, self.quant_group_size, "lm_head")
+            return self.device.prepare_int4(q, s, z, self.quant_group_size, "lm_head", self.abits)
         if mode == "int8":
             codes, scales = quantize_int8(weight)
             return self.device.prepare_int8(codes, scales, self.dtype, "lm_head")
@@ -155,7 +158,7 @@ class GlmForCausalLM:
         dense = torch.cat([self._dense_weight(sd, p) for p in prefixes])
         if self.quantize_at_load:
             q, s, z = quantize_rtn(dense, self.quant_group_size)
-            return self.device.prepare_int4(q, s, z, self.quant_group_size, tag)
+            return self.device.prepare_int4(q, s, z, self.quant_group_size, tag, self.abits)
         return self._place(dense, tag)
 
     def _dense_weight(self, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:

@@ -86,14 +86,16 @@ def load_reference_model(
     rounds lm_head as ``--quantize-lm-head`` does at load time."""
     config = load_config(model_dir)
     sd = load_state_dict(model_dir, config, torch.float32)
-    if lm_head not in (None, "none"):
-        _round_trip_lm_head(sd, lm_head, lm_head_group_size)
     qc = config.quantization_config
     quantized: set[str] = set()
     if qc:
         for prefix, layer in load_quantized_linears(sd, qc).items():
             sd[f"{prefix}.weight"] = dequantize(*layer)
             quantized.add(prefix.removeprefix("model.layers."))
+    if lm_head not in (None, "none"):
+        _round_trip_lm_head(sd, lm_head, lm_head_group_size)
+        if lm_head == "int4":  # an INT4 lm_head takes its input as the decoder's INT4 linears do
+            quantized.add("lm_head")
     if act_bits is None:
         act_bits = int(qc.get("abits", 16)) if qc else 16
     return ReferenceGlm(config, sd, act_bits=act_bits, quantized=quantized)

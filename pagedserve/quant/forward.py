@@ -63,6 +63,8 @@ class ReferenceGlm:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.sd["model.norm.weight"].float(), self.config.rms_norm_eps)
+        if self.act_bits == 8 and "lm_head" in self.quantized:  # an INT4 lm_head under W4A8
+            h = quantize_activation_int8(h)
         return h @ self.sd["lm_head.weight"].float().T
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

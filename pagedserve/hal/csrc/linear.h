@@ -118,6 +118,120 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
+// ---- W4A8: INT4 weights x int8 activations (VNNI) ------------------------------------------------
+//
+// The W4A8 mode quantizes each activation row to int8 on the fly (symmetric, one scale per row:
+// amax / 127), so the products can be integer: vpdpbusd multiplies 64 unsigned codes with 64
+// signed activation bytes per instruction, twice the multiply-adds of vdpbf16ps, and needs no
+// conversion of the codes beyond splitting the nibbles. Layout "tiles16_a8" (pack_tiles16_a8 in
+// int4.py): byte 4r + j of chunk c holds row r of the tile, k = 8c + j in its low nibble and
+// k = 8c + 4 + j in its high one, so each 32-bit lane sums four products of one row.
+
+template <int MB, typename T>
+inline void int4_int8_tile(const uint8_t* w, const at::Half* sz, const int32_t* xq,
+                           int64_t x_stride, const float* xqsum, const float* row_scale,
+                           int64_t num_groups, int64_t group_size, const T* bias, T* out,
+                           int64_t out_stride) {
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int64_t chunks_per_group = group_size / 8;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512i dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const __m512i codes = _mm512_loadu_si512(w + c * 64);
+      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* xm = xq + m * x_stride + 2 * c;
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xm[0]));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xm[1]));
+      }
+    }
+    const __m512 scale = load16(sz + g * 32);
+    const __m512 zero = _mm512_sub_ps(load16(sz + g * 32 + 16), _mm512_set1_ps(128.f));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xs = _mm512_set1_ps(xqsum[m * num_groups + g]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, _mm512_cvtepi32_ps(dot[m])), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    store_output(out + m * out_stride, _mm512_mul_ps(acc[m], _mm512_set1_ps(row_scale[m])), bias);
+}
+
+template <typename T>
+struct Int4Int8Tiles {
+  using Fn = void (*)(const uint8_t*, const at::Half*, const int32_t*, int64_t, const float*,
+                      const float*, int64_t, int64_t, const T*, T*, int64_t);
+  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
+      nullptr,
+      int4_int8_tile<1, T>, int4_int8_tile<2, T>, int4_int8_tile<3, T>, int4_int8_tile<4, T>,
+      int4_int8_tile<5, T>, int4_int8_tile<6, T>, int4_int8_tile<7, T>, int4_int8_tile<8, T>};
+};
+
+// x [M, K] -> int8 per row (round(x / scale), scale = max(amax, 1e-8) / 127, as
+// quantize_activations_int8), the scales, and per-group sums of the int8 values.
+template <typename T>
+void quantize_rows_int8(const T* x, int64_t M, int64_t K, int64_t group_size, int8_t* xq,
+                        float* row_scale, float* xqsum) {
+  const int64_t num_groups = K / group_size;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + m * K + k)));
+    const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.f;
+    row_scale[m] = scale;
+    const __m512 s = _mm512_set1_ps(scale), lim = _mm512_set1_ps(127.f);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(x + k), s), _MM_FROUND_TO_NEAREST_INT);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(qi));
+        sum = _mm512_add_epi32(sum, qi);
+      }
+      xqsum[m * num_groups + g] = float(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+torch::Tensor int4_int8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                               const torch::Tensor& scales_zeros, int64_t group_size,
+                               const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_int8_linear: x must be a contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 8 == K, "int4_int8_linear: packed weight is for K=",
+              packed.size(1) * 8, ", x has K=", K);
+  const int64_t num_groups = K / group_size;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> row_scale, xqsum;
+  xq.resize(M * K);
+  row_scale.resize(M);
+  xqsum.resize(M * num_groups);
+  auto out = torch::empty({M, N}, x.options());
+  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_int8_linear", [&] {
+    quantize_rows_int8(x.data_ptr<scalar_t>(), M, K, group_size, xq.data(), row_scale.data(),
+                       xqsum.data());
+    const auto* w = packed.data_ptr<uint8_t>();
+    const auto* sz = scales_zeros.data_ptr<at::Half>();
+    const auto* xp = reinterpret_cast<const int32_t*>(xq.data());
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    auto* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m = 0; m < M; m += kMaxRowsPerPass) {
+          const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m);
+          Int4Int8Tiles<scalar_t>::by_rows[rows](
+              w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 4, K / 4,
+              xqsum.data() + m * num_groups, row_scale.data() + m, num_groups, group_size,
+              b ? b + t * 16 : nullptr, o + m * N + t * 16, N);
+        }
+    });
+  });
+  return out;
+}
+
 // ---- dense bf16 linear for a few rows -----------------------------------------------------------
 
 // Up to this many rows a dense bf16 layer streams its weight here; beyond, oneDNN's GEMM is faster
