@@ -1,10 +1,11 @@
 """Where a batch-1 token's time goes, and how far each part is from this machine's memory roofline.
 
-    python benchmarks/profile_decode.py [--model 122m] [--lm-head int4] [--enforce-eager]
+    python benchmarks/profile_decode.py [--model 122m] [--quantization int4|w4a8] [--lm-head int4]
 
-Runs the batch-1 workload of compare.py (32-token prompt, 64 greedy tokens, INT4 weights) with a
-timer around every HAL op and every engine stage, then prints milliseconds per token for each, the
-bytes each linear streams and the rate it streams them at, against the read bandwidth measured here
+Runs the batch-1 workload of compare.py (32-token prompt, 64 greedy tokens, INT4 weights) twice:
+as served (timers around the engine's stages, lm_head and each decoder layer's one native call),
+then op by op (the fused layers off, a timer around every HAL op). Prints milliseconds per token
+for each part, the bytes each part streams and its rate against the read bandwidth measured here
 (a 1 GiB sum). Writes benchmarks/results/profile_decode_<model>.json.
 """
 
@@ -76,72 +77,23 @@ class Timers:
         setattr(obj, attr, timed)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--model", default="122m")
-    ap.add_argument("--lm-head", default="int4", choices=["none", "int8", "int4"])
-    ap.add_argument("--enforce-eager", action="store_true")
-    args = ap.parse_args()
-    llm = LLM(
-        model=str(build_model(args.model)),
-        dtype="bfloat16",
-        quantization="int4",
-        quantize_lm_head=args.lm_head,
-        max_model_len=2048,
-        enforce_eager=args.enforce_eager,
-    )
-    engine = llm.llm_engine
-    dev, model, runner = engine.device, engine.model, engine.runner
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    prompt = [{"prompt_token_ids": list(range(10, 42))}]
-    llm.generate(prompt, params, use_tqdm=False)  # warm-up
-
-    t = Timers()
-    t.wrap(engine, "step", "whole step")
-    t.wrap(engine.scheduler, "schedule", "engine: schedule")
-    t.wrap(runner, "prepare_inputs", "engine: prepare inputs")
-    t.wrap(runner, "sampler", "engine: sample")  # (prompt logprobs are not asked for here)
-    t.wrap(engine, "_update", "engine: outputs, detokenize, stop checks")
-    t.wrap(model, "forward", "model forward (all layers)")
-    t.wrap(model, "compute_logits", "lm_head", lambda hidden: nbytes(model.lm_head))
-    layer_linears = {
-        name: nbytes(getattr(model.layers[0], name))
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    }
-    by_weight = {id(getattr(layer, n)): n for layer in model.layers for n in layer_linears}
-    linear = dev.linear
-
-    def timed_linear(x, w, b=None):
-        start = time.perf_counter()
-        out = linear(x, w, b)
-        name = by_weight.get(id(w))
-        if name is not None:
-            label = f"linear {name}"
-            t.seconds[label] += time.perf_counter() - start
-            t.calls[label] += 1
-            t.bytes[label] += layer_linears[name]
-        return out
-
-    dev.linear = timed_linear
-    for op in HAL_OPS:
-        t.wrap(dev, op, op)
+def run_profiled(llm, params, prompt, wrap) -> tuple[float, Timers]:
+    """Seconds for one generate, with ``wrap(timers)`` installing the timers first."""
+    timers = Timers()
+    wrap(timers)
     start = time.perf_counter()
     llm.generate(prompt, params, use_tqdm=False)
-    total = time.perf_counter() - start
-    bandwidth = read_bandwidth_gbs()
+    return time.perf_counter() - start, timers
 
-    steps = t.calls["whole step"]
+
+def print_table(title: str, total: float, t: Timers, bandwidth: float) -> dict:
+    print(f"\n{title}: {NEW_TOKENS / total:.1f} tokens/s ({total / NEW_TOKENS * 1e3:.3f} ms/token)")
+    print(f"{'part':<46} {'ms/token':>9} {'share':>6} {'MB/token':>9} {'GB/s':>6} {'of peak':>8}")
     rows = {}
-    print(f"{args.model}, INT4, lm_head {args.lm_head}, {dev.kernel_set} kernels, "
-          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s")  # fmt: skip
-    print(f"{NEW_TOKENS / total:.1f} tokens/s ({total / NEW_TOKENS * 1e3:.3f} ms per token)\n")
-    print(f"{'part':<44} {'ms/token':>9} {'share':>6} {'MB/token':>9} {'GB/s':>6} {'of peak':>8}")
     for label in sorted(t.seconds, key=lambda k: -t.seconds[k]):
         ms = t.seconds[label] / NEW_TOKENS * 1e3
         row = {"ms_per_token": ms, "share": t.seconds[label] / total}
-        line = f"{label:<44} {ms:9.3f} {row['share']:6.1%}"
+        line = f"{label:<46} {ms:9.3f} {row['share']:6.1%}"
         if t.bytes[label]:
             mb = t.bytes[label] / NEW_TOKENS / 1e6
             rate = t.bytes[label] / t.seconds[label] / 1e9
@@ -149,19 +101,103 @@ def main() -> None:
             line += f" {mb:9.1f} {rate:6.1f} {rate / bandwidth:8.0%}"
         rows[label] = row
         print(line)
+    return {"tokens_per_s": NEW_TOKENS / total, "parts": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="122m")
+    ap.add_argument("--quantization", default="int4", choices=["int4", "w4a8"])
+    ap.add_argument("--lm-head", default="int4", choices=["none", "int8", "int4"])
+    ap.add_argument("--enforce-eager", action="store_true")
+    args = ap.parse_args()
+    llm = LLM(
+        model=str(build_model(args.model)),
+        dtype="bfloat16",
+        quantization=args.quantization,
+        quantize_lm_head=args.lm_head,
+        max_model_len=2048,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=False,
+    )
+    engine = llm.llm_engine
+    dev, model, runner = engine.device, engine.model, engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(10, 42))}]
+    llm.generate(prompt, params, use_tqdm=False)  # warm-up
+    bandwidth = read_bandwidth_gbs()
+    layer_bytes = {
+        name: nbytes(getattr(model.layers[0], name))
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    }
+
+    def stages(t: Timers) -> None:  # the step as served
+        t.wrap(engine, "step", "whole step")
+        t.wrap(engine.scheduler, "schedule", "engine: schedule")
+        t.wrap(runner, "prepare_inputs", "engine: prepare inputs")
+        t.wrap(runner, "sampler", "engine: sample")  # (no prompt logprobs asked for here)
+        t.wrap(engine, "_update", "engine: outputs, detokenize, stop checks")
+        t.wrap(model, "compute_logits", "lm_head", lambda hidden: nbytes(model.lm_head))
+        fused = model.fused_layers
+        if any(f is not None for f in fused):
+            model.fused_layers = [_timed(f, t, sum(layer_bytes.values())) for f in fused]
+
+    def ops(t: Timers) -> None:  # the decoder op by op: where a layer's time goes
+        model.fused_layers = [None] * len(model.layers)
+        by_weight = {id(getattr(layer, n)): n for layer in model.layers for n in layer_bytes}
+        linear = dev.linear
+
+        def timed_linear(x, w, b=None):
+            start = time.perf_counter()
+            out = linear(x, w, b)
+            name = by_weight.get(id(w))
+            if name is not None:
+                t.seconds[f"linear {name}"] += time.perf_counter() - start
+                t.bytes[f"linear {name}"] += layer_bytes[name]
+            return out
+
+        dev.linear = timed_linear
+        for op in HAL_OPS:
+            t.wrap(dev, op, op)
+        t.wrap(model, "forward", "model forward, all ops with Python between them")
+
+    fused_layers = list(model.fused_layers)
+    served = print_table(
+        f"{args.model}, {args.quantization}, lm_head {args.lm_head}, {dev.kernel_set} kernels, "
+        f"{torch.get_num_threads()} threads, read bandwidth {bandwidth:.1f} GB/s; as served",
+        *run_profiled(llm, params, prompt, stages),
+        bandwidth,
+    )
+    model.fused_layers = fused_layers
+    by_op = print_table("the decoder op by op", *run_profiled(llm, params, prompt, ops), bandwidth)
     write_result(
         f"profile_decode_{args.model}",
         {
             "model": args.model,
+            "quantization": args.quantization,
             "lm_head": args.lm_head,
             "kernels": dev.kernel_set,
             "threads": torch.get_num_threads(),
-            "steps": steps,
-            "tokens_per_s": NEW_TOKENS / total,
             "read_bandwidth_gbs": bandwidth,
-            "parts": rows,
+            "as_served": served,
+            "op_by_op": by_op,
         },
     )
+
+
+def _timed(layer, t: Timers, weight_bytes: int):
+    label = "decoder layers (one native call each)"
+
+    def timed(*args):
+        start = time.perf_counter()
+        out = layer(*args)
+        t.seconds[label] += time.perf_counter() - start
+        t.bytes[label] += weight_bytes
+        return out
+
+    return None if layer is None else timed
 
 
 if __name__ == "__main__":

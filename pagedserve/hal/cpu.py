@@ -1,10 +1,11 @@
 """Plain PyTorch on the host CPU, with native kernels for what a decode step spends its time on.
 
 Two kernel sets, chosen at start-up:
-- **native** (default where it builds): ``csrc/cpu_kernels.cpp`` through ``native.py``: an int4
-  GEMM that reads each packed weight once for up to 8 rows, a bf16 GEMV for a few rows, fused
-  residual-add + RMSNorm, SiLU-and-mul, rotary + KV-cache write, and paged decode attention that
-  reads keys and values straight from their pages.
+- **native** (default where it builds): ``csrc/`` through ``native.py``: an int4 GEMM that
+  unpacks each packed weight once for up to 8 rows (bf16 activations, or int8 ones for W4A8), a
+  bf16 GEMV for a few rows, fused residual-add + RMSNorm, SiLU-and-mul, rotary + KV-cache write,
+  paged decode attention that reads keys and values straight from their pages, and all of a
+  decoder layer in one call for decode steps.
 - **eager** (``--enforce-eager``, or where the native kernels cannot be built): PyTorch ops only,
   PyTorch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) and SDPA over gathered pages.
 
