@@ -23,6 +23,15 @@ KERNEL_SETS = [pytest.param("native", marks=needs_native), "eager"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"], autouse=True)
+def threads(request):
+    """Every kernel runs single-threaded and across two threads (the work split between them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _device(kernel_set: str):
     dev = get_device("cpu", enforce_eager=kernel_set == "eager")
     assert dev.kernel_set == kernel_set

@@ -100,6 +100,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
     prepare_activations(x.data_ptr<scalar_t>(), M, K, group_size, xb.data(), xsum.data());
     const auto* w = packed.data_ptr<uint8_t>();
     const auto* sz = scales_zeros.data_ptr<at::Half>();
+    // (the buffers are this thread's: the workers get plain pointers)
     const auto* xp = reinterpret_cast<const uint32_t*>(xb.data());
     const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
@@ -215,7 +216,10 @@ torch::Tensor int4_int8_linear(const torch::Tensor& x, const torch::Tensor& pack
                        xqsum.data());
     const auto* w = packed.data_ptr<uint8_t>();
     const auto* sz = scales_zeros.data_ptr<at::Half>();
+    // (the buffers are this thread's: the workers get plain pointers)
     const auto* xp = reinterpret_cast<const int32_t*>(xq.data());
+    const float* xs = xqsum.data();
+    const float* rs = row_scale.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
@@ -224,8 +228,8 @@ torch::Tensor int4_int8_linear(const torch::Tensor& x, const torch::Tensor& pack
           const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m);
           Int4Int8Tiles<scalar_t>::by_rows[rows](
               w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 4, K / 4,
-              xqsum.data() + m * num_groups, row_scale.data() + m, num_groups, group_size,
-              b ? b + t * 16 : nullptr, o + m * N + t * 16, N);
+              xs + m * num_groups, rs + m, num_groups, group_size, b ? b + t * 16 : nullptr,
+              o + m * N + t * 16, N);
         }
     });
   });
