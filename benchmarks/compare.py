@@ -7,11 +7,14 @@
 Measures (each figure the median of 5 timed repetitions after a warm-up; with --runs N the whole
 comparison repeats N times and the report gives the median and the range):
 - batch 1: a 32-token prompt then 64 greedy tokens, whole time, tokens/s = 64 / seconds;
-  pagedserve INT4 (decoder group 32; lm_head as --lm-head says) against llama.cpp Q4_0
+  pagedserve INT4 (group 32; W4A16 `int4` and W4A8 `w4a8`; lm_head as --lm-head says, INT4 by
+  default as llama.cpp's Q4_0 files quantize theirs, to Q6_K) against llama.cpp Q4_0
   (llama-cpp-python, 2 threads, converted with llama.cpp's own converter from the same
   checkpoint), on the ~122M and ~1B random GLM-4-0414 models of bench_models.py;
 - offline: 16 prompts of 16-128 tokens x 64 new tokens (greedy, no early stop), output tokens/s,
   pagedserve INT4 against transformers `generate` in bf16, on the ~122M model.
+
+No prefix caching across repetitions: every run computes its prompts, as the peers do.
 
 Each system runs in its own process. Check `uptime` first: nothing else should be running.
 """
@@ -58,13 +61,13 @@ def timed_median(run, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def worker_pagedserve(model: str, lm_head: str, batch: str) -> float:
+def worker_pagedserve(model: str, quantization: str, lm_head: str, batch: str) -> float:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(
         model=model,
         dtype="bfloat16",
-        quantization="int4",
+        quantization=quantization,
         quantize_lm_head=lm_head,
         max_model_len=2048,
         enable_prefix_caching=False,  # every repetition computes its prompts, as the peers do
@@ -205,23 +208,30 @@ def one_run(args: argparse.Namespace, root: Path) -> dict:
     for name in args.models:
         model = build_model(name)
         key = f"batch1_{name}"
-        print(f"[{key}] pagedserve INT4 (lm_head {args.lm_head}) ...", flush=True)
-        rows[key] = {"pagedserve": run_worker("pagedserve", str(model), args.lm_head, "1")}
+        rows[key] = {}
+        for q in args.quantization:
+            print(f"[{key}] pagedserve {q} (lm_head {args.lm_head}) ...", flush=True)
+            rows[key][f"pagedserve {q}"] = run_worker(
+                "pagedserve", str(model), q, args.lm_head, "1"
+            )
         if not args.skip_llama:
             print(f"[{key}] llama.cpp Q4_0 ...", flush=True)
             rows[key]["llama.cpp"] = llama_batch1(gguf_q4_0(model, root), root)
     if "122m" in args.models:
         model = build_model("122m")
-        print("[offline_122m] pagedserve INT4 ...", flush=True)
-        rows["offline_122m"] = {
-            "pagedserve": run_worker("pagedserve", str(model), args.lm_head, "16")
-        }
+        rows["offline_122m"] = {}
+        for q in args.quantization:
+            print(f"[offline_122m] pagedserve {q} ...", flush=True)
+            rows["offline_122m"][f"pagedserve {q}"] = run_worker(
+                "pagedserve", str(model), q, args.lm_head, "16"
+            )
         if not args.skip_transformers:
             print("[offline_122m] transformers bf16 ...", flush=True)
             rows["offline_122m"]["transformers"] = run_worker("transformers", str(model))
     for row in rows.values():
-        peers = [k for k in row if k != "pagedserve"]
-        row["ratio"] = {p: row["pagedserve"] / row[p] for p in peers}
+        ours = [k for k in row if k.startswith("pagedserve")]
+        peers = [k for k in row if not k.startswith("pagedserve")]
+        row["ratio"] = {f"{o} / {p}": row[o] / row[p] for o in ours for p in peers}
     return rows
 
 
@@ -230,24 +240,16 @@ PEER = {"batch1": "llama.cpp", "offline": "transformers"}
 
 def report(runs: list[dict], args: argparse.Namespace) -> dict:
     figures: dict = {"lm_head": args.lm_head, "runs": runs, "summary": {}}
-    print(
-        f"\n{'measure':<16} {'system':<13} {'tok/s (median)':>15} {'range':>17}   ratio (median, range)"
-    )
+    print(f"\n{'measure':<14} {'system':<18} {'tok/s (median)':>15} {'range':>17}")
     for key in runs[0]:
-        peer = PEER[key.split("_")[0]]
         summary = {}
         for system in [k for k in runs[0][key] if k != "ratio"]:
-            summary[system] = spread([r[key][system] for r in runs])
-            s = summary[system]
-            ratio = ""
-            if system == "pagedserve" and peer in runs[0][key]:
-                summary["ratio"] = spread([r[key]["ratio"][peer] for r in runs])
-                q = summary["ratio"]
-                ratio = f"{q['median']:.2f}x vs {peer} ({q['min']:.2f}-{q['max']:.2f})"
-            print(
-                f"{key:<16} {system:<13} {s['median']:>15.1f} "
-                f"{s['min']:>8.1f}-{s['max']:<8.1f}   {ratio}"
-            )
+            s = summary[system] = spread([r[key][system] for r in runs])
+            print(f"{key:<14} {system:<18} {s['median']:>15.1f} {s['min']:>8.1f}-{s['max']:<8.1f}")
+        summary["ratio"] = {}
+        for pair in runs[0][key]["ratio"]:
+            q = summary["ratio"][pair] = spread([r[key]["ratio"][pair] for r in runs])
+            print(f"{'':<14} {pair:<40} {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f})")
         figures["summary"][key] = summary
     figures["models"] = {name: num_parameters(name) for name in args.models}
     return figures
@@ -260,6 +262,13 @@ def main() -> None:
     ap.add_argument("--setup", action="store_true", help="install llama.cpp for the comparison")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison N times")
     ap.add_argument("--models", nargs="+", default=["122m", "1b"], choices=["122m", "1b"])
+    ap.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["int4", "w4a8"],
+        choices=["int4", "w4a8"],
+        help="pagedserve's INT4 modes to measure",
+    )
     ap.add_argument("--lm-head", default="int4", choices=["none", "int8", "int4"],
                     help="pagedserve's --quantize-lm-head (llama.cpp's Q4_0 files quantize theirs)")  # fmt: skip
     ap.add_argument("--skip-llama", action="store_true")
