@@ -140,6 +140,20 @@ def main() -> None:
         t.wrap(runner, "sampler", "engine: sample")  # (no prompt logprobs asked for here)
         t.wrap(engine, "_update", "engine: outputs, detokenize, stop checks")
         t.wrap(model, "compute_logits", "lm_head", lambda hidden: nbytes(model.lm_head))
+        forward = model.forward
+
+        def timed_forward(input_ids, positions, meta, kv_cache):
+            label = (
+                "model forward: decode steps"
+                if meta.is_decode_only
+                else ("model forward: prefill (the 32-token prompt)")
+            )
+            start = time.perf_counter()
+            out = forward(input_ids, positions, meta, kv_cache)
+            t.seconds[label] += time.perf_counter() - start
+            return out
+
+        model.forward = timed_forward
         fused = model.fused_layers
         if any(f is not None for f in fused):
             model.fused_layers = [_timed(f, t, sum(layer_bytes.values())) for f in fused]
