@@ -22,14 +22,18 @@ template <int MB, typename T>
 inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
                       const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
                       T* out, int64_t out_stride) {
+  // A vdpbf16ps takes several cycles to finish: with few rows, each row sums into independent
+  // chains (one per k-pair slot) so that the next product need not wait for the last.
+  constexpr int kChains = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __m512i bf16_128 = _mm512_set1_epi8(0x43);
   const int64_t chunks_per_group = group_size / 8;
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 dot[MB];
-    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_ps();
+    __m512 dot[MB][kChains];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < kChains; ++c) dot[m][c] = _mm512_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       const __m512i codes = _mm512_loadu_si512(w + c * 64);
       const __m512i lo = _mm512_and_si512(codes, low_nibbles);
@@ -41,14 +45,17 @@ inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, i
       for (int m = 0; m < MB; ++m) {
         const uint32_t* xm = x + m * x_stride + 4 * c;
         for (int p = 0; p < 4; ++p)
-          dot[m] = _mm512_dpbf16_ps(dot[m], pairs[p], (__m512bh)_mm512_set1_epi32(xm[p]));
+          dot[m][p % kChains] = _mm512_dpbf16_ps(dot[m][p % kChains], pairs[p],
+                                                 (__m512bh)_mm512_set1_epi32(xm[p]));
       }
     }
     const __m512 scale = load16(sz + g * 32);
     const __m512 zero128 = load16(sz + g * 32 + 16);
     for (int m = 0; m < MB; ++m) {
+      __m512 d = dot[m][0];
+      for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[m][c]);
       const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, dot[m]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, d), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, acc[m], bias);
@@ -133,28 +140,31 @@ inline void int4_int8_tile(const uint8_t* w, const at::Half* sz, const int32_t* 
                            int64_t x_stride, const float* xqsum, const float* row_scale,
                            int64_t num_groups, int64_t group_size, const T* bias, T* out,
                            int64_t out_stride) {
+  constexpr int kChains = MB == 1 ? 2 : 1;  // independent sums while a vpdpbusd finishes
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const int64_t chunks_per_group = group_size / 8;
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m512i dot[MB];
-    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+    __m512i dot[MB][2];
+    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       const __m512i codes = _mm512_loadu_si512(w + c * 64);
       const __m512i lo = _mm512_and_si512(codes, low_nibbles);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
       for (int m = 0; m < MB; ++m) {
         const int32_t* xm = xq + m * x_stride + 2 * c;
-        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xm[0]));
-        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xm[1]));
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
+        dot[m][kChains - 1] =
+            _mm512_dpbusd_epi32(dot[m][kChains - 1], hi, _mm512_set1_epi32(xm[1]));
       }
     }
     const __m512 scale = load16(sz + g * 32);
     const __m512 zero = _mm512_sub_ps(load16(sz + g * 32 + 16), _mm512_set1_ps(128.f));
     for (int m = 0; m < MB; ++m) {
+      const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
       const __m512 xs = _mm512_set1_ps(xqsum[m * num_groups + g]);
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, _mm512_cvtepi32_ps(dot[m])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, _mm512_cvtepi32_ps(d)), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m)
