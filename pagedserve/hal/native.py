@@ -9,12 +9,15 @@ CPU backends run eager PyTorch and say so once; ``--enforce-eager`` asks for eag
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -34,8 +37,10 @@ def cache_dir() -> Path:
 
 
 def _build_key() -> str:
-    """Source, torch version, flags and CPU: a change of any of them means a new build."""
-    h = hashlib.sha256()
+    """Source (and where it is installed), torch version, flags and CPU: a change of any of them
+    means a new build directory. Two installs never share one: torch rebuilds in place when the
+    source path changes, and the two would keep rebuilding each other's library."""
+    h = hashlib.sha256(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode() + path.read_bytes())
     h.update(f"{torch.__version__} {CFLAGS} {platform.machine()} {_cpu_flags()}".encode())
@@ -71,6 +76,24 @@ def _warn_eager(reason: str) -> None:
     )
 
 
+@contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """One process builds or loads at a time, under an flock that the kernel drops if its holder
+    dies. torch's own build lock is a plain file: a build killed half way (a server stopped during
+    its first start) leaves it behind and every later start would wait on it forever. Holding the
+    flock, no live builder owns that file, so it is stale and goes."""
+    with open(build_dir / "pagedserve.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @cache
 def load_native_kernels() -> ModuleType | None:
     """The compiled kernels, or None (with one warning saying why) where they cannot be had."""
@@ -87,14 +110,15 @@ def load_native_kernels() -> ModuleType | None:
         logger.info("building the native CPU kernels for this machine (once; about 30 s) ...")
     start = time.monotonic()
     try:
-        module = cpp_extension.load(
-            name="pagedserve_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _exclusive(build_dir):
+            module = cpp_extension.load(
+                name="pagedserve_cpu_kernels",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
         _warn_eager(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         return None
