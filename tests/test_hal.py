@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+from helpers_kernels import paged_batch
 
 from pagedserve.hal import DeviceOutOfMemoryError, MemoryAttr, get_device, kernels
 from pagedserve.hal.cpu import _AttentionPlan, decode_attention, prefill_attention
@@ -85,39 +86,17 @@ def test_uncached_kv_pool_logs_a_warning(caplog):
     assert "UNCACHED" in caplog.text
 
 
-def _paged_setup(seq_lens, query_lens, block_size=4, kv_heads=2, heads=4, d=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
-    num_pages = max_blocks * len(seq_lens) + 3
-    k_cache = torch.randn(num_pages, block_size, kv_heads, d, generator=g)
-    v_cache = torch.randn(num_pages, block_size, kv_heads, d, generator=g)
-    perm = torch.randperm(num_pages, generator=g)[: max_blocks * len(seq_lens)]
-    block_tables = perm.view(len(seq_lens), max_blocks)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    meta = kernels.AttentionMetadata(
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
-        query_start_loc=qsl,
-        seq_lens=list(seq_lens),
-        block_tables=block_tables,
-        block_size=block_size,
-    )
-    q = torch.randn(qsl[-1], heads, d, generator=g)
-    return q, k_cache, v_cache, meta
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_cpu_paged_attention_equals_reference_on_mixed_batches(block_size):
     # decode rows, a full prefill, and a chunk on top of a cached prefix, in one flat batch
-    q, kc, vc, meta = _paged_setup([9, 1, 17, 33, 5], [1, 1, 17, 6, 1], block_size=block_size)
+    q, kc, vc, meta = paged_batch([9, 1, 17, 33, 5], [1, 1, 17, 6, 1], block_size=block_size)
     ref = kernels.paged_attention(q, kc, vc, meta, scale=0.3)
     got = get_device("cpu").paged_attention(q, kc, vc, meta, scale=0.3)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_attention_ignores_padding_beyond_each_context():
-    q, kc, vc, meta = _paged_setup([3, 12], [1, 1])
+    q, kc, vc, meta = paged_batch([3, 12], [1, 1])
     out = decode_attention(q, kc, vc, _AttentionPlan(meta), 0.5)
     torch.testing.assert_close(out, kernels.paged_attention(q, kc, vc, meta, 0.5))
 

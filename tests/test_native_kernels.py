@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers_kernels import paged_batch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device, kernels
@@ -93,29 +94,6 @@ def test_rotary_and_kv_write_equal_reference(
     torch.testing.assert_close(caches[1], caches[3])
 
 
-def _paged(seq_lens, query_lens, block_size, heads, kv_heads, head_dim, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
-    num_pages = max_blocks * len(seq_lens) + 3
-    kc, vc = (
-        torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g).to(dtype)
-        for _ in range(2)
-    )
-    pages = torch.randperm(num_pages, generator=g)[: max_blocks * len(seq_lens)]
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    meta = kernels.AttentionMetadata(
-        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
-        query_start_loc=qsl,
-        seq_lens=list(seq_lens),
-        block_tables=pages.view(len(seq_lens), max_blocks),
-        block_size=block_size,
-    )
-    q = torch.randn(qsl[-1], heads, head_dim, generator=g).to(dtype)
-    return q, kc, vc, meta
-
-
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -126,13 +104,13 @@ def test_paged_attention_equals_reference(kernel_set, dtype, block_size, heads, 
     # decode rows with contexts across page boundaries (and past 16 tokens: the native kernel scores
     # keys 16 at a time), a full prefill, and a chunk over a cached prefix, in one flat batch
     lens, query_lens = [9, 1, 17, 33, 70], [1, 1, 17, 6, 1]
-    q, kc, vc, meta = _paged(lens, query_lens, block_size, heads, kv_heads, head_dim, dtype)
+    q, kc, vc, meta = paged_batch(lens, query_lens, block_size, heads, kv_heads, head_dim, dtype)
     ref = kernels.paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)
     meta.scratch.clear()
     got = _device(kernel_set).paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)
     torch.testing.assert_close(got, ref, **_tol(dtype))
     # all rows decoding: the batched decode path alone
-    dq, dkc, dvc, dmeta = _paged(
+    dq, dkc, dvc, dmeta = paged_batch(
         lens, [1] * 5, block_size, heads, kv_heads, head_dim, dtype, seed=1
     )
     ref = kernels.paged_attention(dq, dkc, dvc, dmeta, scale=0.2)

@@ -73,6 +73,17 @@ struct Int4Tiles {
       int4_tile<5, T>, int4_tile<6, T>, int4_tile<7, T>, int4_tile<8, T>};
 };
 
+// Every (tile of 16 output rows, pass of up to kMaxRowsPerPass activation rows) of an [M, N]
+// product; the tiles are split between the threads.
+template <typename Pass>
+void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
+  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < M; m += kMaxRowsPerPass)
+        pass(t, m, std::min<int64_t>(kMaxRowsPerPass, M - m));
+  });
+}
+
 // x [M, K] -> bf16 pairs and per-group sums of the rounded values (group_size % 16 == 0).
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t group_size, BFloat16* xb,
@@ -112,15 +123,11 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed,
     const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t m = 0; m < M; m += kMaxRowsPerPass) {
-          const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m);
-          Int4Tiles<scalar_t>::by_rows[rows](
-              w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 2, K / 2,
-              xs + m * num_groups, num_groups, group_size, b ? b + t * 16 : nullptr,
-              o + m * N + t * 16, N);
-        }
+    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+      Int4Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
+                                         xp + m * K / 2, K / 2, xs + m * num_groups, num_groups,
+                                         group_size, b ? b + t * 16 : nullptr, o + m * N + t * 16,
+                                         N);
     });
   });
   return out;
@@ -232,15 +239,11 @@ torch::Tensor int4_int8_linear(const torch::Tensor& x, const torch::Tensor& pack
     const float* rs = row_scale.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t m = 0; m < M; m += kMaxRowsPerPass) {
-          const int64_t rows = std::min<int64_t>(kMaxRowsPerPass, M - m);
-          Int4Int8Tiles<scalar_t>::by_rows[rows](
-              w + t * (K / 8) * 64, sz + t * num_groups * 32, xp + m * K / 4, K / 4,
-              xs + m * num_groups, rs + m, num_groups, group_size, b ? b + t * 16 : nullptr,
-              o + m * N + t * 16, N);
-        }
+    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+      Int4Int8Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
+                                             xp + m * K / 4, K / 4, xs + m * num_groups, rs + m,
+                                             num_groups, group_size, b ? b + t * 16 : nullptr,
+                                             o + m * N + t * 16, N);
     });
   });
   return out;

@@ -1,0 +1,33 @@
+"""Builders for kernel tests: a flat batch over a random paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.hal import kernels
+
+
+def paged_batch(
+    seq_lens, query_lens, block_size=4, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, seed=0
+):
+    """q [T, heads, D] for the flat batch, K and V caches with random pages, and its metadata."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    num_pages = max_blocks * len(seq_lens) + 3
+    kc, vc = (
+        torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g).to(dtype)
+        for _ in range(2)
+    )
+    pages = torch.randperm(num_pages, generator=g)[: max_blocks * len(seq_lens)]
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    meta = kernels.AttentionMetadata(
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.long),
+        query_start_loc=qsl,
+        seq_lens=list(seq_lens),
+        block_tables=pages.view(len(seq_lens), max_blocks),
+        block_size=block_size,
+    )
+    q = torch.randn(qsl[-1], heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, meta
