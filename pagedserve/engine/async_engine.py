@@ -129,6 +129,7 @@ class AsyncLLMEngine:
         age = None if self.last_message_time is None else time.monotonic() - self.last_message_time
         return {
             "engine": "alive" if self.is_alive else "dead",
+            "pid": getattr(self.client, "pid", None),  # None: a thread of this process
             "num_steps": self.num_steps,
             "seconds_since_last_message": round(age, 3) if age is not None else None,
             "num_requests_running": self.stats.get("num_requests_running", 0),

@@ -327,11 +327,13 @@ class LLMEngine:
                 child.num_computed_tokens = parent.num_computed_tokens
                 self.scheduler.admit_forked(child)
             self.groups[parent_id].pending_forks = []
+        ended = []
         for seq_id, token in result.sampled_token_ids.items():
             group, index = self._group_of(seq_id)
-            self._append_token(group, index, token, result.logprobs[seq_id])
+            if self._append_token(group, index, token, result.logprobs[seq_id]):
+                ended.append(group)
             advanced.append((group, index))
-        for group, _ in advanced:
+        for group in ended:
             if group.finished:
                 self.groups.pop(group.request_id, None)
         return advanced
@@ -342,7 +344,8 @@ class LLMEngine:
 
     def _append_token(
         self, group: RequestGroup, index: int, token: int, logprobs: dict[int, float] | None
-    ) -> None:
+    ) -> bool:
+        """Append one sampled token; True when it ends the sequence."""
         seq = group.seqs[index]
         seq.append_output_token(token)
         if logprobs is not None:
@@ -361,6 +364,8 @@ class LLMEngine:
             if detok is not None and stop_str is None:
                 group.texts[index] += detok.flush()
             self._finish_seq(seq, status)
+            return True
+        return False
 
     def _check_stop(self, seq: Request, token: int, stop_str: str | None) -> RequestStatus | None:
         p = seq.sampling_params
