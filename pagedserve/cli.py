@@ -7,6 +7,7 @@ aliases) so that a vLLM launch script works unchanged.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -202,7 +203,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
 
 
-SWITCH_INTERVAL_S = 0.0001
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -221,46 +222,59 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
-    # The engine thread drops the GIL in every torch op and must get it back quickly; with the
-    # default 5 ms switch interval the HTTP thread, busy with many streams, holds it for whole
-    # slices and each step waits (a convoy). See README "Serving" for the measurement.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    _serve(engine, args)
-    return 0
+    except RuntimeError as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 1
+    return _serve(engine, args)
 
 
 def _build_engine(args: argparse.Namespace):
+    """The engine core in a process of its own, once it has loaded."""
     from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.async_engine import AsyncLLMEngine
 
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs(args)))
-    logger.info("engine ready: %s", engine.describe())
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    engine = AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
+    logger.info("engine ready: %s", engine.description)
     return engine
 
 
-def _serve(engine, args: argparse.Namespace) -> None:
+def _serve(engine, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (drained: exit 0) or the engine core's death (exit 1)."""
     import uvicorn
 
     from pagedserve.server.app import build_app
 
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
+    # measured no faster than asyncio here, so asyncio (README "Serving")
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio"
+    )
     logger.info(
         "serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port
     )
-    DrainingServer(config, app.state.serving.engine).run()
+    server = DrainingServer(config, engine)
+    engine.on_dead(server.exit_on_engine_death)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return server.exit_code
 
 
 def _draining_server_class():
     import uvicorn
 
     class _DrainingServer(uvicorn.Server):
-        """On SIGTERM: stop admitting (503), finish the requests in flight, then exit."""
+        """On SIGTERM: stop admitting (503), finish the requests in flight, then exit 0.
+        When the engine core dies: fail what is in flight, answer 503 for a moment, exit 1."""
 
         def __init__(self, config, async_engine):
             super().__init__(config)
             self.async_engine = async_engine
+            self.exit_code = 0
 
         def handle_exit(self, sig, frame) -> None:
             if self.async_engine.draining:
@@ -278,6 +292,14 @@ def _draining_server_class():
                 time.sleep(0.05)
             self.should_exit = True
 
+        def exit_on_engine_death(self, reason: str) -> None:
+            """Exit non-zero so that a supervisor (compose's restart policy) restarts the server;
+            /health answers 503 until then."""
+            logger.error("%s; the server exits so that it can be restarted", reason)
+            self.exit_code = 1
+            loop = asyncio.get_running_loop()
+            loop.call_later(ENGINE_DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
+
     return _DrainingServer
 
 
@@ -287,11 +309,14 @@ def DrainingServer(config, async_engine):  # noqa: N802 - a class built lazily (
 
 # ---- subcommands from other modules, imported lazily ------------------------------------------
 def _lazy_subcommand(
-    subparsers, name: str, help_text: str, module: str, add: str, run: str
+    subparsers, name: str, help_text: str, module: str, add: str, run: str, load: bool = True
 ) -> None:
+    """``load=False``: listed with its help line only; its module (and torch) is not imported."""
     parser = subparsers.add_parser(
         name, help=help_text, description=help_text, formatter_class=HelpFormatter
     )
+    if not load:
+        return
     try:
         mod = __import__(module, fromlist=[add, run])
         _document_defaults(getattr(mod, add)(parser))
@@ -317,8 +342,12 @@ def _run_smi(args: argparse.Namespace) -> int:
     return run_smi(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``argv``, only the subcommand it names is imported in full,
+    so that ``serve``'s HTTP process does not load torch for ``tune`` or ``quantize``."""
     from pagedserve.smi import add_smi_args
+
+    chosen = next((a for a in argv if not a.startswith("-")), None) if argv else None
 
     parser = argparse.ArgumentParser(
         prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -345,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pagedserve.tune",
         "add_tune_args",
         "run_tune",
+        load=chosen in (None, "tune"),
     )
     _lazy_subcommand(
         subparsers,
@@ -353,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pagedserve.bench",
         "add_bench_args",
         "run_bench",
+        load=chosen in (None, "bench"),
     )
     _lazy_subcommand(
         subparsers,
@@ -361,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pagedserve.quant.cli",
         "add_quantize_args",
         "run_quantize",
+        load=chosen in (None, "quantize"),
     )
     _lazy_subcommand(
         subparsers,
@@ -369,13 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
         "pagedserve.quant.cli",
         "add_eval_quant_args",
         "run_eval_quant",
+        load=chosen in (None, "eval-quant"),
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = apply_config_file(parser, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = apply_config_file(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 @contextmanager
 def serve_subprocess(
-    *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 120
+    *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 600
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """`pagedserve serve FLAGS` on 127.0.0.1 in a child process, once /health answers 200;
     terminated (then killed) on exit."""

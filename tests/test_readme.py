@@ -52,11 +52,14 @@ def readme_gb(pattern: str) -> float:
 
 
 def resident_gb(pid: int) -> float:
+    """Resident memory of a process and its children (the server's engine core process)."""
     status = Path(f"/proc/{pid}/status")
     if not status.exists():
         pytest.skip("no /proc on this system")
     kib = int(re.search(r"VmRSS:\s+(\d+) kB", status.read_text()).group(1))
-    return kib * 1024 / 1e9
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = children.read_text().split() if children.exists() else []
+    return kib * 1024 / 1e9 + sum(resident_gb(int(kid)) for kid in kids)
 
 
 @pytest.fixture(scope="module")

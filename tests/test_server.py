@@ -518,10 +518,10 @@ def test_a_failing_step_fails_its_request_and_the_loop_lives_on(client, live_ser
     engine = live_server.serving.llm_engine
 
     def broken_step():
-        del engine.step  # fail once, then the real method again
+        del engine.execute_step  # fail once, then the real method again
         raise RuntimeError("injected step failure")
 
-    engine.step = broken_step
+    engine.execute_step = broken_step
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert "injected" in e.value.message

@@ -1,109 +1,164 @@
-"""One engine loop beside the HTTP event loop.
+"""The HTTP process's engine client, as vLLM v1's AsyncLLM.
 
-A background thread owns the ``LLMEngine``: it drains a thread-safe command queue (new requests,
-aborts, calls) between steps, runs ``engine.step()``, and hands each ``RequestOutput`` back to the
-asyncio loop with ``call_soon_threadsafe`` into a per-request queue. The event loop never waits
-on model compute.
+The engine core (scheduler, block manager, model) runs its own busy loop, in a process of its own
+for ``pagedserve serve`` or in a thread for ``build_app(engine)``; this side sends it requests,
+aborts and utility calls, and one task on the event loop reads its per-step messages: token ids
+go through the ``OutputProcessor`` (detokenization, stop strings) to each request's consumer,
+statistics are kept for ``/metrics``, and every message is a heartbeat for ``/health``. The event
+loop never waits on model compute, and a dead engine fails every request in flight at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
+from pagedserve.engine.limits import EngineLimits
+from pagedserve.engine.messages import (
+    ABORT,
+    ADD,
+    DEAD,
+    OUTPUTS,
+    UTILITY,
+    EngineCoreOutputs,
+    decode,
+    outputs_from_wire,
+    params_to_wire,
+)
+from pagedserve.engine.output_processor import EngineDeadError, EngineStepError, OutputProcessor
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStepError"]
+
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.5
 THROUGHPUT_WINDOW_S = 10.0
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; the server can no longer generate."""
-
-
-class EngineStepError(RuntimeError):
-    """``engine.step()`` failed while this request was in flight; it was aborted."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    arrival_time: float
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None):
-        self.engine = engine
+    def __init__(
+        self,
+        client: CoreClient,
+        max_queue_len: int | None = None,
+        tokenizer: Any = None,
+    ):
+        self.client = client
+        info = client.info
+        self.limits = EngineLimits.from_dict(info["limits"])
+        self.model = info["model"]
+        self.description = info["describe"]
+        if tokenizer is None and info["tokenizer_dir"]:
+            from pagedserve.models.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(Path(info["tokenizer_dir"]))
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
         self.max_queue_len = max_queue_len
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._held: list[_Add] = []
-        self._paused = False
-        self._stopping = False
-        self._thread: threading.Thread | None = None
-        self.dead_error: BaseException | None = None
         self.draining = False
+        self.dead_error: str | None = None
+        self.stats: dict[str, Any] = {}
+        self.num_steps = 0
+        self.last_message_time: float | None = None
+        self._num_adds_sent = 0
+        self._num_streams = 0
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
         self._token_marks: deque[tuple[float, int]] = deque()
+        self._dead_callbacks: list[Callable[[str], None]] = []
+        self._output_task: asyncio.Task | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine, max_queue_len: int | None = None) -> AsyncLLMEngine:
+        """The engine core in a thread of this process (tests, embedding)."""
+        return cls(InprocCoreClient(engine), max_queue_len, tokenizer=engine.tokenizer)
+
+    @classmethod
+    def from_config(
+        cls, config, max_queue_len: int | None = None, log_level: str = "info"
+    ) -> AsyncLLMEngine:
+        """The engine core in a process of its own; returns once the engine has loaded, raises
+        ``ValueError`` with the engine's message when it cannot load."""
+        return cls(MPCoreClient(config, log_level), max_queue_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-            self._thread.start()
+        """Start reading the engine core's messages (call on the serving event loop)."""
+        if self._output_task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.client.start()
+        self.client.watch(loop, self._on_dead)
+        self._output_task = loop.create_task(
+            self._output_handler(self.client.async_output_socket())
+        )
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (SHUTDOWN, then a kill after ``timeout``); idempotent."""
         self._stopping = True
-        self._commands.put(("wake",))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        if not self.client.closed:
+            self.client.shutdown(timeout)
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` on the event loop when the engine core dies."""
+        self._dead_callbacks.append(callback)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return self.dead_error is None and self.client.is_running()
+
+    def health(self) -> dict[str, Any]:
+        """Liveness figures for ``/health``: the step counter and the age of the last message."""
+        age = None if self.last_message_time is None else time.monotonic() - self.last_message_time
+        return {
+            "engine": "alive" if self.is_alive else "dead",
+            "pid": getattr(self.client, "pid", None),  # None: a thread of this process
+            "num_steps": self.num_steps,
+            "seconds_since_last_message": round(age, 3) if age is not None else None,
+            "num_requests_running": self.stats.get("num_requests_running", 0),
+            "num_requests_waiting": self.num_waiting,
+        }
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._streams)
+        return self._num_streams
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: queued for the loop, held while paused, or waiting to be scheduled."""
-        return self._commands.qsize() + len(self._held) + len(self.engine.scheduler.waiting)
+        """Requests not yet running: on their way to the engine, held while paused, or waiting
+        to be scheduled (as of the engine's last message)."""
+        stats = self.stats
+        in_transit = self._num_adds_sent - stats.get("num_adds", 0)
+        return in_transit + stats.get("num_held", 0) + stats.get("num_requests_waiting", 0)
 
     def queue_full(self) -> bool:
         return self.max_queue_len is not None and self.num_waiting >= self.max_queue_len
 
     def pause(self) -> None:
         """Stop stepping and hold new requests (aborts and calls still run) until ``resume()``."""
-        self._commands.put(("pause",))
+        self.client.send([UTILITY, -1, "pause", []])
 
     def resume(self) -> None:
-        self._commands.put(("resume",))
+        self.client.send([UTILITY, -1, "resume", []])
 
-    # ---- the asyncio side ---------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
     async def generate(
         self,
         request_id: str,
@@ -114,161 +169,106 @@ class AsyncLLMEngine:
         """Yield the request's outputs until it finishes; abort it if the consumer goes away."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._commands.put(
-            ("add", _Add(request_id, prompt_token_ids, params, prompt, time.monotonic()))
+        arrival_time = time.monotonic()
+        state = self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, arrival_time
         )
+        self.client.send([ADD, request_id, prompt_token_ids, params_to_wire(params), arrival_time])
+        self._num_adds_sent += 1
+        self._num_streams += 1
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                output = await state.get()
+                finished = output.finished
+                yield output
         finally:
-            self._streams.pop(request_id, None)
+            self._num_streams -= 1
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self.output_processor.abort_request(request_id)
+        if self.dead_error is None:
+            self.client.send([ABORT, [[request_id, None]]])
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the loop thread between steps (engine state is not thread-safe)."""
+    # ---- utility calls ------------------------------------------------------------------------
+    async def call_utility(self, name: str, *args: Any) -> Any:
+        """Run the engine core's ``name(*args)`` between two of its steps."""
         if not self.is_alive:
-            return fn(self.engine)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        self._commands.put(("call", fn, loop, future))
+            raise EngineDeadError(f"the engine loop is not running: {self.dead_error}")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self.client.send([UTILITY, call_id, name, list(args)])
         return await future
 
+    async def get_device_stats(self) -> dict:
+        return await self.call_utility("get_device_stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call_utility("reset_prefix_cache")
+
     def tokens_per_second(self) -> float:
-        marks = list(self._token_marks)
+        marks = self._token_marks
         if len(marks) < 2:
             return 0.0
         (t0, n0), (t1, n1) = marks[0], marks[-1]
-        return (
-            (n1 - n0) / max(t1 - t0, 1e-6) if time.monotonic() - t1 < THROUGHPUT_WINDOW_S else 0.0
-        )
+        recent = time.monotonic() - t1 < THROUGHPUT_WINDOW_S
+        return (n1 - n0) / max(t1 - t0, 1e-6) if recent else 0.0
 
-    # ---- the loop thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the engine core's messages -----------------------------------------------------------
+    async def _output_handler(self, socket) -> None:
         try:
-            while not self._stopping:
-                self._drain_commands()
-                if self._paused or not self.engine.has_unfinished_requests():
-                    self._wait_for_command()
-                    continue
-                self._step()
-        except BaseException as e:  # noqa: BLE001 - the loop must record why it died
-            logger.exception("the engine loop died")
-            self.dead_error = e
-            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            while True:
+                frame = await socket.recv(copy=False)
+                message = decode(frame.buffer)
+                if message[0] == OUTPUTS:
+                    self._process(outputs_from_wire(message[1]))
+                elif message[0] == DEAD:
+                    self._on_dead(message[1])
+                await asyncio.sleep(0)  # let the consumers read this step before the next
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - without this task nothing is delivered
+            logger.exception("reading the engine core's messages failed")
+            self._on_dead(f"reading the engine core's messages failed: {e!r}")
 
-    def _wait_for_command(self) -> None:
-        try:
-            self._handle(self._commands.get(timeout=IDLE_POLL_S))
-        except queue.Empty:
-            pass
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(command)
-
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            self._held.append(command[1]) if self._paused else self._add(command[1])
-        elif kind == "abort":
-            self._abort(command[1])
-        elif kind == "call":
-            self._call(*command[1:])
-        elif kind == "pause":
-            self._paused = True
-        elif kind == "resume":
-            self._paused = False
-            held, self._held = self._held, []
-            for add in held:
-                self._add(add)
-
-    def _add(self, add: _Add) -> None:
-        stream = self._streams.get(add.request_id)
-        if stream is None:  # the client left before the loop saw the request
-            return
-        try:
-            self.engine.add_request(
-                add.request_id,
-                add.prompt_token_ids,
-                add.params,
-                prompt=add.prompt,
-                arrival_time=add.arrival_time,
-            )
-        except ValueError as e:
-            stream.put(e)
-
-    def _abort(self, request_id: str) -> None:
-        self._held = [a for a in self._held if a.request_id != request_id]
-        self.engine.abort_request(request_id)
-
-    def _call(self, fn: Callable, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
-        try:
-            result = fn(self.engine)
-        except Exception as e:  # noqa: BLE001 - handed back to the caller
-            loop.call_soon_threadsafe(_resolve, future, None, e)
-            return
-        loop.call_soon_threadsafe(_resolve, future, result, None)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
-            logger.exception("engine.step() failed; aborting the requests in flight")
-            self._fail_in_flight(e)
-            return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, deliveries in by_loop.items():  # one wake-up of the event loop per step
-            loop.call_soon_threadsafe(_deliver, deliveries)
+    def _process(self, out: EngineCoreOutputs) -> None:
+        self.num_steps = out.step
+        self.last_message_time = time.monotonic()
+        self.stats = out.stats
         self._mark_tokens()
+        for call_id, ok, result in out.utility_results:
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(result)
+                else:
+                    future.set_exception(RuntimeError(result))
+        for request_id, kind, message in out.errors:
+            error = ValueError(message) if kind == "rejected" else EngineStepError(message)
+            self.output_processor.fail(request_id, error)
+        aborts = self.output_processor.process_outputs(out.outputs)
+        if aborts:
+            self.client.send([ABORT, aborts])
 
-    def _fail_in_flight(self, error: Exception) -> None:
-        request_ids = list(self.engine.groups)
-        self.engine.abort_request(request_ids)
-        for rid in request_ids:
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.put(EngineStepError(f"the engine failed on this request: {error!r}"))
-
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            stream.put(error)
+    def _on_dead(self, reason: str) -> None:
+        if self.dead_error is not None or self._stopping:
+            return
+        self.dead_error = reason
+        logger.error("%s: failing the %d requests in flight", reason, self._num_streams)
+        error = EngineDeadError(f"the engine loop is not running: {reason}")
+        self.output_processor.fail_all(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+        for callback in self._dead_callbacks:
+            callback(reason)
 
     def _mark_tokens(self) -> None:
         now = time.monotonic()
-        self._token_marks.append((now, self.engine.stats["generation_tokens_total"]))
+        self._token_marks.append((now, self.stats.get("generation_tokens_total", 0)))
         while len(self._token_marks) > 2 and now - self._token_marks[0][0] > THROUGHPUT_WINDOW_S:
             self._token_marks.popleft()
-
-
-def _deliver(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, output in deliveries:
-        q.put_nowait(output)
-
-
-def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

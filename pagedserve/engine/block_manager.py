@@ -121,6 +121,12 @@ class BlockManager:
         All or nothing: returns False and changes nothing when the free pages do not suffice.
         """
         table = self.block_tables.get(req.request_id, [])
+        if table and not new_computed_blocks:
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            if self._fits_in_own_pages(table, req.num_computed_tokens, num_tokens):
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(req, table, num_tokens)
+                return True
         assert not new_computed_blocks or not table, (
             f"request {req.request_id}: prefix-hit blocks are only taken at admission"
         )
@@ -167,6 +173,15 @@ class BlockManager:
 
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _fits_in_own_pages(self, table: list[int], num_computed: int, num_tokens: int) -> bool:
+        """The new tokens land in pages the table already holds alone: nothing to allocate or
+        copy (a decode step's usual case, checked without building lists)."""
+        if num_tokens > len(table) * self.block_size or num_tokens <= num_computed:
+            return False
+        ref_counts = self.allocator.ref_counts
+        first, last = num_computed // self.block_size, (num_tokens - 1) // self.block_size
+        return all(ref_counts[table[i]] == 1 for i in range(first, last + 1))
 
     def _allocate_page(self) -> int:
         """A fresh page; if it held an evictable cached block, that block leaves the cache."""

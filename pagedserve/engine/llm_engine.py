@@ -15,6 +15,7 @@ import torch
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa: F401 - re-exported
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -28,10 +29,6 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class RequestRejectedError(ValueError):
-    """A request that can never be served with this engine's limits; the message gives the numbers."""
 
 
 @dataclass
@@ -62,10 +59,17 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, usage_context: UsageContext = UsageContext.OPENAI_API_SERVER
+        self,
+        config: EngineConfig,
+        usage_context: UsageContext = UsageContext.OPENAI_API_SERVER,
+        detokenize: bool = True,
     ):
+        """``detokenize=False``: the engine core of a server, whose HTTP process turns token ids
+        into text and matches stop strings; the engine still ends sequences on EOS, stop token
+        ids, ``max_tokens`` and ``max_model_len``."""
         self.config = config
         self.usage_context = usage_context
+        self.detokenize = detokenize
         torch.manual_seed(config.model.seed)
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
@@ -82,6 +86,14 @@ class LLMEngine:
             self.num_kv_pages, self.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.limits = EngineLimits(
+            self.max_model_len,
+            self.model_config.vocab_size,
+            self.num_kv_pages,
+            self.block_size,
+            config.scheduler.max_num_seqs,
+            usage_context,
+        )
         self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
         self.groups: dict[str, RequestGroup] = {}
         self.eos_token_ids = frozenset(
@@ -222,51 +234,14 @@ class LLMEngine:
         )
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
-        return (
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params) if self.tokenizer else None
-        )
+        if self.tokenizer is None or not self.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
         """The params this request runs with (``max_tokens`` filled in), or
         ``RequestRejectedError`` saying why it can never run. Changes nothing."""
-        if params.max_tokens is None:
-            room = max(self.max_model_len - len(prompt_ids), 1)
-            params = SamplingParams(**{**vars(params), "max_tokens": room})
-        self._check_fits(prompt_ids, params)
-        return params
-
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        n_prompt, total = len(prompt_ids), len(prompt_ids) + params.max_tokens
-        if n_prompt == 0:
-            raise RequestRejectedError("the prompt is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        for what, ids in (
-            ("prompt token id", prompt_ids),
-            ("stop_token_ids", params.stop_token_ids),
-        ):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestRejectedError(
-                    f"{what} {bad[0]} is outside the vocabulary [0, {vocab})"
-                )
-        ctx = self.usage_context
-        if total > self.max_model_len:
-            raise RequestRejectedError(
-                f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
-                f"{params.max_tokens}), but max_model_len is {self.max_model_len}; shorten the "
-                f"prompt, lower max_tokens, or {ctx.start_with} a larger "
-                f"{ctx.name_of('max_model_len')}"
-            )
-        if not self.block_manager.can_fit(total):
-            capacity = self.num_kv_pages * self.block_size
-            raise RequestRejectedError(
-                f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
-                f"{params.max_tokens}), but the whole KV cache holds {capacity} tokens "
-                f"({self.num_kv_pages} pages of {self.block_size}); lower max_tokens or "
-                f"{ctx.start_with} more KV cache (a higher "
-                f"{ctx.name_of('gpu_memory_utilization')}, more {ctx.name_of('num_kv_pages')} "
-                f"or a larger {ctx.name_of('device')})"
-            )
+        return self.limits.check_request(prompt_ids, params)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -278,6 +253,20 @@ class LLMEngine:
                 if not seq.status.finished:
                     self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
 
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """End one sequence of a request, e.g. one whose stop string the HTTP process matched."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        seq = group.seqs[index]
+        if seq in group.pending_forks:
+            group.pending_forks.remove(seq)
+            seq.status = RequestStatus.FINISHED_ABORTED
+        elif not seq.status.finished:
+            self._finish_seq(seq, RequestStatus.FINISHED_ABORTED)
+        if group.finished:
+            del self.groups[request_id]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
@@ -286,6 +275,13 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request one step; the outputs of those that got a token."""
+        groups = {group.request_id: group for group, _ in self.execute_step()}
+        return [self._make_output(g) for g in groups.values()]
+
+    def execute_step(self) -> list[tuple[RequestGroup, int]]:
+        """Schedule, run the model and append the sampled tokens: (group, sequence index) of each
+        sequence that got a token, in batch order. A group that finishes leaves ``groups`` here."""
         self._recover_from_device_faults()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -318,8 +314,8 @@ class LLMEngine:
 
     def _update(
         self, sched: SchedulerOutput, forks: dict[str, list[Request]], result: ModelRunnerOutput
-    ) -> list[RequestOutput]:
-        touched: dict[str, RequestGroup] = {}
+    ) -> list[tuple[RequestGroup, int]]:
+        advanced = []
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         for rid, (start, entries) in result.prompt_logprobs.items():
@@ -332,11 +328,16 @@ class LLMEngine:
                 child.num_computed_tokens = parent.num_computed_tokens
                 self.scheduler.admit_forked(child)
             self.groups[parent_id].pending_forks = []
+        ended = []
         for seq_id, token in result.sampled_token_ids.items():
             group, index = self._group_of(seq_id)
-            self._append_token(group, index, token, result.logprobs[seq_id])
-            touched[group.request_id] = group
-        return [self._make_output(g) for g in touched.values()]
+            if self._append_token(group, index, token, result.logprobs[seq_id]):
+                ended.append(group)
+            advanced.append((group, index))
+        for group in ended:
+            if group.finished:
+                self.groups.pop(group.request_id, None)
+        return advanced
 
     def _group_of(self, seq_id: str) -> tuple[RequestGroup, int]:
         rid, _, index = seq_id.partition("#")
@@ -344,11 +345,13 @@ class LLMEngine:
 
     def _append_token(
         self, group: RequestGroup, index: int, token: int, logprobs: dict[int, float] | None
-    ) -> None:
+    ) -> bool:
+        """Append one sampled token; True when it ends the sequence."""
         seq = group.seqs[index]
         seq.append_output_token(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         self.stats["generation_tokens_total"] += 1
@@ -362,6 +365,8 @@ class LLMEngine:
             if detok is not None and stop_str is None:
                 group.texts[index] += detok.flush()
             self._finish_seq(seq, status)
+            return True
+        return False
 
     def _check_stop(self, seq: Request, token: int, stop_str: str | None) -> RequestStatus | None:
         p = seq.sampling_params
@@ -395,16 +400,13 @@ class LLMEngine:
             )
             for i, seq in enumerate(group.seqs)
         ]
-        finished = group.finished
-        if finished:
-            del self.groups[group.request_id]
         first = group.seqs[0]
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=first.prompt_token_ids,
             outputs=outputs,
-            finished=finished,
+            finished=group.finished,
             prompt_logprobs=group.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(first),
@@ -452,9 +454,7 @@ class LLMEngine:
 
 
 def _cumulative(seq: Request) -> float | None:
-    if seq.sampling_params.logprobs is None:
-        return None
-    return float(sum(lp[t] for lp, t in zip(seq.logprobs, seq.output_token_ids)))
+    return seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None
 
 
 def _metrics(seq: Request) -> dict[str, float]:

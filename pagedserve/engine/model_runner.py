@@ -84,9 +84,14 @@ class ModelRunner:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             table = s.block_table
-            input_ids += s.request.all_token_ids[start:end]
-            positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if end - start == 1:  # a decode row: no slices, no comprehension
+                input_ids.append(s.request.all_token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += s.request.all_token_ids[start:end]
+                positions += range(start, end)
+                slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             if s.completes_sequence:

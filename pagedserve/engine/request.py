@@ -51,6 +51,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
+    cumulative_logprob: float = 0.0  # sum of the chosen tokens' logprobs, if asked
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

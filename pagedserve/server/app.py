@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request, error_body, install_error_handlers
@@ -56,6 +55,9 @@ from pagedserve.server.protocol import (
     random_id,
 )
 
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
@@ -69,14 +71,23 @@ Prompt = tuple[str | None, list[int]]  # (text if the user sent text, token ids)
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, max_queue_len: int | None):
-        self.llm_engine = engine
-        self.engine = AsyncLLMEngine(engine, max_queue_len)
-        self.model_name = served_model_name
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
-        self.max_num_seqs = engine.config.scheduler.max_num_seqs
+    def __init__(
+        self,
+        engine: LLMEngine | AsyncLLMEngine,
+        served_model_name: str | None,
+        max_queue_len: int | None,
+    ):
+        if isinstance(engine, AsyncLLMEngine):  # the engine core in a process of its own
+            self.llm_engine, self.engine = None, engine
+            if max_queue_len is not None:
+                engine.max_queue_len = max_queue_len
+        else:  # the engine core in a thread of this process
+            self.llm_engine, self.engine = engine, AsyncLLMEngine.from_engine(engine, max_queue_len)
+        self.model_name = served_model_name or self.engine.model
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.limits.max_model_len
+        self.vocab_size = self.engine.limits.vocab_size
+        self.max_num_seqs = self.engine.limits.max_num_seqs
         self.metrics = ServerMetrics()
         self._token_strs: dict[int, str] = {}
 
@@ -197,10 +208,10 @@ class OpenAIServing:
             raise bad_request(f"{param}={value} must be in [0, {MAX_LOGPROBS}]", param)
 
     def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
-        engine = self.llm_engine
+        limits = self.engine.limits
         for _, ids in prompts:
             try:
-                engine.check_request(ids, params)
+                limits.check_request(ids, params)
             except ValueError as e:
                 raise bad_request(str(e), "prompt", "context_length_exceeded") from e
 
@@ -676,13 +687,15 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 # ---- the app ----------------------------------------------------------------------------------
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | AsyncLLMEngine,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving ``engine``; its lifespan starts and stops the engine loop."""
-    serving = OpenAIServing(engine, served_model_name or engine.config.model.model, max_queue_len)
+    """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
+    its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
+    thread of this process. The app's lifespan starts and stops the engine core."""
+    serving = OpenAIServing(engine, served_model_name, max_queue_len)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -735,25 +748,33 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def models() -> ModelList:
         card = ModelCard(
             id=serving.model_name,
-            root=serving.llm_engine.config.model.model,
+            root=serving.engine.model,
             max_model_len=serving.max_model_len,
         )
         return ModelList(data=[card])
 
     @app.get("/health")
     async def health() -> Response:
-        if not serving.engine.is_alive:
-            return JSONResponse(error_body(503, "the engine loop is not running"), 503)
-        return Response(status_code=200)
+        """Answered here, never by the engine: 200 while the engine core is alive (with its step
+        counter and the age of its last message), 503 once it is dead."""
+        engine = serving.engine
+        if not engine.is_alive:
+            reason = engine.dead_error or "it is not running"
+            body = error_body(503, f"the engine loop is not running: {reason}", code="engine_dead")
+            return JSONResponse(body, 503)
+        return JSONResponse(engine.health())
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = await serving.engine.call(lambda e: e.get_stats())
+        stats = serving.engine.stats  # from the engine core's last message
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/device")
     async def device() -> dict:
-        stats = await serving.engine.call(lambda e: e.get_device_stats())
+        try:
+            stats = await serving.engine.get_device_stats()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from e
         return {
             **stats,
             "model": serving.model_name,

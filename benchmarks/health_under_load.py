@@ -1,0 +1,158 @@
+"""/health latency while the server runs at 20x what it admits.
+
+    python benchmarks/health_under_load.py [--clients 240] [--duration 20]
+
+Starts `pagedserve serve` on the demo model with --max-num-seqs 4 --max-queue-len 8 (12 requests
+admitted) on 127.0.0.1, then drives it with CLIENTS concurrent clients (240: 20x) for DURATION
+seconds: each sends a streaming completion, reads it to the end (or takes its 503 and waits the
+Retry-After it names, as the OpenAI SDK does), and sends the next. Meanwhile a prober in a process
+of its own (so that the load clients' event loop does not delay it) asks GET /health every 50 ms. Prints the /health median and p99
+latency and what became of the requests (200, 503 with Retry-After, anything else); writes
+benchmarks/results/health_under_load.json. Targets: median < 20 ms, p99 < 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+HEALTH_INTERVAL_S = 0.05
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _client(http, url: str, body: dict, stop_at: float, outcomes: Counter) -> None:
+    while time.monotonic() < stop_at:
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body) as r:
+                if r.status_code == 503:
+                    retry_after = r.headers.get("retry-after")
+                    outcomes["503 with Retry-After" if retry_after else "503"] += 1
+                    await r.aread()
+                    await asyncio.sleep(float(retry_after or 1))
+                    continue
+                async for _ in r.aiter_lines():
+                    pass
+                outcomes[str(r.status_code)] += 1
+        except Exception as e:  # noqa: BLE001 - counted, not fatal: the load goes on
+            outcomes[type(e).__name__] += 1
+
+
+def probe(url: str, duration: float) -> tuple[list[float], Counter]:
+    """GET /health every HEALTH_INTERVAL_S for ``duration``: latencies (ms) and status codes."""
+    import httpx
+
+    latencies: list[float] = []
+    codes: Counter = Counter()
+    stop_at = time.monotonic() + duration
+    with httpx.Client(timeout=duration + 60) as http:
+        while time.monotonic() < stop_at:
+            start = time.perf_counter()
+            try:
+                codes[str(http.get(url + "/health").status_code)] += 1
+            except httpx.HTTPError as e:
+                codes[type(e).__name__] += 1
+            latencies.append((time.perf_counter() - start) * 1e3)
+            time.sleep(HEALTH_INTERVAL_S)
+    return latencies, codes
+
+
+async def drive(url: str, clients: int, duration: float, body: dict) -> dict:
+    """CLIENTS looping clients plus one /health prober, for DURATION seconds (loopback only)."""
+    import httpx
+
+    assert url.startswith(("http://127.", "http://localhost", "http://[::1]")), url
+    outcomes: Counter = Counter()
+    prober = subprocess.Popen(
+        [sys.executable, __file__, "--probe", url, "--duration", str(duration)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stop_at = time.monotonic() + duration
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    timeout = httpx.Timeout(duration + 60)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as load:
+        await asyncio.gather(*(_client(load, url, body, stop_at, outcomes) for _ in range(clients)))
+    out, _ = prober.communicate(timeout=duration + 60)
+    probed = json.loads(out)
+    latencies, health_codes = probed["latencies_ms"], probed["codes"]
+    return {
+        "clients": clients,
+        "duration_s": duration,
+        "requests": dict(outcomes),
+        "health_codes": health_codes,
+        "health_probes": len(latencies),
+        "health_median_ms": statistics.median(latencies),
+        "health_p99_ms": percentile(latencies, 0.99),
+        "health_max_ms": max(latencies),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--clients", type=int, default=240)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument("--max-queue-len", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the prober process
+    args = ap.parse_args()
+    if args.probe:
+        latencies, codes = probe(args.probe, args.duration)
+        print(json.dumps({"latencies_ms": latencies, "codes": codes}))
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import httpx
+    from results import write_result
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len)]
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *flags]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    server = subprocess.Popen(cmd)
+    try:
+        while True:
+            assert server.poll() is None, "the server exited"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens, "stream": True}
+        body["ignore_eos"] = True
+        figures = asyncio.run(drive(url, args.clients, args.duration, body))
+    finally:
+        server.terminate()
+        server.wait(60)
+    figures |= {"max_num_seqs": args.max_num_seqs, "max_queue_len": args.max_queue_len}
+    print(
+        f"/health under {args.clients} clients (admitting {args.max_num_seqs} running + "
+        f"{args.max_queue_len} queued): median {figures['health_median_ms']:.1f} ms, "
+        f"p99 {figures['health_p99_ms']:.1f} ms, max {figures['health_max_ms']:.1f} ms "
+        f"over {figures['health_probes']} probes; requests {figures['requests']}"
+    )
+    write_result("health_under_load", figures)
+
+
+if __name__ == "__main__":
+    main()

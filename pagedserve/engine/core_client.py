@@ -1,0 +1,194 @@
+"""The HTTP process's end of the channel to one engine core: its sockets and its lifetime.
+
+``MPCoreClient`` spawns the engine core process (multiprocessing's "spawn": torch must not be
+forked) and talks to it over IPC sockets; ``InprocCoreClient`` runs the same loop in a thread
+of this process over in-process sockets (tests, embedding). The HTTP process binds both sockets:
+PUSH for input, PULL for output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from pagedserve.engine.messages import FAILED, READY, SHUTDOWN, decode, encode
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class CoreClient:
+    def __init__(self, ctx: zmq.Context, input_address: str, output_address: str):
+        self.ctx = ctx
+        self.input_address, self.output_address = input_address, output_address
+        self.input_socket = ctx.socket(zmq.PUSH)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
+        self.input_socket.bind(input_address)
+        self.output_socket = ctx.socket(zmq.PULL)
+        self.output_socket.setsockopt(zmq.RCVHWM, 0)
+        self.output_socket.bind(output_address)
+        self._send_lock = threading.Lock()  # the event loop and a test thread may both send
+        self.info: dict = {}
+        self.closed = False
+
+    def send(self, message: list) -> None:
+        data = encode(message)
+        with self._send_lock:
+            if not self.closed:
+                self.input_socket.send(data, copy=False)
+
+    def async_output_socket(self) -> zmq.asyncio.Socket:
+        """The output socket for the running event loop."""
+        return zmq.asyncio.Socket.from_socket(self.output_socket)
+
+    def start(self) -> None:
+        pass
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
+        """Call ``on_dead(reason)`` on ``loop`` when the engine core is gone."""
+
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def _close_sockets(self) -> None:
+        with self._send_lock:
+            self.closed = True
+            self.input_socket.close(linger=0)
+        self.output_socket.close(linger=0)
+
+
+def _run_engine_core(*args) -> None:
+    """The engine core process's entry point (torch is imported there, not in this process)."""
+    from pagedserve.engine.core import run_engine_core
+
+    run_engine_core(*args)
+
+
+class MPCoreClient(CoreClient):
+    """The engine core in a process of its own; the constructor returns once it has loaded."""
+
+    def __init__(self, config, log_level: str = "info"):
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        super().__init__(
+            zmq.Context(), f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+        )
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_run_engine_core,
+            args=(config, self.input_address, self.output_address, log_level, os.getpid()),
+            name="pagedserve-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self.shutdown(timeout=5)
+            raise
+
+    def _wait_ready(self) -> dict:
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self.output_socket in events:
+                message = decode(self.output_socket.recv())
+                if message[0] == READY:
+                    return message[1]
+                if message[0] == FAILED:
+                    _, text, user_error = message
+                    raise ValueError(text) if user_error else RuntimeError(text)
+            elif self.proc.sentinel in events:
+                self.proc.join(5)
+                raise RuntimeError(
+                    f"the engine core process exited with code {self.proc.exitcode} while "
+                    "loading; see the log above"
+                )
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
+        def exited() -> None:
+            loop.remove_reader(self.proc.sentinel)
+            self.proc.join(1)
+            on_dead(f"the engine core process exited with code {self.proc.exitcode}")
+
+        loop.add_reader(self.proc.sentinel, exited)
+
+    def is_running(self) -> bool:
+        return self.proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.proc.is_alive():
+            self.send([SHUTDOWN])
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            logger.warning("the engine core did not stop in %.0f s; killing it", timeout)
+            self.proc.kill()
+            self.proc.join(5)
+        self._close_sockets()
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class InprocCoreClient(CoreClient):
+    """The engine core loop in a thread of this process."""
+
+    def __init__(self, engine: LLMEngine):
+        from pagedserve.engine.core import EngineCore
+
+        name = uuid.uuid4().hex
+        super().__init__(
+            zmq.Context(), f"inproc://pagedserve-{name}-input", f"inproc://pagedserve-{name}-output"
+        )
+        self.core = EngineCore(engine)
+        self.info = self.core.info()
+        self.thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    def start(self) -> None:
+        if not self.thread.is_alive():
+            self.thread.start()
+
+    def _run(self) -> None:
+        from pagedserve.engine.core import EngineCoreProc
+
+        input_socket = self.ctx.socket(zmq.PULL)
+        input_socket.connect(self.input_address)
+        output_socket = self.ctx.socket(zmq.PUSH)
+        output_socket.connect(self.output_address)
+        try:
+            EngineCoreProc(self.core, input_socket, output_socket).run_busy_loop()
+        except BaseException:  # noqa: BLE001 - logged and reported (DEAD) by the loop
+            pass
+        finally:
+            input_socket.close(linger=0)
+            output_socket.close(linger=1000)
+
+    def is_running(self) -> bool:
+        return self.thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self.thread.is_alive():
+            self.send([SHUTDOWN])
+            self.thread.join(timeout)
+        self._close_sockets()
+        if not self.thread.is_alive():
+            self.ctx.term()
