@@ -61,10 +61,14 @@ if __name__ == "__main__":
     main(parser.parse_args(sys.argv[1:]))
 PYEOF
 
+# vLLM-CPU's default binding reserves one core for its API server: on 2 cores that halves its
+# compute (338 against 565 output tok/s here), so it gets every core, as pagedserve's engine does.
+VLLM_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}
+
 vllm_env() {
   local preload=""
   [[ -f $VENV/lib/libiomp5.so ]] && preload=$VENV/lib/libiomp5.so${LD_PRELOAD:+:$LD_PRELOAD}
-  env VLLM_CPU_KVCACHE_SPACE=2 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 \
+  env VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND="$VLLM_BIND" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$VLLM_CACHE/vllm" \
     TORCHINDUCTOR_CACHE_DIR="$VLLM_CACHE/inductor" HF_HOME="$VLLM_CACHE/hf" \
     ${preload:+LD_PRELOAD=$preload} "$@"
