@@ -227,6 +227,12 @@ class LLMEngine:
         n_prompt, total = len(prompt_ids), len(prompt_ids) + params.max_tokens
         if n_prompt == 0:
             raise RequestRejectedError("the prompt is empty; send at least one token")
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:
+            raise RequestRejectedError(
+                f"n={params.n} sequences cannot run at once with --max-num-seqs {max_num_seqs}; "
+                f"lower n or raise --max-num-seqs"
+            )
         vocab = self.model_config.vocab_size
         for what, ids in (
             ("prompt token id", prompt_ids),
