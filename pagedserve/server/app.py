@@ -225,7 +225,10 @@ class OpenAIServing:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(lp.get(tid))
-            out.top_logprobs.append({self.token_str(t): v for t, v in _top(lp, top_n)})
+            top: dict[str, float] = {}
+            for t, v in _top(lp, top_n):  # tokens that decode alike: keep the most likely
+                top.setdefault(self.token_str(t), v)
+            out.top_logprobs.append(top)
         return out
 
     def chat_logprobs(

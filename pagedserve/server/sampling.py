@@ -20,6 +20,8 @@ def completion_sampling_params(
     body: CompletionRequest, max_num_seqs: int, vocab_size: int
 ) -> SamplingParams:
     check_logprobs(body.logprobs, "logprobs")
+    if body.suffix is not None:
+        raise bad_request("suffix is not supported; put the whole text in the prompt", "suffix")
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     return sampling_params(
         body,
