@@ -25,7 +25,7 @@ def free_port() -> int:
 
 @contextmanager
 def serve_subprocess(
-    *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 120
+    *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 600
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """`pagedserve serve FLAGS` on 127.0.0.1 in a child process, once /health answers 200;
     terminated (then killed) on exit."""
@@ -116,9 +116,8 @@ def live_server(tiny_glm4):
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+    while not server.started:  # however long a loaded machine takes; pytest-timeout bounds it
+        assert thread.is_alive(), "server did not start"
         time.sleep(0.02)
     yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, "tiny", app)
     server.should_exit = True

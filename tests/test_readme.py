@@ -1,11 +1,13 @@
 """The README's curl examples, run verbatim against `pagedserve serve` on the embedded demo model,
-work; and the completion the README shows is the one the demo model really gives."""
+work; and the completion the README shows is the one the demo model really gives.
+
+The server listens on a free port, not the README's 8000 (which may be taken); the examples are run
+with only their port changed to it."""
 
 from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 from conftest import serve_subprocess
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-PORT = 8000  # the README's examples say localhost:8000
+README_PORT = 8000  # the README's examples say localhost:8000
 
 
 def curl_examples() -> list[str]:
@@ -29,12 +31,17 @@ def shown_completion() -> str:
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", PORT)) == 0:
-            pytest.fail(f"port {PORT} is taken; the README examples need it free")
-    with serve_subprocess(port=PORT):
-        yield
+def demo_server() -> int:
+    """The port of `pagedserve serve` with its defaults (the demo model)."""
+    with serve_subprocess() as (_, url):
+        yield int(url.rsplit(":", 1)[1])
+
+
+def on_port(example: str, port: int) -> str:
+    """The example with the README's port replaced by ``port``."""
+    pattern = rf"\b(localhost|127\.0\.0\.1):{README_PORT}\b"
+    assert re.search(pattern, example), f"example does not address port {README_PORT}: {example}"
+    return re.sub(pattern, rf"\g<1>:{port}", example)
 
 
 def test_readme_has_curl_examples_for_completions_chat_and_streaming():
@@ -45,7 +52,7 @@ def test_readme_has_curl_examples_for_completions_chat_and_streaming():
 
 @pytest.mark.parametrize("index", range(len(curl_examples())))
 def test_readme_curl_example_runs_verbatim(demo_server, index):
-    example = curl_examples()[index]
+    example = on_port(curl_examples()[index], demo_server)
     proc = subprocess.run(
         ["bash", "-c", f"set -o pipefail; {example}"], capture_output=True, text=True, timeout=120
     )
@@ -59,6 +66,12 @@ def test_readme_curl_example_runs_verbatim(demo_server, index):
 
 
 def test_readme_shows_the_demo_models_real_completion(demo_server):
-    first = curl_examples()[0]
+    first = on_port(curl_examples()[0], demo_server)
     proc = subprocess.run(["bash", "-c", first], capture_output=True, text=True, timeout=120)
     assert json.loads(proc.stdout)["choices"][0]["text"] == shown_completion()
+
+
+def test_the_readmes_port_is_the_servers_default():
+    from pagedserve.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).port == README_PORT
