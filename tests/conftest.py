@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,8 +14,18 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import pytest
+from hypothesis import settings
 
 API_KEY = "test-key"
+
+# Property tests draw the same examples on every run (derandomize), so a failure is not luck and
+# reruns the same; a failing example is printed with @reproduce_failure(...) to paste back.
+# HYPOTHESIS_PROFILE=explore draws new examples each run, to search further.
+settings.register_profile(
+    "pagedserve", derandomize=True, print_blob=True, deadline=None, database=None
+)
+settings.register_profile("explore", print_blob=True, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 
 
 def free_port() -> int:
