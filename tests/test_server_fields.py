@@ -459,3 +459,24 @@ def _wait_idle(live_server) -> dict[str, float]:
         if m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0:
             return m
         time.sleep(0.05)
+
+
+def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server):
+    before = _metrics(live_server)
+    body = {**BASE, "max_tokens": 200, "n": 2, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream(
+            "POST",
+            live_server.url + "/v1/completions",
+            json={"model": live_server.model, "prompt": PROMPT_IDS, **body},
+            headers={"Authorization": f"Bearer {live_server.api_key}"},
+        ) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+    after = _wait_idle(live_server)
+    while _delta(before, after, _success("abort")) < 2:  # counted as the stream closes
+        after = _metrics(live_server)
+        time.sleep(0.05)
+    assert _delta(before, after, _success("abort")) == 2
+    assert _delta(before, after, "pagedserve:e2e_request_latency_seconds_count") == 1

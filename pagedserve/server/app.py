@@ -157,24 +157,26 @@ class OpenAIServing:
     # ---- running ------------------------------------------------------------------------------
     def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
         return [
-            self._timed(self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+            self._timed(
+                self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
+            )
             for i, (text, ids) in enumerate(prompts)
         ]
 
-    async def _timed(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _timed(
+        self, stream: AsyncIterator[RequestOutput], n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Observe latencies, and count each of the ``n`` sequences once by finish reason."""
         timer = RequestTimer(self.metrics)
-        finished = False
+        reasons: list[str | None] = [None] * n
         try:
             async for output in stream:
                 timer.on_output(sum(len(o.token_ids) for o in output.outputs), output.metrics)
-                if output.finished:
-                    finished = True
-                    for o in output.outputs:
-                        timer.on_finish(o.finish_reason)
+                for o in output.outputs:
+                    reasons[o.index] = o.finish_reason
                 yield output
         finally:
-            if not finished:
-                timer.on_finish("abort")
+            timer.on_finish(reasons)  # a sequence unfinished when the stream ends was aborted
             await stream.aclose()
 
     async def collect(self, raw: Request, streams: list) -> list[RequestOutput]:
