@@ -94,6 +94,18 @@ def test_double_free_asserts():
     assert a.num_free_pages == 2
 
 
+def test_allocator_misuse_is_named_with_the_pool_range():
+    with pytest.raises(AssertionError, match="num_pages must be positive, got 0"):
+        PhysicalPageAllocator(0)
+    a = PhysicalPageAllocator(2)
+    for page in (2, -1):  # one past the end, and before the start
+        with pytest.raises(AssertionError, match=rf"page {page} is outside the pool 0\.\.1$"):
+            a.refcount(page)
+    a.allocate(), a.allocate()
+    with pytest.raises(AssertionError, match=r"^no free KV pages; check num_free_pages"):
+        a.allocate()
+
+
 def test_block_manager_double_free_of_a_request_asserts():
     bm = BlockManager(4, 4)
     req = Seq("a", list(range(5)))
