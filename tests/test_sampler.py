@@ -314,3 +314,30 @@ def test_flat_distribution_needs_the_full_sort_and_still_keeps_the_nucleus():
         drawn |= set(Sampler()(logits.expand(64, -1), meta).sampled_token_ids)
     # more distinct tokens than the bounded candidate set holds, and no more than the nucleus
     assert NUCLEUS_CANDIDATES < len(drawn) <= 2500
+
+
+def test_prompt_logprobs_zero_reports_only_the_prompt_token_and_negative_is_refused():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7))
+    result = Sampler().compute_prompt_logprobs(logits, [4, 0, 9], top_n=0)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert [list(d) for d in result] == [[4], [0], [9]]
+    assert [d[t] for d, t in zip(result, [4, 0, 9])] == pytest.approx(
+        [reference[0, 4].item(), reference[1, 0].item(), reference[2, 9].item()], abs=1e-5
+    )
+    with pytest.raises(ValueError, match=r"^prompt_logprobs=-1 must be >= 0$"):
+        Sampler().compute_prompt_logprobs(logits, [4, 0, 9], top_n=-1)
+
+
+def test_penalties_count_token_id_zero_and_refuse_ids_outside_the_vocabulary():
+    logits = torch.full((1, VOCAB), 2.0)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5)]
+    penalised = logits.clone()
+    apply_penalties(penalised, make_meta(params, prompts=[[0]], outputs=[[0, 3]]))
+    assert penalised[0, :4].tolist() == [2.0 / 2 - 0.5, 2.0, 2.0, 2.0 / 2 - 0.5]
+    for bad in (VOCAB, -1):
+        with pytest.raises(
+            ValueError,
+            match=rf"^token id refers to token id {bad}, outside this model's "
+            rf"vocabulary \[0, {VOCAB}\); use ids below {VOCAB}$",
+        ):
+            apply_penalties(logits.clone(), make_meta(params, outputs=[[1, bad]]))

@@ -40,6 +40,11 @@ def chat_sampling_params(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:  # OpenAI's newer name wins
+        if body.max_completion_tokens < 1:
+            raise bad_request(
+                f"max_completion_tokens={body.max_completion_tokens} must be at least 1",
+                "max_completion_tokens",
+            )
         max_tokens = body.max_completion_tokens
     return sampling_params(body, max_num_seqs, vocab_size, max_tokens=max_tokens, logprobs=logprobs)
 
