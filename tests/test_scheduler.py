@@ -17,6 +17,7 @@ when and of the waiting queue's order, and checks the scheduler's decisions agai
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import pytest
@@ -69,6 +70,8 @@ class Driver:
     first_admissions: list[Request] = field(default_factory=list, repr=False)
     outputs: list[SchedulerOutput] = field(default_factory=list, repr=False)
     samplers: list[list[Request]] = field(default_factory=list, repr=False)  # per step
+    preemptions_of: dict[str, int] = field(default_factory=dict, repr=False)
+    first_scheduled: dict[str, float] = field(default_factory=dict, repr=False)
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
@@ -100,6 +103,9 @@ class Driver:
         for seq in group.seqs:
             if not seq.status.finished:
                 self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                assert seq.status is RequestStatus.FINISHED_ABORTED
+                assert seq not in self.scheduler.running and seq not in self.scheduler.waiting
+                assert seq.request_id not in self.bm.block_tables
                 self._forget(seq)
 
     def step(self) -> SchedulerOutput:
@@ -138,6 +144,7 @@ class Driver:
         seq.append_output_token(self.next_token(seq))
         if seq.num_output_tokens >= seq.sampling_params.max_tokens:
             self.scheduler.finish_request(seq, RequestStatus.FINISHED_LENGTH)
+            assert seq not in self.scheduler.running and seq.request_id not in self.bm.block_tables
             self._forget(seq)
 
     def next_token(self, seq: Request) -> int:
@@ -176,7 +183,8 @@ class Driver:
         budget = self.max_num_batched_tokens
         assert len(sched.running) <= self.max_num_seqs, "more running than max_num_seqs"
         assert len(out.scheduled) <= self.max_num_seqs, "more scheduled than max_num_seqs"
-        assert out.total_num_scheduled_tokens <= budget, "token budget exceeded"
+        assert out.total_num_scheduled_tokens == spent_tokens(out) <= budget, "budget exceeded"
+        assert out.is_empty == (not out.scheduled)
         assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
         self.check_preemptions(out, running_before)
         survivors = [r for r in running_before if r not in out.preempted]
@@ -192,9 +200,20 @@ class Driver:
         for r in admitted_now:
             self.queue.remove(r)
             self.admitted.append(r)
+            assert r.num_cached_tokens == r.num_computed_tokens, "prefix hit not recorded"
+            assert r.num_computed_tokens % self.block_size == 0
             if r.num_preemptions == 0 and r is self.group_of(r).seqs[0]:
                 self.first_admissions.append(r)
+                assert r.first_scheduled_time is not None
+                self.first_scheduled[r.request_id] = r.first_scheduled_time
         assert self.admitted == sched.running
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_preemptions == self.preemptions_of.get(r.request_id, 0)
+            if r.request_id in self.first_scheduled:  # kept across preemptions
+                assert r.first_scheduled_time == self.first_scheduled[r.request_id]
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
     def check_preemptions(self, out: SchedulerOutput, running_before: list[Request]) -> None:
         """Each victim is the most recently admitted request still running at that moment."""
@@ -209,6 +228,9 @@ class Driver:
             self.admitted.remove(victim)
             self.queue.insert(0, victim)
             self.num_preemptions += 1
+            self.preemptions_of[victim.request_id] = (
+                self.preemptions_of.get(victim.request_id, 0) + 1
+            )
 
     def check_tokens(self, out: SchedulerOutput) -> None:
         """Each request gets at least one token, no more than it lacks, and pages for all."""
@@ -231,8 +253,21 @@ class Driver:
             return
         unscheduled = [r for r in self.scheduler.running if r not in scheduled]
         assert not unscheduled, "a running request was left out with budget to spare"
-        if self.scheduler.waiting and len(self.scheduler.running) < self.max_num_seqs:
-            assert self.bm.num_free_pages < self.num_pages, "idle budget with an empty pool"
+        if not self.scheduler.waiting:
+            return
+        head = self.scheduler.waiting[0]
+        free_seats = self.max_num_seqs - sum(self.seats(r) for r in self.scheduler.running)
+        if self.seats(head) > free_seats:
+            return
+        trial = copy.deepcopy(self.bm)  # the head must not fit the pages left
+        pages, num_hit = trial.get_computed_blocks(head)
+        chunk = min(head.num_tokens - num_hit, self.max_num_batched_tokens - spent_tokens(out))
+        assert not trial.allocate_slots(head, chunk, pages), "the queue's head was left waiting"
+
+    def seats(self, seq: Request) -> int:
+        """An n > 1 request that has not forked yet will bring its siblings into the batch."""
+        group = self.group_of(seq)
+        return 1 + len(group.pending_forks) if seq is group.seqs[0] else 1
 
     # ---- the checks at the end
 
@@ -257,6 +292,10 @@ class Driver:
             g.arrival.n * (len(g.arrival.prompt) + g.arrival.max_tokens) for g in self.groups
         )
         return last_arrival + work + 1
+
+
+def spent_tokens(out: SchedulerOutput) -> int:
+    return sum(s.num_new_tokens for s in out.scheduled)
 
 
 # ---- workloads
@@ -379,3 +418,12 @@ def test_siblings_of_an_n_request_count_against_max_num_seqs():
     driver = Driver(3, 64, 64, 4)
     run(driver, [Arrival(0, [1, 2, 3], max_tokens=3), Arrival(0, [4, 5], max_tokens=2, n=3)])
     assert max(len(o.scheduled) for o in driver.outputs) <= 3
+
+
+def test_finishing_with_a_status_that_is_not_final_asserts():
+    driver = Driver(2, 8, 8, 4)
+    driver.add(Arrival(0, [1, 2, 3], max_tokens=2))
+    req = driver.groups[0].seqs[0]
+    with pytest.raises(AssertionError):
+        driver.scheduler.finish_request(req, RequestStatus.RUNNING)
+    assert driver.scheduler.waiting[0] is req
