@@ -341,3 +341,7 @@ def test_penalties_count_token_id_zero_and_refuse_ids_outside_the_vocabulary():
             rf"vocabulary \[0, {VOCAB}\); use ids below {VOCAB}$",
         ):
             apply_penalties(logits.clone(), make_meta(params, outputs=[[1, bad]]))
+
+
+def test_prompt_logprobs_of_no_positions_is_an_empty_list():
+    assert Sampler().compute_prompt_logprobs(torch.zeros(0, VOCAB), [], top_n=2) == []

@@ -13,6 +13,7 @@ deterministic.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -104,10 +105,12 @@ def chi_square(draws: list[int], target: torch.Tensor) -> tuple[float, int]:
 
 ROW_KINDS = {
     "temperature": SamplingParams(temperature=0.8),
+    "top_k=1": SamplingParams(temperature=1.5, top_k=1),
+    "top_k=1 with top_p": SamplingParams(temperature=1.5, top_k=1, top_p=0.5),
     "top_k=3": SamplingParams(temperature=1.2, top_k=3),
     "top_k=25": SamplingParams(temperature=1.3, top_k=25),
     "top_p=0.7": SamplingParams(top_p=0.7),
-    "min_p=0.08": SamplingParams(temperature=1.8, min_p=0.08),
+    "min_p=0.1": SamplingParams(temperature=1.0, min_p=0.1),
     "top_k+top_p+min_p": SamplingParams(temperature=1.5, top_k=12, top_p=0.85, min_p=0.05),
     "repetition_penalty": SamplingParams(repetition_penalty=1.8),
     "presence_penalty": SamplingParams(presence_penalty=1.2),
@@ -137,15 +140,16 @@ FOCUS = {
     "presence_penalty": {12: 2.0, 2: 1.5},
     "frequency_penalty": {11: 4.0},
     "negative penalties": {5: -1.0, 8: 1.0},
+    "min_tokens": {EOS: 2.0, 3: 1.5, 4: 1.5},
 }
 
 
 def row_logits(vocab: int, scale: float) -> dict[str, torch.Tensor]:
     """Each row kind its own logits, with EOS, the stop tokens and the penalised and biased
     tokens among the likely ones so that every rule changes the distribution."""
-    g = torch.Generator().manual_seed(vocab)
     rows = {}
-    for kind in ROW_KINDS:
+    for kind in ROW_KINDS:  # each kind its own stream: adding a kind changes no other row
+        g = torch.Generator().manual_seed(vocab * 2**32 + zlib.crc32(kind.encode()))
         logits = torch.randn(vocab, generator=g) * scale + SHIFT.get(kind, 0.0)
         logits[[EOS, 3, 4, 5, 6, 11, 12, 2]] += scale * torch.tensor(
             [1.0, 1, 1, 0.8, 0.5, 1, 0.5, 0.5]
