@@ -345,3 +345,57 @@ def test_penalties_count_token_id_zero_and_refuse_ids_outside_the_vocabulary():
 
 def test_prompt_logprobs_of_no_positions_is_an_empty_list():
     assert Sampler().compute_prompt_logprobs(torch.zeros(0, VOCAB), [], top_n=2) == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(logit_bias={1: 1.0}),
+        SamplingParams(min_tokens=2),
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(presence_penalty=1.0),
+        SamplingParams(frequency_penalty=1.0),
+    ],
+    ids=["logit_bias", "min_tokens", "repetition", "presence", "frequency"],
+)
+def test_the_callers_logits_stay_intact_whatever_the_row_changes(params):
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(9))
+    before = logits.clone()
+    Sampler()(logits, make_meta([params, SamplingParams()], outputs=[[1, 2], [1]]))
+    assert torch.equal(logits, before)
+
+
+def test_metadata_rows_must_match_the_params():
+    p = SamplingParams()
+    with pytest.raises(
+        ValueError,
+        match=r"^SamplingMetadata\.prompt_token_ids has 1 rows but params has 2; build every "
+        r"field with one entry per sequence in the batch$",
+    ):
+        SamplingMetadata([p, p], [[1]], [[], []], [None, None], [frozenset()] * 2)
+
+
+def test_token_ids_outside_the_vocabulary_are_named_by_what_carried_them():
+    logits = torch.zeros(1, VOCAB)
+    for params, what in (
+        (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+        (SamplingParams(min_tokens=1, stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"^{what} refers to token id {VOCAB + 3 * (what != 'logit_bias')}"
+        ):
+            Sampler()(logits, make_meta([params]))
+
+
+def test_repetition_penalty_divides_small_positive_logits_and_multiplies_negative_ones():
+    logits = torch.tensor([[0.5, -0.5, 0.0, 0.5] + [0.0] * (VOCAB - 4)])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    apply_penalties(logits, make_meta(params, prompts=[[0, 1, 2]], outputs=[[]]))
+    assert logits[0, :4].tolist() == [0.25, -1.0, 0.0, 0.5]
+
+
+def test_a_batch_with_as_many_greedy_rows_as_vocabulary_entries_still_samples_its_other_row():
+    logits = torch.randn(VOCAB + 1, VOCAB, generator=torch.Generator().manual_seed(10))
+    params = [SamplingParams(temperature=0.0)] * VOCAB + [SamplingParams(top_k=1)]
+    out = Sampler()(logits, make_meta(params))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()

@@ -125,6 +125,10 @@ ROW_KINDS = {
     ),
     "logit_bias": SamplingParams(logit_bias={7: 4.0, 0: -100.0, 9: 2.5}),
     "min_tokens": SamplingParams(min_tokens=10, stop_token_ids=[3, 4]),
+    "min_tokens with ignore_eos": SamplingParams(
+        min_tokens=10, ignore_eos=True, stop_token_ids=[3]
+    ),
+    "min_p=1": SamplingParams(temperature=1.5, min_p=1.0),
     "seeded top_p": SamplingParams(temperature=0.7, top_p=0.9, seed=0),
     "greedy with penalties": SamplingParams(temperature=0.0, min_tokens=10, repetition_penalty=3.0),
 }
@@ -141,6 +145,7 @@ FOCUS = {
     "frequency_penalty": {11: 4.0},
     "negative penalties": {5: -1.0, 8: 1.0},
     "min_tokens": {EOS: 2.0, 3: 1.5, 4: 1.5},
+    "min_tokens with ignore_eos": {EOS: 2.0, 3: 3.0},
 }
 
 
