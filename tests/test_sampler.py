@@ -399,3 +399,12 @@ def test_a_batch_with_as_many_greedy_rows_as_vocabulary_entries_still_samples_it
     params = [SamplingParams(temperature=0.0)] * VOCAB + [SamplingParams(top_k=1)]
     out = Sampler()(logits, make_meta(params))
     assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_logprobs_zero_reports_only_the_chosen_token_when_it_is_not_the_top():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(11)).expand(64, -1)
+    params = [SamplingParams(temperature=5.0, logprobs=0)] * 64
+    torch.manual_seed(3)
+    out = Sampler()(logits.clone(), make_meta(params))
+    assert len(set(out.sampled_token_ids)) > 1
+    assert [list(d) for d in out.logprobs] == [[t] for t in out.sampled_token_ids]
