@@ -485,59 +485,59 @@ def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server):
 # ---- bad values: a 400 naming the field and the rule
 
 
-@pytest.mark.parametrize(
-    "endpoint, fields, param, message",
-    [
-        (
-            "completions",
-            {"n": 17},
-            "n",
-            "n=17 is more than this server's --max-num-seqs 16; lower n",
-        ),
-        ("chat", {"n": 17}, "n", "n=17 is more than this server's --max-num-seqs 16; lower n"),
-        (
-            "completions",
-            {"logit_bias": {"abc": 1}},
-            "logit_bias",
-            "logit_bias key 'abc' is not a token id in [0, 320)",
-        ),
-        (
-            "chat",
-            {"logit_bias": {"-5": 1}},
-            "logit_bias",
-            "logit_bias key '-5' is not a token id in [0, 320)",
-        ),
-        (
-            "completions",
-            {"logit_bias": {"320": 1}},
-            "logit_bias",
-            "logit_bias key '320' is not a token id in [0, 320)",
-        ),
-        ("completions", {"logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
-        ("completions", {"logprobs": -1}, "logprobs", "logprobs=-1 must be in [0, 20]"),
-        (
-            "chat",
-            {"logprobs": True, "top_logprobs": 21},
-            "top_logprobs",
-            "top_logprobs=21 must be in [0, 20]",
-        ),
-        ("chat", {"temperature": -1}, "temperature", "temperature=-1.0 must be >= 0"),
-        ("completions", {"top_k": 0.5}, "top_k", None),
-        (
-            "completions",
-            {"suffix": "end"},
-            "suffix",
-            "suffix is not supported; put the whole text in the prompt",
-        ),
-        (
-            "chat",
-            {"max_completion_tokens": 0, "max_tokens": 5},
-            "max_completion_tokens",
-            "max_completion_tokens=0 must be at least 1",
-        ),
-        ("chat", {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be at least 1"),
-    ],
-)
+BAD_FIELDS = [
+    (
+        "completions",
+        {"n": 17},
+        "n",
+        "n=17 is more than this server's --max-num-seqs 16; lower n",
+    ),
+    ("chat", {"n": 17}, "n", "n=17 is more than this server's --max-num-seqs 16; lower n"),
+    (
+        "completions",
+        {"logit_bias": {"abc": 1}},
+        "logit_bias",
+        "logit_bias key 'abc' is not a token id in [0, 320)",
+    ),
+    (
+        "chat",
+        {"logit_bias": {"-5": 1}},
+        "logit_bias",
+        "logit_bias key '-5' is not a token id in [0, 320)",
+    ),
+    (
+        "completions",
+        {"logit_bias": {"320": 1}},
+        "logit_bias",
+        "logit_bias key '320' is not a token id in [0, 320)",
+    ),
+    ("completions", {"logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
+    ("completions", {"logprobs": -1}, "logprobs", "logprobs=-1 must be in [0, 20]"),
+    (
+        "chat",
+        {"logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "top_logprobs=21 must be in [0, 20]",
+    ),
+    ("chat", {"temperature": -1}, "temperature", "temperature=-1.0 must be >= 0"),
+    ("completions", {"top_k": 0.5}, "top_k", None),
+    (
+        "completions",
+        {"suffix": "end"},
+        "suffix",
+        "suffix is not supported; put the whole text in the prompt",
+    ),
+    (
+        "chat",
+        {"max_completion_tokens": 0, "max_tokens": 5},
+        "max_completion_tokens",
+        "max_completion_tokens=0 must be at least 1",
+    ),
+    ("chat", {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, param, message", BAD_FIELDS)
 def test_bad_field_values_are_400_naming_the_field(live_server, endpoint, fields, param, message):
     path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
     prompt = {"prompt": PROMPT_IDS} if endpoint == "completions" else {"messages": CHAT}
