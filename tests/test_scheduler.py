@@ -63,6 +63,7 @@ class Driver:
     num_pages: int
     block_size: int
     enable_prefix_caching: bool = True
+    fault_steps: frozenset[int] = frozenset()  # steps that preempt the oldest, as a KV fault does
     step_count: int = 0
     groups: list[Group] = field(default_factory=list, repr=False)
     admitted: list[Request] = field(default_factory=list, repr=False)  # running, in admission order
@@ -114,6 +115,8 @@ class Driver:
                 self.abort(group)
         for arrival in self.arrivals_now():
             self.add(arrival)
+        if self.step_count in self.fault_steps and self.admitted:
+            self.fault(self.admitted[0])
         running_before = list(self.admitted)
         out = self.scheduler.schedule()
         self.check(out, running_before)
@@ -127,6 +130,17 @@ class Driver:
                 self.sample(seq)
         self.step_count += 1
         return out
+
+    def fault(self, victim: Request) -> None:
+        """What the engine does when a device reports a corrupt page under a running request."""
+        self.scheduler.preempt(victim)
+        assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+        assert victim.request_id not in self.bm.block_tables
+        assert self.scheduler.waiting[0] is victim and victim not in self.scheduler.running
+        self.admitted.remove(victim)
+        self.queue.insert(0, victim)
+        self.num_preemptions += 1
+        self.preemptions_of[victim.request_id] = self.preemptions_of.get(victim.request_id, 0) + 1
 
     def fork(self, parent: Request) -> list[Request]:
         group = self.group_of(parent)
@@ -288,10 +302,9 @@ class Driver:
         """The oldest running request is never preempted (it fits the pool alone) and gets
         tokens every step, so each sequence needs at most its own length in steps at the head."""
         last_arrival = max(g.arrival.step for g in self.groups)
-        work = sum(
-            g.arrival.n * (len(g.arrival.prompt) + g.arrival.max_tokens) for g in self.groups
-        )
-        return last_arrival + work + 1
+        lengths = [len(g.arrival.prompt) + g.arrival.max_tokens for g in self.groups]
+        work = sum(g.arrival.n * n for g, n in zip(self.groups, lengths))
+        return last_arrival + work + 1 + len(self.fault_steps) * max(lengths)  # a fault: redo
 
 
 def spent_tokens(out: SchedulerOutput) -> int:
@@ -324,7 +337,8 @@ def workloads(draw, prefix_caching: bool | None = None):
     needed = max(-(-(len(a.prompt) + a.max_tokens) // block_size) for a in arrivals)
     num_pages = draw(st.integers(needed, needed + 24))
     caching = draw(st.booleans()) if prefix_caching is None else prefix_caching
-    driver = Driver(max_num_seqs, budget, num_pages, block_size, caching)
+    faults = draw(st.frozensets(st.integers(0, 30), max_size=2))
+    driver = Driver(max_num_seqs, budget, num_pages, block_size, caching, faults)
     return driver, arrivals
 
 

@@ -40,7 +40,7 @@ TARGET = 0.90
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
-        ["tests/test_scheduler.py", "tests/test_engine.py"],
+        ["tests/test_scheduler.py"],
     ),
     "block_manager": (
         "pagedserve/engine/block_manager.py",
