@@ -56,3 +56,23 @@ def test_bad_values_raise_a_400_naming_the_field(endpoint, fields, param, messag
 def test_logit_bias_is_clipped_and_its_keys_become_ints():
     params = params_for("completions", {"logit_bias": {"3": 250, "4": -1e9, "5": 0.5}})
     assert params.logit_bias == {3: 100.0, 4: -100.0, 5: 0.5}
+
+
+@pytest.mark.parametrize("key", ["-5", "--5", "5-", " 5", "X5", "\u0663", "1.0", "320", ""])
+def test_logit_bias_keys_must_be_token_ids_in_decimal(key):
+    with pytest.raises(APIError) as e:
+        params_for("completions", {"logit_bias": {key: 1.0}})
+    assert e.value.status == 400 and e.value.param == "logit_bias"
+    assert e.value.message == f"logit_bias key {key!r} is not a token id in [0, {VOCAB})"
+
+
+def test_the_edges_of_each_range_are_accepted():
+    assert params_for("completions", {"logit_bias": {"0": 1, "319": 2}}).logit_bias == {
+        0: 1.0,
+        319: 2.0,
+    }
+    assert params_for("completions", {"n": MAX_NUM_SEQS}).n == MAX_NUM_SEQS
+    for n in (0, 20):
+        assert params_for("completions", {"logprobs": n}).logprobs == n
+        assert params_for("chat", {"logprobs": True, "top_logprobs": n}).logprobs == n
+    assert params_for("chat", {"max_completion_tokens": 1}).max_tokens == 1

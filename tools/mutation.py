@@ -91,6 +91,13 @@ DROP_RULES = [
 ]
 MATCH_RULES = [
     (
+        "server_sampling",
+        "sampling_params",
+        r'split\("=", 1\)\[0\]',
+        r'split\("=", ?\d?\)\[0\]',
+        "only the first piece is used, the same whatever the split limit",
+    ),
+    (
         "page_allocator",
         "allocate",
         r"popitem\(last=False\)",

@@ -84,11 +84,12 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
         return None
     out = {}
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
             raise bad_request(
                 f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", "logit_bias"
             )
-        out[int(key)] = max(-100.0, min(100.0, value))
+        out[token] = max(-100.0, min(100.0, value))
     return out
 
 
