@@ -199,6 +199,11 @@ class Driver:
         assert len(out.scheduled) <= self.max_num_seqs, "more scheduled than max_num_seqs"
         assert out.total_num_scheduled_tokens == spent_tokens(out) <= budget, "budget exceeded"
         assert out.is_empty == (not out.scheduled)
+        # copy-on-write copies go to the runner with the step that writes the copied pages
+        assert not self.bm.pending_copies, "copy-on-write copies left behind"
+        written = {p for sr in out.scheduled for p in sr.block_table}
+        assert isinstance(out.page_copies, list)
+        assert all(dst in written for _, dst in out.page_copies)
         assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
         self.check_preemptions(out, running_before)
         survivors = [r for r in running_before if r not in out.preempted]

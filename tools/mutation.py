@@ -44,7 +44,7 @@ MODULES = {
     ),
     "block_manager": (
         "pagedserve/engine/block_manager.py",
-        ["tests/test_block_manager.py", "tests/test_scheduler.py"],
+        ["tests/test_block_manager.py"],
     ),
     "page_allocator": (
         "pagedserve/engine/page_allocator.py",
