@@ -38,6 +38,7 @@ class Arrival:
     max_tokens: int
     n: int = 1
     abort_step: int | None = None
+    prompt_logprobs: bool = False  # such a request computes its whole prompt: no prefix hits
 
 
 @dataclass
@@ -90,7 +91,11 @@ class Driver:
             Request(
                 rid if i == 0 else f"{rid}#{i}",
                 list(arrival.prompt),
-                SamplingParams(n=arrival.n, max_tokens=arrival.max_tokens),
+                SamplingParams(
+                    n=arrival.n,
+                    max_tokens=arrival.max_tokens,
+                    prompt_logprobs=1 if arrival.prompt_logprobs else None,
+                ),
             )
             for i in range(arrival.n)
         ]
@@ -222,6 +227,8 @@ class Driver:
             self.queue.remove(r)
             self.admitted.append(r)
             assert r.num_cached_tokens == r.num_computed_tokens, "prefix hit not recorded"
+            if r.sampling_params.prompt_logprobs is not None:
+                assert r.num_cached_tokens == 0, "cached positions would have no prompt logprobs"
             assert r.num_computed_tokens % self.block_size == 0
             if r.num_preemptions == 0 and r is self.group_of(r).seqs[0]:
                 self.first_admissions.append(r)
@@ -281,7 +288,9 @@ class Driver:
         if self.seats(head) > free_seats:
             return
         trial = copy.deepcopy(self.bm)  # the head must not fit the pages left
-        pages, num_hit = trial.get_computed_blocks(head)
+        pages, num_hit = [], 0
+        if head.sampling_params.prompt_logprobs is None:
+            pages, num_hit = trial.get_computed_blocks(head)
         chunk = min(head.num_tokens - num_hit, self.max_num_batched_tokens - spent_tokens(out))
         assert not trial.allocate_slots(head, chunk, pages), "the queue's head was left waiting"
 
@@ -338,6 +347,7 @@ def workloads(draw, prefix_caching: bool | None = None):
                 max_tokens=draw(st.integers(1, 10)),
                 n=draw(st.integers(1, max_num_seqs).map(lambda k: min(k, 3))),
                 abort_step=draw(st.none() | st.integers(0, 40)),
+                prompt_logprobs=draw(st.booleans()),
             )
         )
     # the engine rejects a request that cannot fit the whole pool alone

@@ -91,6 +91,21 @@ DROP_RULES = [
 ]
 MATCH_RULES = [
     (
+        "scheduler",
+        "_schedule_running",
+        r"^\s*break$",
+        r"^\s*return$",
+        "only the last running request can preempt itself, and a step that preempts admits no "
+        "waiting request, so the budget this return drops is never used",
+    ),
+    (
+        "scheduler",
+        "_schedule_waiting",
+        r"^\s*break$",
+        r"^\s*return$",
+        "the loop is the function's last statement: leaving it is returning",
+    ),
+    (
         "server_sampling",
         "sampling_params",
         r'split\("=", 1\)\[0\]',
