@@ -207,6 +207,57 @@ def test_reset_prefix_cache_forgets_blocks():
     assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([], 0)
 
 
+def test_reset_prefix_cache_is_for_good_even_as_holders_grow():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(9)))
+    assert admit(bm, a)
+    bm.reset_prefix_cache()
+    a.all_token_ids.append(9)
+    assert bm.allocate_slots(a, 1)
+    a.num_computed_tokens += 1
+    assert bm.get_computed_blocks(Seq("b", list(range(11)))) == ([], 0)
+
+
+def test_uncached_page_is_no_longer_found_and_uncaching_a_plain_page_is_harmless():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(9)))
+    assert admit(bm, a)
+    first, second, third = bm.get_block_table("a")
+    bm.uncache_page(third)  # holds a partial block: nothing cached there
+    bm.uncache_page(second)
+    assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([first], 4)
+
+
+def count_hits(bm: BlockManager, tokens: list[int]) -> int:
+    return bm.get_computed_blocks(Seq("probe", tokens))[1]
+
+
+def test_blocks_computed_in_chunks_and_by_decoding_are_all_found_again():
+    bm = BlockManager(16, 4)
+    a = Seq("a", list(range(10)))
+    for chunk in (3, 4, 3):  # a chunked prefill
+        assert bm.allocate_slots(a, chunk)
+        a.num_computed_tokens += chunk
+    for token in (50, 51, 52):  # then decoding
+        a.all_token_ids.append(token)
+        assert bm.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    assert count_hits(bm, a.all_token_ids + [99]) == 12
+
+
+def test_a_block_repeated_at_two_positions_is_cached_at_both():
+    bm = BlockManager(8, 2)
+    assert admit(bm, Seq("a", [1, 2, 1, 2, 3]))
+    assert count_hits(bm, [1, 2, 1, 2, 9]) == 4
+
+
+def test_each_request_caches_its_own_blocks():
+    bm = BlockManager(16, 2)
+    for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10])):
+        assert admit(bm, Seq(rid, prompt))
+    assert count_hits(bm, [6, 7, 8, 9, 0]) == 4 and count_hits(bm, [1, 2, 3, 4, 0]) == 4
+
+
 # ---- copy-on-write and all-or-nothing
 
 

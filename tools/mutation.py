@@ -91,6 +91,21 @@ DROP_RULES = [
 ]
 MATCH_RULES = [
     (
+        "block_manager",
+        "_block_key",
+        r"hashes\[i - 1\] if i else None",
+        r"None, tokens|\(i\) and False",
+        "lookups go block by block from the first and stop at the first miss, so a hit block's "
+        "parent was itself verified: the parent check never decides",
+    ),
+    (
+        "block_manager",
+        "_cache_full_blocks",
+        r"if num_full <= start:",
+        r"if num_full < start:",
+        "with num_full == start the loop is empty and the count is rewritten unchanged",
+    ),
+    (
         "scheduler",
         "_schedule_running",
         r"^\s*break$",
