@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 API_KEY = "test-key"
 
@@ -25,6 +25,14 @@ settings.register_profile(
     "pagedserve", derandomize=True, print_blob=True, deadline=None, database=None
 )
 settings.register_profile("explore", print_blob=True, deadline=None)
+# tools/mutation.py: a failing example needs no shrinking there, only the failure
+settings.register_profile(
+    "mutation",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 
 

@@ -295,7 +295,7 @@ def run(module: str, survivors_only: bool = False) -> None:
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", "1"]
     cmd += names if survivors_only else []
     print(f"== {module}: {' '.join(cmd[:6])} ({len(names)} survivors) in {work}", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(work)}
+    env = {**os.environ, "PYTHONPATH": str(work), "HYPOTHESIS_PROFILE": "mutation"}
     subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, check=False)
 
 
