@@ -258,6 +258,65 @@ def test_each_request_caches_its_own_blocks():
     assert count_hits(bm, [6, 7, 8, 9, 0]) == 4 and count_hits(bm, [1, 2, 3, 4, 0]) == 4
 
 
+def test_blocks_after_a_prefix_hit_are_cached_too():
+    bm = BlockManager(16, 2)
+    assert admit(bm, Seq("a", [1, 2, 3, 4]))
+    assert admit(bm, Seq("b", [1, 2, 5, 6, 7]))  # block [1, 2] found, [5, 6] new
+    assert count_hits(bm, [1, 2, 5, 6, 9]) == 4
+
+
+def test_hit_counters_accumulate_over_lookups():
+    bm = BlockManager(16, 4)
+    assert admit(bm, Seq("a", list(range(9))))
+    for _ in range(2):
+        assert count_hits(bm, list(range(9))) == 8
+    assert bm.prefix_cache_hits == 16 and bm.prefix_cache_queries == 27
+
+
+def test_a_child_forked_before_its_first_full_block_caches_that_block_when_full():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    child.all_token_ids.append(4)
+    assert bm.allocate_slots(child, 1)
+    child.num_computed_tokens += 1
+    assert count_hits(bm, [1, 2, 3, 4, 5]) == 4
+
+
+def test_allocating_no_new_tokens_copies_nothing():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    assert bm.allocate_slots(child, 0)
+    assert bm.get_block_table("c") == bm.get_block_table("p") and bm.take_pending_copies() == []
+
+
+def test_a_freed_request_leaves_no_pending_copy_and_no_bookkeeping():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3, 4, 5])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    child.all_token_ids.append(6)
+    assert bm.allocate_slots(child, 1)  # copy-on-write of the shared partial block
+    assert bm.pending_copies
+    bm.free(child)
+    assert bm.take_pending_copies() == []
+    bm.free(parent)
+    assert not bm.block_tables and not bm.block_hashes and not bm.num_cached_blocks
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(AssertionError, match="block_size must be positive, got 0"):
+        BlockManager(4, 0)
+    bm = BlockManager(4, 1)
+    assert admit(bm, Seq("a", [1, 2, 3])) and len(bm.get_block_table("a")) == 3
+
+
 # ---- copy-on-write and all-or-nothing
 
 
@@ -449,6 +508,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(req)
         assert self.bm.num_free_pages == NUM_PAGES and self.bm.usage == 0.0
         assert not self.bm.block_tables
+        assert not self.bm.block_hashes and not self.bm.num_cached_blocks, "bookkeeping leaked"
 
 
 class BlockManagerMachineNoCaching(BlockManagerMachine):

@@ -92,6 +92,28 @@ DROP_RULES = [
 MATCH_RULES = [
     (
         "block_manager",
+        "allocate_slots",
+        r"copy=i \* self\.block_size < num_computed",
+        r"copy=i / self\.block_size < num_computed|copy=i \* self\.block_size <= num_computed",
+        "a shared block always holds computed tokens (a fork shares a table that covers exactly "
+        "the computed tokens), so the copy is made either way",
+    ),
+    (
+        "block_manager",
+        "fork",
+        r"num_cached_blocks\.get\(parent\.request_id, 0\)",
+        r"num_cached_blocks\.get\(None, 0\)",
+        "the child then re-checks from block 0 the blocks its parent cached, and skips them",
+    ),
+    (
+        "block_manager",
+        "get_computed_blocks",
+        r"block_hashes\.get\(req\.request_id, \(\)\)",
+        r"block_hashes\.get\(None, \(\)\)",
+        "the stored hashes are a cache: recomputing them from the tokens gives the same",
+    ),
+    (
+        "block_manager",
         "_block_key",
         r"hashes\[i - 1\] if i else None",
         r"None, tokens|\(i\) and False",
