@@ -311,6 +311,8 @@ def run(module: str, survivors_only: bool = False) -> None:
     """mutmut over the module; mutants with a result are skipped, unless ``survivors_only``
     asks to retest those that survived (after new tests)."""
     names = [n for n, s in results(module).items() if s not in ("killed", "timeout")]
+    if survivors_only:  # equivalent ones would only survive again
+        names = [n for n in names if equivalence(module, n, diff(module, n)) is None]
     if survivors_only and not names:
         return
     work = prepare(module)
