@@ -212,10 +212,10 @@ def test_reset_prefix_cache_is_for_good_even_as_holders_grow():
     a = Seq("a", list(range(9)))
     assert admit(bm, a)
     bm.reset_prefix_cache()
-    a.all_token_ids.append(9)
-    assert bm.allocate_slots(a, 1)
-    a.num_computed_tokens += 1
-    assert bm.get_computed_blocks(Seq("b", list(range(11)))) == ([], 0)
+    a.all_token_ids += [9, 10, 11]  # a third full block: only it is new to the cache
+    assert bm.allocate_slots(a, 3)
+    a.num_computed_tokens += 3
+    assert bm.get_computed_blocks(Seq("b", list(range(13)))) == ([], 0)
 
 
 def test_uncached_page_is_no_longer_found_and_uncaching_a_plain_page_is_harmless():

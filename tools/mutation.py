@@ -91,6 +91,21 @@ DROP_RULES = [
 ]
 MATCH_RULES = [
     (
+        "sampler",
+        "token_counts",
+        r"\(padded < 0\)",
+        r"\(padded <= 0\)|\(padded < 1\)",
+        "a prefilter: _check_token_ids checks the ids it lets through again, so a valid id 0 "
+        "let through is not reported",
+    ),
+    (
+        "server_sampling",
+        "logit_bias",
+        r"else -1$",
+        r"else -2$",
+        "any negative stand-in is outside [0, vocab) and rejected the same way",
+    ),
+    (
         "block_manager",
         "allocate_slots",
         r"copy=i \* self\.block_size < num_computed",
