@@ -436,7 +436,7 @@ def _write(rows: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        "machine": _machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "mutmut": getattr(mutmut, "__version__", "3.8.1"),
@@ -446,6 +446,15 @@ def _write(rows: dict) -> None:
     }
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
 def main(argv: list[str] | None = None) -> int:
