@@ -88,10 +88,9 @@ def serve(behaviour: FakeBehaviour) -> Iterator[str]:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
+    while not server.started:  # however long a loaded machine takes; pytest-timeout bounds it
+        assert thread.is_alive(), "fake server did not start"
         time.sleep(0.02)
-    assert server.started, "fake server did not start"
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -143,12 +142,16 @@ def test_bench_completes_every_request_and_reports_vllm_fields(tmp_path):
 def test_latencies_match_the_servers_known_delays(tmp_path):
     with serve(FakeBehaviour()) as url:
         _, result = _run(url, tmp_path, "--max-concurrency", "3")
-    slack_ms = 150
-    assert TTFT_S * 1000 <= result["mean_ttft_ms"] < TTFT_S * 1000 + slack_ms
-    assert ITL_S * 1000 * 0.9 <= result["median_tpot_ms"] < ITL_S * 1000 + 40
-    assert ITL_S * 1000 * 0.9 <= result["median_itl_ms"] < ITL_S * 1000 + 40
-    e2e = (TTFT_S + 4 * ITL_S) * 1000
-    assert e2e <= result["mean_e2el_ms"] < e2e + slack_ms + 4 * 40
+    # lower bounds only: the server sleeps at least this long; a loaded machine adds, never takes
+    assert result["mean_ttft_ms"] >= TTFT_S * 1000
+    assert result["mean_e2el_ms"] >= (TTFT_S + 4 * ITL_S) * 1000
+    # vLLM's definitions tie the figures together: e2el = ttft + 4 tpot (5 tokens a request),
+    # and the gaps between tokens fit in the time after the first token
+    assert result["mean_e2el_ms"] == pytest.approx(
+        result["mean_ttft_ms"] + 4 * result["mean_tpot_ms"]
+    )
+    assert 0 < result["mean_itl_ms"] <= result["mean_tpot_ms"] + 1e-6
+    assert result["mean_e2el_ms"] <= result["duration"] * 1000
     assert result["output_throughput"] == pytest.approx(
         result["total_output_tokens"] / result["duration"]
     )

@@ -94,6 +94,18 @@ def test_double_free_asserts():
     assert a.num_free_pages == 2
 
 
+def test_allocator_misuse_is_named_with_the_pool_range():
+    with pytest.raises(AssertionError, match="num_pages must be positive, got 0"):
+        PhysicalPageAllocator(0)
+    a = PhysicalPageAllocator(2)
+    for page in (2, -1):  # one past the end, and before the start
+        with pytest.raises(AssertionError, match=rf"page {page} is outside the pool 0\.\.1$"):
+            a.refcount(page)
+    a.allocate(), a.allocate()
+    with pytest.raises(AssertionError, match=r"^no free KV pages; check num_free_pages"):
+        a.allocate()
+
+
 def test_block_manager_double_free_of_a_request_asserts():
     bm = BlockManager(4, 4)
     req = Seq("a", list(range(5)))
@@ -193,6 +205,116 @@ def test_reset_prefix_cache_forgets_blocks():
     assert admit(bm, Seq("a", list(range(9))))
     bm.reset_prefix_cache()
     assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([], 0)
+
+
+def test_reset_prefix_cache_is_for_good_even_as_holders_grow():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(9)))
+    assert admit(bm, a)
+    bm.reset_prefix_cache()
+    a.all_token_ids += [9, 10, 11]  # a third full block: only it is new to the cache
+    assert bm.allocate_slots(a, 3)
+    a.num_computed_tokens += 3
+    assert bm.get_computed_blocks(Seq("b", list(range(13)))) == ([], 0)
+
+
+def test_uncached_page_is_no_longer_found_and_uncaching_a_plain_page_is_harmless():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(9)))
+    assert admit(bm, a)
+    first, second, third = bm.get_block_table("a")
+    bm.uncache_page(third)  # holds a partial block: nothing cached there
+    bm.uncache_page(second)
+    assert bm.get_computed_blocks(Seq("b", list(range(9)))) == ([first], 4)
+
+
+def count_hits(bm: BlockManager, tokens: list[int]) -> int:
+    return bm.get_computed_blocks(Seq("probe", tokens))[1]
+
+
+def test_blocks_computed_in_chunks_and_by_decoding_are_all_found_again():
+    bm = BlockManager(16, 4)
+    a = Seq("a", list(range(10)))
+    for chunk in (3, 4, 3):  # a chunked prefill
+        assert bm.allocate_slots(a, chunk)
+        a.num_computed_tokens += chunk
+    for token in (50, 51, 52):  # then decoding
+        a.all_token_ids.append(token)
+        assert bm.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    assert count_hits(bm, a.all_token_ids + [99]) == 12
+
+
+def test_a_block_repeated_at_two_positions_is_cached_at_both():
+    bm = BlockManager(8, 2)
+    assert admit(bm, Seq("a", [1, 2, 1, 2, 3]))
+    assert count_hits(bm, [1, 2, 1, 2, 9]) == 4
+
+
+def test_each_request_caches_its_own_blocks():
+    bm = BlockManager(16, 2)
+    for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10])):
+        assert admit(bm, Seq(rid, prompt))
+    assert count_hits(bm, [6, 7, 8, 9, 0]) == 4 and count_hits(bm, [1, 2, 3, 4, 0]) == 4
+
+
+def test_blocks_after_a_prefix_hit_are_cached_too():
+    bm = BlockManager(16, 2)
+    assert admit(bm, Seq("a", [1, 2, 3, 4]))
+    assert admit(bm, Seq("b", [1, 2, 5, 6, 7]))  # block [1, 2] found, [5, 6] new
+    assert count_hits(bm, [1, 2, 5, 6, 9]) == 4
+
+
+def test_hit_counters_accumulate_over_lookups():
+    bm = BlockManager(16, 4)
+    assert admit(bm, Seq("a", list(range(9))))
+    for _ in range(2):
+        assert count_hits(bm, list(range(9))) == 8
+    assert bm.prefix_cache_hits == 16 and bm.prefix_cache_queries == 27
+
+
+def test_a_child_forked_before_its_first_full_block_caches_that_block_when_full():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    child.all_token_ids.append(4)
+    assert bm.allocate_slots(child, 1)
+    child.num_computed_tokens += 1
+    assert count_hits(bm, [1, 2, 3, 4, 5]) == 4
+
+
+def test_allocating_no_new_tokens_copies_nothing():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    assert bm.allocate_slots(child, 0)
+    assert bm.get_block_table("c") == bm.get_block_table("p") and bm.take_pending_copies() == []
+
+
+def test_a_freed_request_leaves_no_pending_copy_and_no_bookkeeping():
+    bm = BlockManager(8, 4)
+    parent = Seq("p", [1, 2, 3, 4, 5])
+    assert admit(bm, parent)
+    child = Seq("c", list(parent.all_token_ids), parent.num_computed_tokens)
+    bm.fork(parent, child)
+    child.all_token_ids.append(6)
+    assert bm.allocate_slots(child, 1)  # copy-on-write of the shared partial block
+    assert bm.pending_copies
+    bm.free(child)
+    assert bm.take_pending_copies() == []
+    bm.free(parent)
+    assert not bm.block_tables and not bm.block_hashes and not bm.num_cached_blocks
+
+
+def test_block_size_must_be_positive():
+    with pytest.raises(AssertionError, match="block_size must be positive, got 0"):
+        BlockManager(4, 0)
+    bm = BlockManager(4, 1)
+    assert admit(bm, Seq("a", [1, 2, 3])) and len(bm.get_block_table("a")) == 3
 
 
 # ---- copy-on-write and all-or-nothing
@@ -386,6 +508,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(req)
         assert self.bm.num_free_pages == NUM_PAGES and self.bm.usage == 0.0
         assert not self.bm.block_tables
+        assert not self.bm.block_hashes and not self.bm.num_cached_blocks, "bookkeeping leaked"
 
 
 class BlockManagerMachineNoCaching(BlockManagerMachine):

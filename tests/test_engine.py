@@ -206,3 +206,32 @@ def test_invalid_llm_settings_name_the_keyword():
         LLM(model="demo", block_size=0)
     with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds .* use max_model_len=2048"):
         LLM(model="demo", max_model_len=4096, num_kv_pages=16)
+
+
+def test_n_more_than_max_num_seqs_is_rejected_with_both_numbers(llm):
+    limit = llm.llm_engine.config.scheduler.max_num_seqs
+    with pytest.raises(RequestRejectedError, match=rf"n={limit + 1} .*max.num.seqs {limit}"):
+        llm.llm_engine.add_request("n", [1, 2], SamplingParams(n=limit + 1))
+    assert _drained(llm)
+
+
+def test_forked_siblings_never_push_the_batch_past_max_num_seqs(tmp_path):
+    build_tiny_model_dir(tmp_path, "glm4", max_position_embeddings=128)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, num_kv_pages=32, max_num_seqs=3)
+    scheduler = llm.llm_engine.scheduler
+    schedule, batch_sizes = scheduler.schedule, []
+
+    def recorded():
+        out = schedule()
+        batch_sizes.append(max(len(scheduler.running), len(out.scheduled)))
+        return out
+
+    scheduler.schedule = recorded
+    params = [
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, max_tokens=4, ignore_eos=True),
+    ]
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [4, 4, 4, 4]
+    assert max(batch_sizes) == 3
+    assert _drained(llm)

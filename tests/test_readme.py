@@ -149,3 +149,9 @@ def test_readme_lists_exactly_the_presets_that_ship():
     assert devices - {"cuda"} == set(preset_names("devices"))  # cuda: the backend, no preset
     models = re.search(r"From a model preset \(`configs/models/`: (.*?)\) or", text, flags=re.S)
     assert set(re.findall(r"`([^`]+)`", models.group(1))) - {"demo"} == set(preset_names("models"))
+
+
+def test_the_readmes_port_is_the_servers_default():
+    from pagedserve.cli import build_parser
+
+    assert build_parser(["serve"]).parse_args(["serve"]).port == README_PORT

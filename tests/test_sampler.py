@@ -314,3 +314,97 @@ def test_flat_distribution_needs_the_full_sort_and_still_keeps_the_nucleus():
         drawn |= set(Sampler()(logits.expand(64, -1), meta).sampled_token_ids)
     # more distinct tokens than the bounded candidate set holds, and no more than the nucleus
     assert NUCLEUS_CANDIDATES < len(drawn) <= 2500
+
+
+def test_prompt_logprobs_zero_reports_only_the_prompt_token_and_negative_is_refused():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(7))
+    result = Sampler().compute_prompt_logprobs(logits, [4, 0, 9], top_n=0)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert [list(d) for d in result] == [[4], [0], [9]]
+    assert [d[t] for d, t in zip(result, [4, 0, 9])] == pytest.approx(
+        [reference[0, 4].item(), reference[1, 0].item(), reference[2, 9].item()], abs=1e-5
+    )
+    with pytest.raises(ValueError, match=r"^prompt_logprobs=-1 must be >= 0$"):
+        Sampler().compute_prompt_logprobs(logits, [4, 0, 9], top_n=-1)
+
+
+def test_penalties_count_token_id_zero_and_refuse_ids_outside_the_vocabulary():
+    logits = torch.full((1, VOCAB), 2.0)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5)]
+    penalised = logits.clone()
+    apply_penalties(penalised, make_meta(params, prompts=[[0]], outputs=[[0, 3]]))
+    assert penalised[0, :4].tolist() == [2.0 / 2 - 0.5, 2.0, 2.0, 2.0 / 2 - 0.5]
+    for bad in (VOCAB, -1):
+        with pytest.raises(
+            ValueError,
+            match=rf"^token id refers to token id {bad}, outside this model's "
+            rf"vocabulary \[0, {VOCAB}\); use ids below {VOCAB}$",
+        ):
+            apply_penalties(logits.clone(), make_meta(params, outputs=[[1, bad]]))
+
+
+def test_prompt_logprobs_of_no_positions_is_an_empty_list():
+    assert Sampler().compute_prompt_logprobs(torch.zeros(0, VOCAB), [], top_n=2) == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(logit_bias={1: 1.0}),
+        SamplingParams(min_tokens=2),
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(presence_penalty=1.0),
+        SamplingParams(frequency_penalty=1.0),
+    ],
+    ids=["logit_bias", "min_tokens", "repetition", "presence", "frequency"],
+)
+def test_the_callers_logits_stay_intact_whatever_the_row_changes(params):
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(9))
+    before = logits.clone()
+    Sampler()(logits, make_meta([params, params], outputs=[[1, 2], [1]]))
+    assert torch.equal(logits, before)
+
+
+def test_metadata_rows_must_match_the_params():
+    p = SamplingParams()
+    with pytest.raises(
+        ValueError,
+        match=r"^SamplingMetadata\.prompt_token_ids has 1 rows but params has 2; build every "
+        r"field with one entry per sequence in the batch$",
+    ):
+        SamplingMetadata([p, p], [[1]], [[], []], [None, None], [frozenset()] * 2)
+
+
+def test_token_ids_outside_the_vocabulary_are_named_by_what_carried_them():
+    logits = torch.zeros(1, VOCAB)
+    for params, what in (
+        (SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias"),
+        (SamplingParams(min_tokens=1, stop_token_ids=[VOCAB + 3]), "stop_token_ids"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"^{what} refers to token id {VOCAB + 3 * (what != 'logit_bias')}"
+        ):
+            Sampler()(logits, make_meta([params]))
+
+
+def test_repetition_penalty_divides_small_positive_logits_and_multiplies_negative_ones():
+    logits = torch.tensor([[0.5, -0.5, 0.0, 0.5] + [0.0] * (VOCAB - 4)])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    apply_penalties(logits, make_meta(params, prompts=[[0, 1, 2]], outputs=[[]]))
+    assert logits[0, :4].tolist() == [0.25, -1.0, 0.0, 0.5]
+
+
+def test_a_batch_with_as_many_greedy_rows_as_vocabulary_entries_still_samples_its_other_row():
+    logits = torch.randn(VOCAB + 1, VOCAB, generator=torch.Generator().manual_seed(10))
+    params = [SamplingParams(temperature=0.0)] * VOCAB + [SamplingParams(top_k=1)]
+    out = Sampler()(logits, make_meta(params))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_logprobs_zero_reports_only_the_chosen_token_when_it_is_not_the_top():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(11)).expand(64, -1)
+    params = [SamplingParams(temperature=5.0, logprobs=0)] * 64
+    torch.manual_seed(3)
+    out = Sampler()(logits.clone(), make_meta(params))
+    assert len(set(out.sampled_token_ids)) > 1
+    assert [list(d) for d in out.logprobs] == [[t] for t in out.sampled_token_ids]

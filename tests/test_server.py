@@ -39,7 +39,7 @@ def _metrics(live_server) -> dict[str, float]:
     return values
 
 
-def _wait_idle(live_server, timeout: float = 15.0) -> dict[str, float]:
+def _wait_idle(live_server, timeout: float = 300.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = _metrics(live_server)
@@ -321,8 +321,7 @@ def test_full_queue_is_503_with_retry_after(client, live_server):
     try:
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
-        while engine.num_waiting < 2 and time.monotonic() < deadline:
+        while engine.num_waiting < 2:  # pytest-timeout bounds a hang
             time.sleep(0.01)
         r = httpx.post(
             live_server.url + "/v1/completions",
@@ -505,7 +504,7 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
             lines = r.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGTERM)
-            refused = httpx.post(url + "/v1/completions", json={"prompt": PROMPT}, timeout=10)
+            refused = httpx.post(url + "/v1/completions", json={"prompt": PROMPT}, timeout=60)
             rest = [ln for ln in lines if ln.startswith("data: {")]
         _assert_error(refused, 503, "shutting down")
         assert json.loads(rest[-1][6:])["choices"][0]["finish_reason"] == "length"
@@ -551,8 +550,7 @@ def test_health_is_503_when_the_engine_loop_dies(tiny_glm4):
         assert http.get("/health").status_code == 200
         engine.has_unfinished_requests = lambda: 1 / 0
         app.state.serving.engine.abort("wake-up")
-        deadline = time.monotonic() + 10
-        while http.get("/health").status_code == 200 and time.monotonic() < deadline:
+        while http.get("/health").status_code == 200:  # pytest-timeout bounds a hang
             time.sleep(0.02)
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})

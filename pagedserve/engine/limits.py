@@ -46,6 +46,12 @@ class EngineLimits:
         n_prompt, total = len(prompt_ids), len(prompt_ids) + params.max_tokens
         if n_prompt == 0:
             raise RequestRejectedError("the prompt is empty; send at least one token")
+        if params.n > self.max_num_seqs:  # its n sequences could never run at once
+            raise RequestRejectedError(
+                f"n={params.n} sequences cannot run at once with "
+                f"{self.usage_context.name_of('max_num_seqs')} {self.max_num_seqs}; lower n or "
+                f"{self.usage_context.start_with} a larger {self.usage_context.name_of('max_num_seqs')}"
+            )
         vocab = self.vocab_size
         for what, ids in (
             ("prompt token id", prompt_ids),

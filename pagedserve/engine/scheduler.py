@@ -90,7 +90,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs - sum(_num_seats(r) for r in self.running)
+        while self.waiting and budget > 0 and _num_seats(self.waiting[0]) <= seats:
             req = self.waiting[0]
             computed_blocks, num_hit = [], 0
             if req.sampling_params.prompt_logprobs is None:  # cached positions would have none
@@ -107,6 +108,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+            seats -= _num_seats(req)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))
@@ -140,3 +142,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+
+
+def _num_seats(req: Request) -> int:
+    """Seats in the running batch a request takes: an ``n > 1`` request that has not sampled yet
+    forks its ``n - 1`` siblings into the batch when it does."""
+    return req.sampling_params.n if not req.output_token_ids else 1

@@ -46,7 +46,6 @@ from pagedserve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -54,13 +53,13 @@ from pagedserve.server.protocol import (
     VersionResponse,
     random_id,
 )
+from pagedserve.server.sampling import chat_sampling_params, completion_sampling_params
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20
 RETRY_AFTER_S = "1"
 PUBLIC_PATHS = ("/health", "/metrics", "/version", "/docs", "/openapi.json", "/redoc")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -159,54 +158,6 @@ class OpenAIServing:
             ) from e
         return text, tok.encode(text, add_special_tokens=False)
 
-    def sampling_params(self, body: SamplingFields, **fields: Any) -> SamplingParams:
-        if body.n > self.max_num_seqs:
-            raise bad_request(
-                f"n={body.n} is more than this server's --max-num-seqs "
-                f"{self.max_num_seqs}; lower n",
-                "n",
-            )
-        optional = {
-            k: getattr(body, k)
-            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if getattr(body, k) is not None
-        }
-        try:
-            return SamplingParams(
-                n=body.n,
-                seed=body.seed,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                logit_bias=self._logit_bias(body),
-                stop=body.stop or [],
-                stop_token_ids=body.stop_token_ids or [],
-                ignore_eos=body.ignore_eos,
-                min_tokens=body.min_tokens,
-                skip_special_tokens=body.skip_special_tokens,
-                include_stop_str_in_output=body.include_stop_str_in_output,
-                **optional,
-                **fields,
-            )
-        except ValueError as e:
-            raise bad_request(str(e), str(e).split("=", 1)[0]) from e
-
-    def _logit_bias(self, body: SamplingFields) -> dict[int, float] | None:
-        if not body.logit_bias:
-            return None
-        bias = {}
-        for key, value in body.logit_bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
-                raise bad_request(
-                    f"logit_bias key {key!r} is not a token id in [0, {self.vocab_size})",
-                    "logit_bias",
-                )
-            bias[int(key)] = max(-100.0, min(100.0, value))
-        return bias
-
-    def check_logprobs(self, value: int | None, param: str) -> None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise bad_request(f"{param}={value} must be in [0, {MAX_LOGPROBS}]", param)
-
     def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
         limits = self.engine.limits
         for _, ids in prompts:
@@ -218,24 +169,26 @@ class OpenAIServing:
     # ---- running ------------------------------------------------------------------------------
     def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
         return [
-            self._timed(self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text))
+            self._timed(
+                self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
+            )
             for i, (text, ids) in enumerate(prompts)
         ]
 
-    async def _timed(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _timed(
+        self, stream: AsyncIterator[RequestOutput], n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Observe latencies, and count each of the ``n`` sequences once by finish reason."""
         timer = RequestTimer(self.metrics)
-        finished = False
+        reasons: list[str | None] = [None] * n
         try:
             async for output in stream:
                 timer.on_output(sum(len(o.token_ids) for o in output.outputs), output.metrics)
-                if output.finished:
-                    finished = True
-                    for o in output.outputs:
-                        timer.on_finish(o.finish_reason)
+                for o in output.outputs:
+                    reasons[o.index] = o.finish_reason
                 yield output
         finally:
-            if not finished:
-                timer.on_finish("abort")
+            timer.on_finish(reasons)  # a sequence unfinished when the stream ends was aborted
             await stream.aclose()
 
     async def collect(self, raw: Request, streams: list) -> list[RequestOutput]:
@@ -296,7 +249,10 @@ class OpenAIServing:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(lp.get(tid))
-            out.top_logprobs.append({self.token_str(t): v for t, v in _top(lp, top_n)})
+            top: dict[str, float] = {}
+            for t, v in _top(lp, top_n):  # tokens that decode alike: keep the most likely
+                top.setdefault(self.token_str(t), v)
+            out.top_logprobs.append(top)
         return out
 
     def chat_logprobs(
@@ -390,20 +346,12 @@ def _completion_choice(
     )
 
 
-def _completion_params(serving: OpenAIServing, body: CompletionRequest) -> SamplingParams:
-    serving.check_logprobs(body.logprobs, "logprobs")
-    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    return serving.sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs
-    )
-
-
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw: Request):
     serving.check_model(body.model)
     if body.echo and body.stream and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
     prompts = serving.encode_prompts(body.prompt)
-    params = _completion_params(serving, body)
+    params = completion_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
     serving.check_fits(prompts, params)
     serving.check_admission()
     request_id = random_id("cmpl")
@@ -490,15 +438,6 @@ async def _completion_stream(
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
-def _chat_params(serving: OpenAIServing, body: ChatCompletionRequest) -> SamplingParams:
-    serving.check_logprobs(body.top_logprobs, "top_logprobs")
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if body.max_completion_tokens is not None and body.max_completion_tokens < 1:
-        max_tokens = body.max_completion_tokens
-    return serving.sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-
-
 def _chat_choice(serving: OpenAIServing, body: ChatCompletionRequest, o: CompletionOutput):
     logprobs = None
     if body.logprobs:
@@ -515,7 +454,7 @@ def _chat_choice(serving: OpenAIServing, body: ChatCompletionRequest, o: Complet
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, raw: Request):
     serving.check_model(body.model)
     prompt = serving.chat_prompt(body.messages, body.add_generation_prompt)
-    params = _chat_params(serving, body)
+    params = chat_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
     serving.check_fits([prompt], params)
     serving.check_admission()
     request_id = random_id("chatcmpl")

@@ -20,8 +20,8 @@ GAUGES = {
     "kv_cache_usage_perc": "Fraction of KV pages in use (1 = full).",
 }
 COUNTERS = {
-    "prefix_cache_queries_total": "Blocks looked up in the prefix cache.",
-    "prefix_cache_hits_total": "Blocks found in the prefix cache.",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Prompt tokens found in the prefix cache.",
     "num_preemptions_total": "Sequences preempted for lack of KV pages.",
     "prompt_tokens_total": "Prompt tokens admitted.",
     "generation_tokens_total": "Tokens generated.",
@@ -112,6 +112,8 @@ class RequestTimer:
                 self.metrics.itl.observe(gap)
         self.last_token_time, self.num_tokens = now, num_tokens
 
-    def on_finish(self, finish_reason: str | None) -> None:
+    def on_finish(self, finish_reasons: list[str | None]) -> None:
+        """The request's end: one latency, and one count per sequence (None: aborted)."""
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
-        self.metrics.request_success.labels(finished_reason=finish_reason or "abort").inc()
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(finished_reason=reason or "abort").inc()

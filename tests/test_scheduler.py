@@ -1,0 +1,458 @@
+"""The scheduler's limits, checked on every ``SchedulerOutput`` of random workloads.
+
+A driver does around ``Scheduler.schedule()`` what ``LLMEngine`` does around a step: requests
+arrive at given steps, scheduled tokens become computed, a request whose sequence is complete
+samples one token (its ``n - 1`` siblings fork off it the first time), a request finishes at
+``max_tokens``, and some requests are aborted. The driver keeps its own record of who was admitted
+when and of the waiting queue's order, and checks the scheduler's decisions against it:
+
+- never more than ``max_num_seqs`` running or scheduled, never more than
+  ``max_num_batched_tokens`` scheduled tokens, running requests included;
+- a request gets fewer tokens than it needs only when the token budget is spent (so a prompt
+  longer than the budget is chunked over several steps, and no budget is left idle);
+- running requests go first, in admission order; waiting ones are admitted in queue order;
+- when pages run out, the requests preempted are the most recently admitted running ones;
+- every request finishes within a bound of steps, and every page returns to the pool.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+    abort_step: int | None = None
+    prompt_logprobs: bool = False  # such a request computes its whole prompt: no prefix hits
+
+
+@dataclass
+class Group:
+    """One user request: its ``n`` sequences, of which ``pending_forks`` have not forked yet."""
+
+    arrival: Arrival
+    seqs: list[Request]
+    pending_forks: list[Request]
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs) and not self.pending_forks
+
+
+@dataclass
+class Driver:
+    """``LLMEngine``'s step loop around a real ``Scheduler`` and ``BlockManager``, no model."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_pages: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    fault_steps: frozenset[int] = frozenset()  # steps that preempt the oldest, as a KV fault does
+    step_count: int = 0
+    groups: list[Group] = field(default_factory=list, repr=False)
+    admitted: list[Request] = field(default_factory=list, repr=False)  # running, in admission order
+    queue: list[Request] = field(default_factory=list, repr=False)  # waiting, in the order due
+    first_admissions: list[Request] = field(default_factory=list, repr=False)
+    outputs: list[SchedulerOutput] = field(default_factory=list, repr=False)
+    samplers: list[list[Request]] = field(default_factory=list, repr=False)  # per step
+    preemptions_of: dict[str, int] = field(default_factory=dict, repr=False)
+    first_scheduled: dict[str, float] = field(default_factory=dict, repr=False)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.bm = BlockManager(self.num_pages, self.block_size, self.enable_prefix_caching)
+        config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+        )
+        self.scheduler = Scheduler(config, self.bm)
+
+    # ---- what the engine does
+
+    def add(self, arrival: Arrival) -> None:
+        rid = f"r{len(self.groups)}"
+        seqs = [
+            Request(
+                rid if i == 0 else f"{rid}#{i}",
+                list(arrival.prompt),
+                SamplingParams(
+                    n=arrival.n,
+                    max_tokens=arrival.max_tokens,
+                    prompt_logprobs=1 if arrival.prompt_logprobs else None,
+                ),
+            )
+            for i in range(arrival.n)
+        ]
+        self.groups.append(Group(arrival, seqs, seqs[1:]))
+        self.scheduler.add_request(seqs[0])
+        self.queue.append(seqs[0])
+
+    def abort(self, group: Group) -> None:
+        group.aborted = True
+        group.pending_forks.clear()
+        for seq in group.seqs:
+            if not seq.status.finished:
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                assert seq.status is RequestStatus.FINISHED_ABORTED
+                assert seq not in self.scheduler.running and seq not in self.scheduler.waiting
+                assert seq.request_id not in self.bm.block_tables
+                self._forget(seq)
+
+    def step(self) -> SchedulerOutput:
+        for group in self.groups:
+            if group.arrival.abort_step == self.step_count and not group.finished:
+                self.abort(group)
+        for arrival in self.arrivals_now():
+            self.add(arrival)
+        if self.step_count in self.fault_steps and self.admitted:
+            self.fault(self.admitted[0])
+        running_before = list(self.admitted)
+        out = self.scheduler.schedule()
+        self.check(out, running_before)
+        self.outputs.append(out)
+        samplers = [s.request for s in out.scheduled if s.completes_sequence]
+        self.samplers.append(samplers)
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        for req in samplers:
+            for seq in [req, *self.fork(req)]:
+                self.sample(seq)
+        self.step_count += 1
+        return out
+
+    def fault(self, victim: Request) -> None:
+        """What the engine does when a device reports a corrupt page under a running request."""
+        self.scheduler.preempt(victim)
+        assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+        assert victim.request_id not in self.bm.block_tables
+        assert self.scheduler.waiting[0] is victim and victim not in self.scheduler.running
+        self.admitted.remove(victim)
+        self.queue.insert(0, victim)
+        self.num_preemptions += 1
+        self.preemptions_of[victim.request_id] = self.preemptions_of.get(victim.request_id, 0) + 1
+
+    def fork(self, parent: Request) -> list[Request]:
+        group = self.group_of(parent)
+        if parent is not group.seqs[0] or not group.pending_forks:
+            return []
+        children, group.pending_forks = group.pending_forks, []
+        for child in children:
+            self.bm.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.scheduler.admit_forked(child)
+            self.admitted.append(child)
+        return children
+
+    def sample(self, seq: Request) -> None:
+        seq.append_output_token(self.next_token(seq))
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            self.scheduler.finish_request(seq, RequestStatus.FINISHED_LENGTH)
+            assert seq not in self.scheduler.running and seq.request_id not in self.bm.block_tables
+            self._forget(seq)
+
+    def next_token(self, seq: Request) -> int:
+        """A deterministic token, shared by siblings at first so that prefixes repeat."""
+        return (seq.num_tokens * 7 + seq.num_output_tokens) % 3
+
+    # ---- bookkeeping
+
+    def arrivals_now(self) -> list[Arrival]:
+        return [a for a in self.pending_arrivals if a.step == self.step_count]
+
+    def group_of(self, seq: Request) -> Group:
+        return next(g for g in self.groups if seq in g.seqs)
+
+    def _forget(self, seq: Request) -> None:
+        if seq in self.admitted:
+            self.admitted.remove(seq)
+        if seq in self.queue:
+            self.queue.remove(seq)
+
+    def run(self, arrivals: list[Arrival]) -> None:
+        """Step until every request has finished; a request that starves fails the bound."""
+        self.pending_arrivals = arrivals
+        last_arrival = max(a.step for a in arrivals)
+        max_steps = self.step_bound(arrivals)
+        while self.step_count <= last_arrival or self.scheduler.has_unfinished_requests():
+            assert self.step_count < max_steps, (
+                f"a request starved: not finished after {max_steps} steps: running "
+                f"{[r.request_id for r in self.scheduler.running]}, waiting "
+                f"{[r.request_id for r in self.scheduler.waiting]}"
+            )
+            self.step()
+
+    # ---- the checks, on every SchedulerOutput
+
+    def check(self, out: SchedulerOutput, running_before: list[Request]) -> None:
+        sched = self.scheduler
+        budget = self.max_num_batched_tokens
+        assert len(sched.running) <= self.max_num_seqs, "more running than max_num_seqs"
+        assert len(out.scheduled) <= self.max_num_seqs, "more scheduled than max_num_seqs"
+        assert out.total_num_scheduled_tokens == spent_tokens(out) <= budget, "budget exceeded"
+        assert out.is_empty == (not out.scheduled)
+        # copy-on-write copies go to the runner with the step that writes the copied pages
+        assert not self.bm.pending_copies, "copy-on-write copies left behind"
+        written = {p for sr in out.scheduled for p in sr.block_table}
+        assert isinstance(out.page_copies, list)
+        assert all(dst in written for _, dst in out.page_copies)
+        assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
+        self.check_preemptions(out, running_before)
+        survivors = [r for r in running_before if r not in out.preempted]
+        scheduled = [s.request for s in out.scheduled]
+        num_old = sum(r in survivors for r in scheduled)
+        assert scheduled[:num_old] == survivors[:num_old], "running requests go first, in order"
+        admitted_now = scheduled[num_old:]
+        assert admitted_now == self.queue[: len(admitted_now)], "admission out of queue order"
+        if out.preempted:
+            assert not admitted_now, "admitted a waiting request in a step that preempted"
+        self.check_tokens(out)
+        self.check_work_conserving(out, scheduled)
+        for r in admitted_now:
+            self.queue.remove(r)
+            self.admitted.append(r)
+            assert r.num_cached_tokens == r.num_computed_tokens, "prefix hit not recorded"
+            if r.sampling_params.prompt_logprobs is not None:
+                assert r.num_cached_tokens == 0, "cached positions would have no prompt logprobs"
+            assert r.num_computed_tokens % self.block_size == 0
+            if r.num_preemptions == 0 and r is self.group_of(r).seqs[0]:
+                self.first_admissions.append(r)
+                assert r.first_scheduled_time is not None
+                self.first_scheduled[r.request_id] = r.first_scheduled_time
+        assert self.admitted == sched.running
+        for r in sched.running:
+            assert r.status is RequestStatus.RUNNING
+            assert r.num_preemptions == self.preemptions_of.get(r.request_id, 0)
+            if r.request_id in self.first_scheduled:  # kept across preemptions
+                assert r.first_scheduled_time == self.first_scheduled[r.request_id]
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+    def check_preemptions(self, out: SchedulerOutput, running_before: list[Request]) -> None:
+        """Each victim is the most recently admitted request still running at that moment."""
+        newest_first = list(reversed(running_before))
+        assert out.preempted == newest_first[: len(out.preempted)], (
+            f"preempted {[r.request_id for r in out.preempted]}, but the most recently admitted "
+            f"were {[r.request_id for r in newest_first]}"
+        )
+        for victim in out.preempted:
+            assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+            assert victim.request_id not in self.bm.block_tables
+            self.admitted.remove(victim)
+            self.queue.insert(0, victim)
+            self.num_preemptions += 1
+            self.preemptions_of[victim.request_id] = (
+                self.preemptions_of.get(victim.request_id, 0) + 1
+            )
+
+    def check_tokens(self, out: SchedulerOutput) -> None:
+        """Each request gets at least one token, no more than it lacks, and pages for all."""
+        spent = 0
+        for i, s in enumerate(out.scheduled):
+            req = s.request
+            lacking = req.num_tokens - req.num_computed_tokens
+            assert 1 <= s.num_new_tokens <= lacking, (req.request_id, s.num_new_tokens, lacking)
+            spent += s.num_new_tokens
+            if s.num_new_tokens < lacking:  # cut short: only by the end of the token budget
+                assert spent == self.max_num_batched_tokens, "a request was cut short needlessly"
+                assert i == len(out.scheduled) - 1, "scheduled more after the budget ran out"
+            needed = -(-(req.num_computed_tokens + s.num_new_tokens) // self.block_size)
+            assert s.block_table == self.bm.get_block_table(req.request_id)
+            assert len(s.block_table) >= needed, "scheduled tokens without pages for them"
+
+    def check_work_conserving(self, out: SchedulerOutput, scheduled: list[Request]) -> None:
+        """Budget left over while requests lacked tokens: only when pages or seats ran out."""
+        if out.total_num_scheduled_tokens == self.max_num_batched_tokens or out.preempted:
+            return
+        unscheduled = [r for r in self.scheduler.running if r not in scheduled]
+        assert not unscheduled, "a running request was left out with budget to spare"
+        if not self.scheduler.waiting:
+            return
+        head = self.scheduler.waiting[0]
+        free_seats = self.max_num_seqs - sum(self.seats(r) for r in self.scheduler.running)
+        if self.seats(head) > free_seats:
+            return
+        trial = copy.deepcopy(self.bm)  # the head must not fit the pages left
+        pages, num_hit = [], 0
+        if head.sampling_params.prompt_logprobs is None:
+            pages, num_hit = trial.get_computed_blocks(head)
+        chunk = min(head.num_tokens - num_hit, self.max_num_batched_tokens - spent_tokens(out))
+        assert not trial.allocate_slots(head, chunk, pages), "the queue's head was left waiting"
+
+    def seats(self, seq: Request) -> int:
+        """An n > 1 request that has not forked yet will bring its siblings into the batch."""
+        group = self.group_of(seq)
+        return 1 + len(group.pending_forks) if seq is group.seqs[0] else 1
+
+    # ---- the checks at the end
+
+    def check_finished(self) -> None:
+        for group in self.groups:
+            assert group.finished, group.seqs[0].request_id
+            if not group.aborted:
+                for seq in group.seqs:
+                    assert seq.status is RequestStatus.FINISHED_LENGTH
+                    assert seq.num_output_tokens == group.arrival.max_tokens
+        assert not self.scheduler.running and not self.scheduler.waiting
+        assert not self.bm.block_tables
+        assert self.bm.num_free_pages == self.num_pages
+        assert self.bm.allocator.ref_counts == [0] * self.num_pages
+        assert self.scheduler.num_preemptions == self.num_preemptions
+
+    def step_bound(self, arrivals: list[Arrival]) -> int:
+        """The oldest running request is never preempted (it fits the pool alone) and gets
+        tokens every step, so each sequence needs at most its own length in steps at the head."""
+        last_arrival = max(a.step for a in arrivals)
+        lengths = [len(a.prompt) + a.max_tokens for a in arrivals]
+        work = sum(a.n * n for a, n in zip(arrivals, lengths))
+        return last_arrival + work + 1 + len(self.fault_steps) * max(lengths)  # a fault: redo
+
+
+def spent_tokens(out: SchedulerOutput) -> int:
+    return sum(s.num_new_tokens for s in out.scheduled)
+
+
+# ---- workloads
+
+
+@st.composite
+def workloads(draw, prefix_caching: bool | None = None):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_num_seqs = draw(st.integers(1, 5))
+    budget = draw(st.integers(1, 24))
+    prefix = draw(st.lists(st.integers(0, 2), max_size=12))
+    arrivals = []
+    for _ in range(draw(st.integers(1, 8))):
+        shared = prefix[: draw(st.integers(0, len(prefix)))]
+        tail = draw(st.lists(st.integers(0, 2), min_size=1, max_size=30))
+        arrivals.append(
+            Arrival(
+                step=draw(st.integers(0, 12)),
+                prompt=shared + tail,
+                max_tokens=draw(st.integers(1, 10)),
+                n=draw(st.integers(1, max_num_seqs).map(lambda k: min(k, 3))),
+                abort_step=draw(st.none() | st.integers(0, 40)),
+                prompt_logprobs=draw(st.booleans()),
+            )
+        )
+    # the engine rejects a request that cannot fit the whole pool alone
+    needed = max(-(-(len(a.prompt) + a.max_tokens) // block_size) for a in arrivals)
+    num_pages = draw(st.integers(needed, needed + 24))
+    caching = draw(st.booleans()) if prefix_caching is None else prefix_caching
+    faults = draw(st.frozensets(st.integers(0, 30), max_size=2))
+    driver = Driver(max_num_seqs, budget, num_pages, block_size, caching, faults)
+    return driver, arrivals
+
+
+PROPERTY_SETTINGS = settings(max_examples=300, deadline=None)
+
+
+@PROPERTY_SETTINGS
+@given(workloads())
+def test_every_step_respects_the_limits_and_every_request_finishes(workload):
+    driver, arrivals = workload
+    driver.run(arrivals)
+    driver.check_finished()
+    # no later arrival is admitted before an earlier one (ties: the order they were added)
+    order = [driver.groups.index(driver.group_of(r)) for r in driver.first_admissions]
+    arrival_order = sorted(order, key=lambda g: driver.groups[g].arrival.step)
+    assert [driver.groups[g].arrival.step for g in order] == [
+        driver.groups[g].arrival.step for g in arrival_order
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(prefix_caching=False))
+def test_pool_large_enough_for_everything_never_preempts(workload):
+    driver, arrivals = workload
+    total = sum(a.n * -(-(len(a.prompt) + a.max_tokens) // driver.block_size) for a in arrivals)
+    driver = Driver(driver.max_num_seqs, driver.max_num_batched_tokens, total, driver.block_size)
+    driver.run(arrivals)
+    assert driver.num_preemptions == 0
+    driver.check_finished()
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads())
+def test_tight_pool_preempts_and_still_finishes_everything(workload):
+    """The smallest pool that holds the longest request alone: preemption is the common case."""
+    driver, arrivals = workload
+    needed = max(-(-(len(a.prompt) + a.max_tokens) // driver.block_size) for a in arrivals)
+    driver = Driver(
+        driver.max_num_seqs,
+        driver.max_num_batched_tokens,
+        needed,
+        driver.block_size,
+        driver.enable_prefix_caching,
+    )
+    driver.run(arrivals)
+    driver.check_finished()
+
+
+# ---- the same rules on hand-made cases
+
+
+def run(driver: Driver, arrivals: list[Arrival]) -> Driver:
+    driver.run(arrivals)
+    driver.check_finished()
+    return driver
+
+
+def test_prompt_longer_than_the_budget_is_chunked_over_steps():
+    driver = run(Driver(4, 8, 64, 4), [Arrival(0, list(range(3)) * 7, max_tokens=1)])
+    assert [o.total_num_scheduled_tokens for o in driver.outputs] == [8, 8, 5]
+    assert [len(sampled) for sampled in driver.samplers] == [0, 0, 1]
+
+
+def test_running_requests_share_the_budget_first_come_first_served():
+    driver = Driver(4, 6, 64, 4)
+    run(driver, [Arrival(0, [1] * 4, max_tokens=3), Arrival(0, [2] * 9, max_tokens=2)])
+    first = driver.outputs[0]
+    assert [s.num_new_tokens for s in first.scheduled] == [4, 2]
+    assert [s.num_new_tokens for s in driver.outputs[1].scheduled] == [1, 5]
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3])
+def test_no_more_than_max_num_seqs_run_at_once(max_num_seqs):
+    driver = run(Driver(max_num_seqs, 64, 64, 4), [Arrival(0, [1, 2], 4) for _ in range(5)])
+    assert max(len(o.scheduled) for o in driver.outputs) == max_num_seqs
+
+
+def test_out_of_pages_preempts_the_most_recently_admitted():
+    # 3 pages of 2 tokens: three 1-token prompts each need a second page at their third token;
+    # r0 gets r2's page, then r1, the newest left, gives way to r0 too
+    driver = Driver(4, 64, 3, 2, enable_prefix_caching=False)
+    run(driver, [Arrival(0, [i], max_tokens=3) for i in range(3)])
+    preempted = [[r.request_id for r in o.preempted] for o in driver.outputs if o.preempted]
+    assert preempted[0] == ["r2", "r1"]
+
+
+def test_siblings_of_an_n_request_count_against_max_num_seqs():
+    """An ``n = 3`` request admitted beside another must not fork past ``max_num_seqs``."""
+    driver = Driver(3, 64, 64, 4)
+    run(driver, [Arrival(0, [1, 2, 3], max_tokens=3), Arrival(0, [4, 5], max_tokens=2, n=3)])
+    assert max(len(o.scheduled) for o in driver.outputs) <= 3
+
+
+def test_finishing_with_a_status_that_is_not_final_asserts():
+    driver = Driver(2, 8, 8, 4)
+    driver.add(Arrival(0, [1, 2, 3], max_tokens=2))
+    req = driver.groups[0].seqs[0]
+    with pytest.raises(AssertionError):
+        driver.scheduler.finish_request(req, RequestStatus.RUNNING)
+    assert driver.scheduler.waiting[0] is req

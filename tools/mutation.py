@@ -1,0 +1,479 @@
+"""Mutation testing of the engine's core and the server's request mapping, one module at a time.
+
+    pip install -e '.[dev]'
+    taskset -c 1 nice -n 10 python tools/mutation.py               # every module, then the table
+    taskset -c 1 nice -n 10 python tools/mutation.py scheduler     # one module
+    python tools/mutation.py --report                              # the table of the last runs
+
+Each module is mutated by mutmut (settings: ``[tool.mutmut]`` in pyproject.toml) in its own copy
+of the working tree under ``.mutation/<module>/``, with only that module mutated and only the fast
+tests that cover it selected, so that a mutant of the scheduler never starts the HTTP server. Runs
+are incremental: mutmut keeps each copy's results and tests only new or changed mutants;
+``--survivors`` retests the mutants that survived (after adding tests).
+
+The table counts a mutant as killed when a test failed or timed out on it; the kill rate leaves out
+the survivors that a rule of ``EQUIVALENT_RULES`` matches (no test can tell them from the original,
+for the reason given). ``--report`` also writes ``benchmarks/results/mutation.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutation"
+RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+TARGET = 0.90
+
+# module -> (the file mutated, the tests that may kill its mutants)
+MODULES = {
+    "scheduler": (
+        "pagedserve/engine/scheduler.py",
+        ["tests/test_scheduler.py"],
+    ),
+    "block_manager": (
+        "pagedserve/engine/block_manager.py",
+        ["tests/test_block_manager.py"],
+    ),
+    "page_allocator": (
+        "pagedserve/engine/page_allocator.py",
+        ["tests/test_block_manager.py", "tests/test_scheduler.py"],
+    ),
+    "sampler": (
+        "pagedserve/engine/sampler.py",
+        ["tests/test_sampler.py", "tests/test_sampler_mixed_batch.py"],
+    ),
+    "server_sampling": (
+        "pagedserve/server/sampling.py",
+        ["tests/test_server_sampling.py"],
+    ),
+}
+
+# Equivalent mutants: no test can tell them from the original, because the program behaves the
+# same. A surviving mutant is listed as equivalent only if a rule covers its one changed line; every
+# other survivor counts against the kill rate. Two kinds of rule:
+# - (module, pattern, why): the line and its mutant are the same once ``pattern`` is dropped from
+#   both (the mutation only touched that argument);
+# - (module, function, regex of the removed line, regex of the added line, why).
+DROP_RULES = [
+    (
+        "sampler",
+        r"device=[\w.]+|\.to\([\w.]*\)",
+        "the tests run on the CPU, where torch puts a new tensor on the CPU whatever device is "
+        "named; only a run on an accelerator tells these apart",
+    ),
+    (
+        "sampler",
+        r"dtype=(torch\.long|like\.dtype|sorted_logits\.dtype|None)",
+        "torch infers int64 from Python ints and float32 from Python floats: the dtype given",
+    ),
+    (
+        "sampler",
+        r"dim=[-+]1\b|, [-+]1(?=\))",
+        "the tensors are 2-D [rows, vocab]: dim +1 is dim -1, and topk/sort default to it",
+    ),
+    (
+        "sampler",
+        r"strict=\w+",
+        "the zipped lists have equal lengths by construction; strict only adds a check",
+    ),
+]
+MATCH_RULES = [
+    (
+        "sampler",
+        "token_counts",
+        r"\(padded < 0\)",
+        r"\(padded <= 0\)|\(padded < 1\)",
+        "a prefilter: _check_token_ids checks the ids it lets through again, so a valid id 0 "
+        "let through is not reported",
+    ),
+    (
+        "server_sampling",
+        "logit_bias",
+        r"else -1$",
+        r"else -2$",
+        "any negative stand-in is outside [0, vocab) and rejected the same way",
+    ),
+    (
+        "block_manager",
+        "allocate_slots",
+        r"copy=i \* self\.block_size < num_computed",
+        r"copy=i / self\.block_size < num_computed|copy=i \* self\.block_size <= num_computed",
+        "a shared block always holds computed tokens (a fork shares a table that covers exactly "
+        "the computed tokens), so the copy is made either way",
+    ),
+    (
+        "block_manager",
+        "fork",
+        r"num_cached_blocks\.get\(parent\.request_id, 0\)",
+        r"num_cached_blocks\.get\(None, 0\)",
+        "the child then re-checks from block 0 the blocks its parent cached, and skips them",
+    ),
+    (
+        "block_manager",
+        "get_computed_blocks",
+        r"block_hashes\.get\(req\.request_id, \(\)\)",
+        r"block_hashes\.get\(None, \(\)\)",
+        "the stored hashes are a cache: recomputing them from the tokens gives the same",
+    ),
+    (
+        "block_manager",
+        "_block_key",
+        r"hashes\[i - 1\] if i else None",
+        r"None, tokens|\(i\) and False",
+        "lookups go block by block from the first and stop at the first miss, so a hit block's "
+        "parent was itself verified: the parent check never decides",
+    ),
+    (
+        "block_manager",
+        "_cache_full_blocks",
+        r"if num_full <= start:",
+        r"if num_full < start:",
+        "with num_full == start the loop is empty and the count is rewritten unchanged",
+    ),
+    (
+        "scheduler",
+        "_schedule_running",
+        r"^\s*break$",
+        r"^\s*return$",
+        "only the last running request can preempt itself, and a step that preempts admits no "
+        "waiting request, so the budget this return drops is never used",
+    ),
+    (
+        "scheduler",
+        "_schedule_waiting",
+        r"^\s*break$",
+        r"^\s*return$",
+        "the loop is the function's last statement: leaving it is returning",
+    ),
+    (
+        "server_sampling",
+        "sampling_params",
+        r'split\("=", 1\)\[0\]',
+        r'split\("=", ?\d?\)\[0\]',
+        "only the first piece is used, the same whatever the split limit",
+    ),
+    (
+        "page_allocator",
+        "allocate",
+        r"popitem\(last=False\)",
+        r"last=None",
+        "None is falsy: popitem pops the head as with False",
+    ),
+    (
+        "page_allocator",
+        "free",
+        r"free_queue\[page\] = None",
+        r"free_queue\[page\] = ",
+        "the free queue's values are never read; only its keys and their order matter",
+    ),
+    (
+        "sampler",
+        "draw",
+        r"searchsorted|missed",
+        r".",
+        "guards a rounding case at the top of [0, 1) (a uniform within 2**-24 of 1) that no draw "
+        "reaches; otherwise the draw is unchanged",
+    ),
+    (
+        "sampler",
+        "apply_top_k_top_p",
+        r"if bool\(\(top_k >= num_candidates\)",
+        r".",
+        "an early return that skips work: masking with k = all and p = 1 changes no logit",
+    ),
+    (
+        "sampler",
+        "apply_top_k_top_p",
+        r"mass_before >= top_p|top_p >= 1\.0, torch\.inf",
+        r"mass_before > top_p|top_p (> 1\.0|>= 2\.0)",
+        "a tie of continuous mass with top_p has probability 0, and top_p = 1 kept as 1 masks only "
+        "tokens whose preceding mass rounds to 1 (probability below 1e-7)",
+    ),
+    (
+        "sampler",
+        "apply_top_k_top_p|candidate_groups",
+        r"top_k > 0",
+        r"top_k >= 0",
+        "top_k is never 0: SamplingParams turns 0 into -1",
+    ),
+    (
+        "sampler",
+        "apply_min_p",
+        r"if not bool\(\(min_p > 0\)",
+        r".",
+        "an early return that skips work: min_p = 0 masks nothing",
+    ),
+    (
+        "sampler",
+        "candidate_groups",
+        r"(plain|nucleus) = \[",
+        r".",
+        "a row put in one more candidate group is drawn again there with its own top_k/top_p "
+        "applied, from the same distribution, and that later draw stands",
+    ),
+    (
+        "sampler",
+        "_nucleus_groups",
+        r"log_mass\.exp\(\) >= top_p",
+        r"\) > top_p|k <= logits",
+        "a tie of continuous mass with top_p has probability 0; with k = vocab the rest column "
+        "holds no mass and top_p masks it",
+    ),
+    (
+        "sampler",
+        "_nucleus_groups",
+        r"clamp\(max=1 - 1e-7\)|ids\[f, :1\]",
+        r".",
+        "the rest column holds the mass beyond the candidates and top_p always masks it: its id "
+        "and its clamp never reach a draw",
+    ),
+    (
+        "sampler",
+        "_nucleus_groups",
+        r"slow = ",
+        r"bool\(None\)",
+        "a row drawn by both the bounded and the full-sort path keeps the full-sort draw, of the "
+        "same distribution",
+    ),
+    (
+        "sampler",
+        "apply_penalties",
+        r"vocab_size, logits\.device\)",
+        r"vocab_size, None\)",
+        "the tests run on the CPU, where torch puts a new tensor on the CPU whatever device is "
+        "named; only a run on an accelerator tells these apart",
+    ),
+    (
+        "sampler",
+        "apply_penalties",
+        r"logits > 0",
+        r"logits >= 0",
+        "a zero logit is 0 whether divided or multiplied",
+    ),
+    ("sampler", "apply_min_tokens", r'float\("-inf"\)', r"-INF", 'float("-INF") is -inf'),
+    (
+        "sampler",
+        "token_counts",
+        r"vocab_size \+ 1",
+        r"vocab_size \+ 2",
+        "the pad columns past the vocabulary are dropped",
+    ),
+    (
+        "sampler",
+        "token_counts|_logprob_dicts",
+        r"default=0",
+        r"default=1",
+        "max over the rows of a batch; with no rows, k = 1 or 0 selects the same nothing",
+    ),
+    (
+        "sampler",
+        "token_counts",
+        r"default=0",
+        r".",
+        "max over the rows of a batch, which has a row here: apply_penalties returns before "
+        "counting an empty batch",
+    ),
+]
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped"}
+STATUS |= {36: "timeout", -24: "timeout", 24: "timeout", 152: "timeout", 255: "timeout"}
+
+
+def module_config(path: str, tests: list[str]) -> str:
+    """pyproject.toml's [tool.mutmut], narrowed to one module and its tests."""
+    shared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    config = {**shared, "only_mutate": [path], "pytest_add_cli_args_test_selection": tests}
+    lines = ["[tool.mutmut]"]
+    for key, value in config.items():
+        lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def prepare(module: str) -> Path:
+    """A copy of the working tree (tracked and new files) whose pyproject mutates ``module``."""
+    path, tests = MODULES[module]
+    work = WORK / module
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in files:
+        src, dst = ROOT / name, work / name
+        if src.is_file() and (not dst.exists() or dst.read_bytes() != src.read_bytes()):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    head = (ROOT / "pyproject.toml").read_text().split("[tool.mutmut]")[0]
+    (work / "pyproject.toml").write_text(head + module_config(path, tests))
+    return work
+
+
+def run(module: str, survivors_only: bool = False) -> None:
+    """mutmut over the module; mutants with a result are skipped, unless ``survivors_only``
+    asks to retest those that survived (after new tests)."""
+    names = [n for n, s in results(module).items() if s not in ("killed", "timeout")]
+    if survivors_only:  # equivalent ones would only survive again
+        names = [n for n in names if equivalence(module, n, diff(module, n)) is None]
+    if survivors_only and not names:
+        return
+    work = prepare(module)
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", "1"]
+    cmd += names if survivors_only else []
+    print(f"== {module}: {' '.join(cmd[:6])} ({len(names)} survivors) in {work}", flush=True)
+    env = {**os.environ, "PYTHONPATH": str(work), "HYPOTHESIS_PROFILE": "mutation"}
+    subprocess.run(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, check=False)
+
+
+def results(module: str) -> dict[str, str]:
+    """mutant name -> status, from mutmut's records of the last run."""
+    path = MODULES[module][0]
+    meta = WORK / module / "mutants" / (path + ".meta")
+    if not meta.exists():
+        return {}
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    return {
+        name: STATUS.get(code, "not checked" if code is None else "suspicious")
+        for name, code in codes.items()
+    }
+
+
+def diff(module: str, name: str) -> list[str]:
+    """The mutant's changed lines, '-' then '+', as mutmut shows them."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    cwd = os.getcwd()
+    os.chdir(WORK / module)
+    try:
+        text = get_diff_for_mutant(name, path=Path(MODULES[module][0]))
+    finally:
+        os.chdir(cwd)
+    return [ln for ln in text.splitlines() if re.match(r"^[-+](?![-+]{2} )", ln)]
+
+
+def equivalence(module: str, name: str, lines: list[str]) -> str | None:
+    """The reason a surviving mutant is equivalent, if a rule covers its one changed line."""
+    removed = [ln[1:] for ln in lines if ln.startswith("-")]
+    added = [ln[1:] for ln in lines if ln.startswith("+")]
+    if len(removed) != 1 or len(added) != 1:
+        return None
+    old, new = removed[0], added[0]
+    function = re.sub(r"__mutmut_\d+$", "", name.rsplit(".", 1)[-1]).rsplit("ǁ", 1)[-1]
+    function = function.removeprefix("x_")
+    for rule_module, fn, old_re, new_re, reason in MATCH_RULES:
+        if rule_module == module and re.fullmatch(fn, function):
+            if re.search(old_re, old) and re.search(new_re, new):
+                return reason
+    for rule_module, pattern, reason in DROP_RULES:
+        if rule_module == module and _drop(old, pattern) == _drop(new, pattern):
+            return reason
+    return None
+
+
+def _drop(line: str, pattern: str) -> str:
+    line = re.sub(pattern, "", line)
+    line = re.sub(r",\s*(?=[,)])", "", line)
+    return re.sub(r"\(\s*,", "(", line).replace(" ", "")
+
+
+def summary(module: str) -> dict:
+    statuses = results(module)
+    killed = [n for n, s in statuses.items() if s in ("killed", "timeout")]
+    diffs = {n: diff(module, n) for n in statuses if n not in killed}
+    equivalent = {n: r for n in diffs if (r := equivalence(module, n, diffs[n])) is not None}
+    survived = sorted(n for n in diffs if n not in equivalent)
+    counted = len(statuses) - len(equivalent)
+    return {
+        "file": MODULES[module][0],
+        "tests": MODULES[module][1],
+        "mutants": len(statuses),
+        "killed": len(killed),
+        "equivalent": len(equivalent),
+        "survived": len(survived),
+        "kill_rate": round(len(killed) / counted, 4) if counted else None,
+        "kill_rate_of_all": round(len(killed) / len(statuses), 4) if statuses else None,
+        "equivalent_mutants": [
+            {"name": n, "reason": r, "diff": diffs[n]} for n, r in sorted(equivalent.items())
+        ],
+        "surviving_mutants": [
+            {"name": n, "status": statuses[n], "diff": diffs[n]} for n in survived
+        ],
+    }
+
+
+def report(modules: list[str]) -> bool:
+    rows = {m: summary(m) for m in modules}
+    print(f"{'module':<16} {'mutants':>7} {'killed':>7} {'equiv':>6} {'alive':>6} {'rate':>7}")
+    for module, r in rows.items():
+        rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
+        print(
+            f"{module:<16} {r['mutants']:>7} {r['killed']:>7} {r['equivalent']:>6} "
+            f"{r['survived']:>6} {rate:>7}"
+        )
+    _write(rows)
+    return all(r["kill_rate"] is not None and r["kill_rate"] >= TARGET for r in rows.values())
+
+
+def _write(rows: dict) -> None:
+    import mutmut
+    import torch
+
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    modules = {**old.get("modules", {}), **rows}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mutmut": getattr(mutmut, "__version__", "3.8.1"),
+        "command": "taskset -c 1 nice -n 10 python tools/mutation.py",
+        "target_kill_rate": TARGET,
+        "modules": modules,
+    }
+    RESULTS.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = re.findall(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), flags=re.M)
+        cpu = names[0] if names else cpu
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help=f"default: all of {', '.join(MODULES)}")
+    parser.add_argument("--report", action="store_true", help="only print and save the table")
+    parser.add_argument(
+        "--survivors", action="store_true", help="retest only the mutants that survived last time"
+    )
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.modules) - set(MODULES))
+    if unknown:
+        parser.error(f"unknown module {unknown[0]!r}; choose from {', '.join(MODULES)}")
+    modules = args.modules or list(MODULES)
+    if not args.report:
+        for module in modules:
+            run(module, args.survivors)
+    return 0 if report(modules) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
