@@ -114,15 +114,24 @@ measure() {  # label url
   done
 }
 
+stop_server() {  # TERM, then KILL after 20 s: the server and every process it started
+  local p=$1 kids
+  kids=$(pgrep -P "$p" || true)
+  kill "$p" 2>/dev/null || true
+  for _ in $(seq 20); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
+  kill -9 "$p" $kids 2>/dev/null || true
+  wait "$p" 2>/dev/null || true
+}
+
 pid=""
-trap '[[ -n $pid ]] && kill $pid 2>/dev/null || true' EXIT
+trap '[[ -n $pid ]] && stop_server $pid' EXIT
 for label in $SERVERS; do
   port=$(free_port)
   echo "== $label"
   start_server "$label" "$port"
   wait_ready "http://127.0.0.1:$port" "$pid"
   measure "$label" "http://127.0.0.1:$port"
-  kill "$pid"; wait "$pid" 2>/dev/null || true; pid=""
+  stop_server "$pid"; pid=""
 done
 
 "$PYTHON" - "$NUM_PROMPTS" "$REPEATS" $SERVERS <<'PY'

@@ -114,13 +114,14 @@ def test_readme_offline_python_examples_run_as_one_script():
     assert "rejected: this request needs" in out  # the rejection example's prompt
 
 
-def test_readme_memory_figures_are_what_the_demo_server_takes(demo_server):
+def test_readme_memory_figures_bound_what_the_demo_server_takes(demo_server):
+    # upper bounds: how much of an untouched pool is resident depends on the kernel
     proc, _ = demo_server
-    default = readme_gb(r"The demo server takes about ([\d.]+) GB")
-    assert resident_gb(proc.pid) == pytest.approx(default, rel=0.25)
-    small = readme_gb(r"--num-kv-pages 512` \(8,192 tokens\) takes about ([\d.]+) GB")
+    default = readme_gb(r"The demo server takes up to about ([\d.]+) GB")
+    assert resident_gb(proc.pid) <= default * 1.1
+    small = readme_gb(r"--num-kv-pages 512` \(8,192 tokens\) takes up to about ([\d.]+) GB")
     with serve_subprocess("--num-kv-pages", "512") as (small_proc, _):
-        assert resident_gb(small_proc.pid) == pytest.approx(small, rel=0.5)
+        assert resident_gb(small_proc.pid) <= small * 1.5
 
 
 def test_readme_names_the_routes_the_api_key_guards(live_server):
