@@ -90,8 +90,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []  # waiting for their grammars: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = [], 0
             if req.sampling_params.prompt_logprobs is None:  # cached positions would have none
                 computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
@@ -107,6 +111,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))
