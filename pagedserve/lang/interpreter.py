@@ -40,6 +40,7 @@ class ProgramState:
         self.variables: dict[str, Any] = {}
         self.error: BaseException | None = None
         self._stream: queue.Queue | None = queue.Queue() if stream else None
+        self.stream_gen = stream  # generate through streamed requests (forks inherit it)
         self._role: str | None = None
         self._done = threading.Event()
         if text:
@@ -100,7 +101,7 @@ class ProgramState:
 
     def _gen(self, g: Gen) -> None:
         params = g.sampling_params()
-        if self._stream is None:
+        if not self.stream_gen:
             result = self.backend.generate(self._text, params)
             out = result["text"]
             self._add_text(out)
@@ -172,6 +173,7 @@ class ProgramState:
         for _ in range(n):
             branch = ProgramState(self.backend, self.state)
             branch._text = self._text
+            branch.stream_gen = self.stream_gen
             branch.variables = dict(self.variables)
             branches.append(branch)
         return ForkGroup(branches)
