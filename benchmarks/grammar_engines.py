@@ -67,7 +67,9 @@ def bench_llguidance(tok_file: Path, ids: list[int], regex_ids: list[int], vocab
         return m, time.perf_counter() - t
 
     opts = {"whitespace_pattern": r"[ ]?"}
-    matcher, schema_s = compile_(llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=opts))
+    matcher, schema_s = compile_(
+        llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=opts)
+    )
     _, regex_s = compile_(llguidance.LLMatcher.grammar_from_regex(REGEX))
     mask = lnp.allocate_token_bitmask(1, vocab)
     times = []

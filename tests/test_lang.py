@@ -1,4 +1,4 @@
-"""pagedserve.lang against a live demo-model server: the seed's echo agent keeps its state across
+"""pagedserve.lang against a live demo-model server: the echo agent of the Kunlun XPU deployment guide keeps its state across
 calls (and across client processes with a session_id), forks share the parent's prefix pages,
 select follows the logprobs, errors stay on the state, streaming and batches."""
 
