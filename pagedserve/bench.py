@@ -541,7 +541,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default: the server's /tokenize, else --model's tokenizer when it is local)",
     )
     parser.add_argument(
-        "--dataset", "--dataset-name", dest="dataset", choices=list(DATASETS), default="random"
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        choices=[*DATASETS, "agent"],
+        default="random",
+        help="agent: multi-step programs (select, fork, constrained gen) through SGLang's "
+        "native API; --num-prompts programs, --max-concurrency at once (default 8)",
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     parser.add_argument("--num-prompts", type=int, default=100)
@@ -698,6 +704,10 @@ def _fit_lengths(args: argparse.Namespace) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if args.dataset == "agent":
+        from pagedserve.bench_agent import run_agent_bench
+
+        return run_agent_bench(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     http = httpx.Client(
         base_url=args.base_url.rstrip("/"), headers=headers, timeout=60.0, trust_env=False

@@ -2,7 +2,54 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's ``StructuredOutputsParams``: a JSON schema, a
+    regular expression, a choice among strings, a grammar (Lark or GBNF/EBNF), or any JSON
+    object. Plain data: it travels with the request to the engine core, which compiles it."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError("choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string: with ``kind``, the key its compiled grammar is cached by."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            value = json.loads(value)
+        if self.kind in ("json", "choice"):  # key order kept: it is the properties' order
+            return json.dumps(value)
+        return "" if self.kind == "json_object" else value
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.spec
 
 
 @dataclass
@@ -28,8 +75,11 @@ class SamplingParams:
     )
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # from the wire
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

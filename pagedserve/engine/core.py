@@ -107,6 +107,7 @@ class EngineCore:
             self._fail_in_flight(e)
             return []
         self.num_steps += 1
+        self.errors.extend([rid, "rejected", why] for rid, why in self.engine.take_rejected())
         return [_output(group, index) for group, index in advanced]
 
     def step_encoded(self) -> bytes:

@@ -19,6 +19,7 @@ from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa:
 from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.structured import StructuredOutputManager
 from pagedserve.hal import get_device
 from pagedserve.hal.memory import format_bytes
 from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
@@ -27,6 +28,8 @@ from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar, not a busy spin
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,6 +103,13 @@ class LLMEngine:
             self.model_config.eos_token_ids
             + (self.tokenizer.eos_token_ids if self.tokenizer else [])
         )
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer.model_dir / "tokenizer.json" if self.tokenizer else None,
+            self.model_config.vocab_size,
+            list(self.eos_token_ids),
+        )
+        self.runner.structured_output_manager = self.structured_output_manager
+        self.rejected: list[tuple[str, str]] = []  # (request id, why) found after admission
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
         logger.info("%s", self.describe())
 
@@ -195,10 +205,20 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.check_request(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            try:
+                self.structured_output_manager.check(params.structured_outputs)
+            except ValueError as e:
+                raise RequestRejectedError(str(e)) from e
         seqs = [
             self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
             for i in range(params.n)
         ]
+        if params.structured_outputs is not None:
+            for seq in seqs:
+                seq.structured_output = self.structured_output_manager.request(
+                    params.structured_outputs
+                )
         group = RequestGroup(
             request_id,
             prompt,
@@ -283,8 +303,12 @@ class LLMEngine:
         """Schedule, run the model and append the sampled tokens: (group, sequence index) of each
         sequence that got a token, in batch order. A group that finishes leaves ``groups`` here."""
         self._recover_from_device_faults()
+        self._reject_failed_grammars()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:
+            self._release_matcher(req)
         if sched.is_empty:
+            self._wait_for_grammars()
             return []
         forks = self._forks_this_step(sched)
         result = self.runner.execute_model(sched, forks)
@@ -302,6 +326,33 @@ class LLMEngine:
             if faulted & set(self.block_manager.get_block_table(req.request_id)):
                 logger.warning("KV page fault under %s: recomputing it", req.request_id)
                 self.scheduler.preempt(req)
+                self._release_matcher(req)
+
+    # ---- structured output --------------------------------------------------------------------
+    def _reject_failed_grammars(self) -> None:
+        """A constraint that passed the check but failed to compile ends its request."""
+        for req in list(self.scheduler.waiting):
+            so = req.structured_output
+            if so is not None and so.error is not None:
+                rid = req.request_id.partition("#")[0]
+                if rid in self.groups:
+                    self.rejected.append((rid, so.error))
+                    self.abort_request(rid)
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
+    def _wait_for_grammars(self) -> None:
+        waiting = [r for r in self.scheduler.waiting if r.waiting_for_grammar]
+        if waiting:
+            self.structured_output_manager.wait_for_any(waiting, GRAMMAR_WAIT_S)
+
+    @staticmethod
+    def _release_matcher(req: Request) -> None:
+        """A preempted sequence rebuilds its matcher from its output tokens when it runs again."""
+        if req.structured_output is not None:
+            req.structured_output.release()
 
     def _forks_this_step(self, sched: SchedulerOutput) -> dict[str, list[Request]]:
         """Siblings of an ``n > 1`` request fork off its pages once its prompt is computed."""
@@ -325,6 +376,8 @@ class LLMEngine:
             parent = self.groups[parent_id].seqs[0]
             for child in children:
                 self.block_manager.fork(parent, child)
+                if child.structured_output is not None:
+                    child.structured_output.fork(parent.structured_output)
                 child.num_computed_tokens = parent.num_computed_tokens
                 self.scheduler.admit_forked(child)
             self.groups[parent_id].pending_forks = []
@@ -349,6 +402,10 @@ class LLMEngine:
         """Append one sampled token; True when it ends the sequence."""
         seq = group.seqs[index]
         seq.append_output_token(token)
+        grammar_done = (
+            seq.structured_output is not None
+            and self.structured_output_manager.accept_token(seq, token)
+        )
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
@@ -360,7 +417,7 @@ class LLMEngine:
         if detok is not None:
             delta, stop_str = detok.add_token(token)
             group.texts[index] += delta
-        status = self._check_stop(seq, token, stop_str)
+        status = self._check_stop(seq, token, stop_str, grammar_done)
         if status is not None:
             if detok is not None and stop_str is None:
                 group.texts[index] += detok.flush()
@@ -368,10 +425,14 @@ class LLMEngine:
             return True
         return False
 
-    def _check_stop(self, seq: Request, token: int, stop_str: str | None) -> RequestStatus | None:
+    def _check_stop(
+        self, seq: Request, token: int, stop_str: str | None, grammar_done: bool = False
+    ) -> RequestStatus | None:
         p = seq.sampling_params
         if stop_str is not None:
             seq.stop_reason = stop_str
+            return RequestStatus.FINISHED_STOPPED
+        if grammar_done:  # the constraint is complete: nothing may follow
             return RequestStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in seq.eos_token_ids:
@@ -386,6 +447,7 @@ class LLMEngine:
     def _finish_seq(self, seq: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(seq, status)
         self.runner.free_request(seq.request_id)
+        self._release_matcher(seq)
 
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         outputs = [

@@ -58,7 +58,10 @@ def decode(data: bytes) -> list:
 
 
 def params_to_wire(params: SamplingParams) -> dict:
-    return vars(params)
+    fields = vars(params)
+    if params.structured_outputs is not None:
+        fields = {**fields, "structured_outputs": vars(params.structured_outputs)}
+    return fields
 
 
 def params_from_wire(fields: dict) -> SamplingParams:

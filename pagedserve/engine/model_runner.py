@@ -43,6 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(argmax=device.argmax)
         self.generators: dict[str, torch.Generator] = {}
+        self.structured_output_manager = None  # the engine's, when it serves constraints
 
     @torch.inference_mode()
     def execute_model(
@@ -120,7 +121,13 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in requests],
             generators=[self._generator(r) for r in requests],
             eos_token_ids=[r.eos_token_ids for r in requests],
+            grammar_bitmask=self._grammar_bitmask(requests),
         )
+
+    def _grammar_bitmask(self, requests: list[Request]) -> torch.Tensor | None:
+        manager = self.structured_output_manager
+        bitmask = manager.grammar_bitmask(requests) if manager is not None else None
+        return None if bitmask is None else torch.from_numpy(bitmask)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         seed = req.sampling_params.seed

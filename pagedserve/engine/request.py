@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.structured import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -55,9 +59,15 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    structured_output: StructuredOutputRequest | None = None  # its grammar and matcher
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """vLLM's WAITING_FOR_FSM: not schedulable until its grammar has compiled."""
+        return self.structured_output is not None and not self.structured_output.ready
 
     @property
     def num_prompt_tokens(self) -> int:

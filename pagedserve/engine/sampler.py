@@ -1,7 +1,10 @@
 """Turn one step's logits [B, V] into one next token per row, vLLM's order of operations.
 
-logit_bias -> min_tokens -> repetition / frequency / presence penalties -> logprobs
--> greedy argmax, or temperature -> top_k -> top_p -> min_p -> draw.
+grammar bitmask -> logit_bias -> min_tokens -> repetition / frequency / presence penalties
+-> logprobs -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> draw.
+
+A constrained row (structured output) first loses every token its grammar does not allow, as in
+vLLM, so its logprobs are those of the allowed tokens.
 
 Logprobs are vLLM's default "raw" logprobs of the processed logits: log_softmax of the logits after
 bias, min_tokens and penalties, before temperature, top_k, top_p and min_p. They therefore do not
@@ -40,6 +43,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]  # generated so far, before this step
     generators: list[torch.Generator | None]  # per-request, seeded from params.seed; None: global
     eos_token_ids: list[frozenset[int]]
+    # int32 [B, ceil(V / 32)]: bit t of row i set when token t is allowed; None: no constraint
+    grammar_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -70,6 +75,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         _check_logits(logits, len(meta.params))
         logits = logits.float()
+        if meta.grammar_bitmask is not None:
+            logits = apply_grammar_bitmask(logits.clone(), meta.grammar_bitmask)
         if all(p.greedy and p.logprobs is None and not _modifies_logits(p) for p in meta.params):
             return SamplerOutput(self.argmax(logits).tolist(), [None] * len(meta.params))
         if any(_modifies_logits(p) for p in meta.params):
@@ -118,6 +125,22 @@ def _check_logits(logits: torch.Tensor, num_rows: int) -> None:
 
 
 # ---- logits processors (in place) ----
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for every token a constrained row's bitmask leaves out (rows of all ones: untouched)."""
+    rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)
+    if len(rows) == 0:
+        return logits
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [R, W, 32], token t at (t // 32, t % 32)
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool().to(logits.device)
+    if allowed.shape[1] < logits.shape[1]:  # tokens past the mask's vocabulary
+        pad = torch.zeros(len(rows), logits.shape[1] - allowed.shape[1], dtype=torch.bool)
+        allowed = torch.cat([allowed, pad.to(logits.device)], dim=1)
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, -torch.inf)
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -91,8 +91,12 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = self.config.max_num_seqs - sum(_num_seats(r) for r in self.running)
+        skipped: list[Request] = []  # waiting for their grammars: they keep their places
         while self.waiting and budget > 0 and _num_seats(self.waiting[0]) <= seats:
             req = self.waiting[0]
+            if req.waiting_for_grammar:
+                skipped.append(self.waiting.popleft())
+                continue
             computed_blocks, num_hit = [], 0
             if req.sampling_params.prompt_logprobs is None:  # cached positions would have none
                 computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
@@ -109,6 +113,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             seats -= _num_seats(req)
+        self.waiting.extendleft(reversed(skipped))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))

@@ -113,6 +113,9 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
+                for rid, why in engine.take_rejected():  # a constraint that failed to compile
+                    finished[rid] = _rejected_output(rid, None, [], SamplingParams(), why)
+                    bar.update(1)
         return [finished[rid] for rid in request_ids]
 
 

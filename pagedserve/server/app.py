@@ -54,6 +54,9 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.sampling import chat_sampling_params, completion_sampling_params
+from pagedserve.server.session_state import SessionStore, session_router
+from pagedserve.server.sglang_api import sglang_router
+from pagedserve.server.structured import attach_structured_outputs
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -352,6 +355,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
     prompts = serving.encode_prompts(body.prompt)
     params = completion_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
+    attach_structured_outputs(params, body, serving.tokenizer)
     serving.check_fits(prompts, params)
     serving.check_admission()
     request_id = random_id("cmpl")
@@ -455,6 +459,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.check_model(body.model)
     prompt = serving.chat_prompt(body.messages, body.add_generation_prompt)
     params = chat_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
+    attach_structured_outputs(params, body, serving.tokenizer)
     serving.check_fits([prompt], params)
     serving.check_admission()
     request_id = random_id("chatcmpl")
@@ -652,6 +657,8 @@ def build_app(
     install_error_handlers(app)
     _install_auth(app, api_key)
     _add_routes(app, serving)
+    app.include_router(sglang_router(serving))
+    app.include_router(session_router(SessionStore()))
     return app
 
 

@@ -1,0 +1,331 @@
+"""SGLang's native API, in SGLang's shapes, so that its frontend (``sglang.RuntimeEndpoint``) and
+clients run against pagedserve unchanged.
+
+- ``POST /generate``: ``text`` or ``input_ids``, one prompt or a batch; ``sampling_params`` with
+  SGLang's names (``max_new_tokens``, ``regex``, ``json_schema``, ``ebnf``, ...);
+  ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``;
+  ``stream`` as SSE (each chunk carries the text so far) ending ``data: [DONE]``. Logprobs are
+  SGLang's ``(logprob, token_id, text or None)`` tuples. ``max_new_tokens: 0`` prefills the
+  prompt (its full pages enter the prefix cache) and returns no tokens.
+- ``GET /get_model_info`` (also ``/model_info``), ``GET /server_info`` (also ``/get_server_info``),
+  ``POST /flush_cache``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+import pagedserve
+from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.errors import bad_request, error_body
+from pagedserve.server.protocol import random_id
+from pagedserve.server.structured import build
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+# SGLang's sampling_params -> ours; the ones after None are accepted and have no effect here
+_RENAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "n": "n",
+    "seed": "seed",
+    "sampling_seed": "seed",
+    "logit_bias": "logit_bias",
+}
+_CONSTRAINTS = {"regex": "regex", "json_schema": "json", "ebnf": "grammar"}
+_NO_EFFECT = {"spaces_between_special_tokens", "no_stop_trim", "stop_regex", "custom_params"}
+
+
+class GenerateReqInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+def sglang_sampling_params(fields: dict[str, Any]) -> SamplingParams:
+    """SGLang's sampling_params as ours; a 400 naming a field we do not know or a bad value."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    unknown = sorted(set(fields) - set(_RENAMES) - set(_CONSTRAINTS) - _NO_EFFECT)
+    if unknown:
+        raise bad_request(f"unknown sampling_params: {', '.join(unknown)}", "sampling_params")
+    if fields.get("stop_regex"):
+        raise bad_request("stop_regex is not supported; use stop strings", "stop_regex")
+    ours = {_RENAMES[k]: v for k, v in fields.items() if k in _RENAMES}
+    ours.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if ours["max_tokens"] == 0:  # prefill only: one token is computed with the prompt anyway
+        ours["max_tokens"] = 1
+    if "logit_bias" in ours:
+        ours["logit_bias"] = {int(k): float(v) for k, v in ours["logit_bias"].items()}
+    constraints = {_CONSTRAINTS[k]: v for k, v in fields.items() if k in _CONSTRAINTS}
+    if len(constraints) > 1:
+        raise bad_request("send one of regex, json_schema and ebnf", "sampling_params")
+    try:
+        params = SamplingParams(**ours)
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e), "sampling_params") from e
+    if constraints:
+        params.structured_outputs = build(constraints, next(iter(fields.keys() & _CONSTRAINTS)))
+    return params
+
+
+def _per_prompt(value: Any, i: int) -> Any:
+    return value[i] if isinstance(value, list) else value
+
+
+class SGLangServing:
+    """``/generate`` over the OpenAI server's ``OpenAIServing`` (admission, limits, streams)."""
+
+    def __init__(self, serving):
+        self.serving = serving
+
+    # ---- the request --------------------------------------------------------------------------
+    def prompts(self, body: GenerateReqInput) -> tuple[list[tuple[str | None, list[int]]], bool]:
+        """(prompts, whether the request is a batch)."""
+        if (body.text is None) == (body.input_ids is None):
+            raise bad_request("send exactly one of text and input_ids", "text")
+        if body.text is not None:
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            if not texts:
+                raise bad_request("text is an empty list", "text")
+            tok = self.serving.require_tokenizer()
+            return [(t, tok.encode(t)) for t in texts], isinstance(body.text, list)
+        ids = body.input_ids
+        if not ids:
+            raise bad_request("input_ids is empty", "input_ids")
+        batch = isinstance(ids[0], list)
+        return ([(None, list(p)) for p in ids] if batch else [(None, list(ids))]), batch
+
+    def params(self, body: GenerateReqInput, i: int, num_prompt_tokens: int) -> SamplingParams:
+        fields = _per_prompt(body.sampling_params, i) or {}
+        params = sglang_sampling_params(dict(fields))
+        if params.structured_outputs is not None and self.serving.tokenizer is None:
+            raise bad_request("structured outputs need the model's tokenizer.json", "regex")
+        if _per_prompt(body.return_logprob, i):
+            top = _per_prompt(body.top_logprobs_num, i) or 0
+            self.serving.check_logprobs(top, "top_logprobs_num")
+            params.logprobs = top
+            params.prompt_logprobs = top
+        if params.n > self.serving.max_num_seqs:
+            raise bad_request(
+                f"n={params.n} is more than this server's --max-num-seqs "
+                f"{self.serving.max_num_seqs}; lower n",
+                "n",
+            )
+        return params
+
+    # ---- the answer ---------------------------------------------------------------------------
+    def result(
+        self,
+        body: GenerateReqInput,
+        i: int,
+        rid: str,
+        prompt_ids: list[int],
+        out: RequestOutput,
+        o: CompletionOutput,
+        prefill_only: bool,
+    ) -> dict[str, Any]:
+        token_ids = [] if prefill_only else list(o.token_ids)
+        text = "" if prefill_only else o.text
+        meta: dict[str, Any] = {
+            "id": rid,
+            "finish_reason": self.finish_reason(o, token_ids, prefill_only),
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "e2e_latency": time.monotonic() - out.metrics.get("arrival_time", time.monotonic()),
+        }
+        if _per_prompt(body.return_logprob, i):
+            self.add_logprobs(meta, body, i, prompt_ids, out, o, prefill_only)
+        return {"text": text, "output_ids": token_ids, "meta_info": meta}
+
+    @staticmethod
+    def finish_reason(o: CompletionOutput, token_ids: list[int], prefill_only: bool):
+        if o.finish_reason is None:
+            return None
+        if prefill_only or o.finish_reason == "length":
+            return {"type": "length", "length": len(token_ids)}
+        if o.finish_reason == "stop":
+            matched = o.stop_reason if o.stop_reason is not None else (token_ids or [None])[-1]
+            return {"type": "stop", "matched": matched}
+        return {"type": "abort", "message": o.finish_reason}
+
+    def add_logprobs(self, meta, body, i, prompt_ids, out, o, prefill_only) -> None:
+        with_text = body.return_text_in_logprobs
+        top_n = _per_prompt(body.top_logprobs_num, i) or 0
+        start = _per_prompt(body.logprob_start_len, i)
+        start = len(prompt_ids) - 1 if start is None or start < 0 else min(start, len(prompt_ids))
+        prompt_lps = out.prompt_logprobs or [None] * len(prompt_ids)
+        positions = range(start, len(prompt_ids))
+        meta["input_token_logprobs"] = [
+            self._entry(prompt_lps[p], prompt_ids[p], with_text) for p in positions
+        ]
+        meta["input_top_logprobs"] = [self._top(prompt_lps[p], top_n, with_text) for p in positions]
+        lps = [] if prefill_only else (o.logprobs or [])
+        ids = [] if prefill_only else o.token_ids
+        meta["output_token_logprobs"] = [
+            self._entry(lp, t, with_text) for lp, t in zip(lps, ids, strict=False)
+        ]
+        meta["output_top_logprobs"] = [self._top(lp, top_n, with_text) for lp in lps]
+
+    def _entry(self, logprobs: dict[int, float] | None, token_id: int, with_text: bool) -> list:
+        value = None if logprobs is None else logprobs.get(token_id)
+        return [value, token_id, self.serving.token_str(token_id) if with_text else None]
+
+    def _top(self, logprobs: dict[int, float] | None, n: int, with_text: bool):
+        if logprobs is None or n <= 0:
+            return None
+        top = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
+        return [[v, t, self.serving.token_str(t) if with_text else None] for t, v in top]
+
+
+# ---- routes -----------------------------------------------------------------------------------
+def sglang_router(serving) -> APIRouter:
+    router = APIRouter()
+    sgl = SGLangServing(serving)
+
+    @router.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateReqInput, raw: Request):
+        prompts, batch = sgl.prompts(body)
+        params = [sgl.params(body, i, len(ids)) for i, (_, ids) in enumerate(prompts)]
+        prefill_only = [
+            (_per_prompt(body.sampling_params, i) or {}).get("max_new_tokens") == 0
+            for i in range(len(prompts))
+        ]
+        for prompt, p in zip(prompts, params, strict=True):
+            serving.check_fits([prompt], p)
+        serving.check_admission()
+        base = body.rid if isinstance(body.rid, str) else random_id("generate")
+        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        streams = [
+            serving.start(rid, [prompt], p)[0]
+            for rid, prompt, p in zip(rids, prompts, params, strict=True)
+        ]
+        many = batch or params[0].n > 1
+        if body.stream:
+            chunks = _stream(sgl, body, prompts, rids, streams, prefill_only, many)
+            return StreamingResponse(
+                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        finals = await serving.collect(raw, streams)
+        results = [
+            sgl.result(body, i, rids[i], prompts[i][1], out, o, prefill_only[i])
+            for i, out in enumerate(finals)
+            for o in out.outputs
+        ]
+        return results if many else results[0]
+
+    @router.get("/get_model_info")
+    @router.get("/model_info")
+    async def model_info() -> dict:
+        tok = serving.tokenizer
+        return {
+            "model_path": serving.engine.model,
+            "tokenizer_path": str(tok.model_dir) if tok is not None else None,
+            "served_model_name": serving.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "chat_template_roles": chat_template_roles(tok),
+        }
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info() -> dict:
+        limits = serving.engine.limits
+        return {
+            "model_path": serving.engine.model,
+            "served_model_name": serving.model_name,
+            "context_length": limits.max_model_len,
+            "max_running_requests": limits.max_num_seqs,
+            "max_total_num_tokens": limits.num_kv_pages * limits.block_size,
+            "page_size": limits.block_size,
+            "internal_states": [dict(serving.engine.stats)],
+            "version": pagedserve.__version__,
+            "engine": "pagedserve",
+            "frontend": "python",
+        }
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        stats = serving.engine.stats
+        busy = stats.get("num_requests_running", 0) + serving.engine.num_waiting
+        if busy:
+            return Response(
+                "Flush cache failed: there are running or waiting requests.\n", status_code=400
+            )
+        await serving.engine.reset_prefix_cache()
+        return Response("Cache flushed.\n", status_code=200)
+
+    return router
+
+
+async def _stream(sgl, body, prompts, rids, streams, prefill_only, many) -> AsyncIterator[str]:
+    from pagedserve.server.app import _merge  # the OpenAI server's stream interleaving
+
+    try:
+        async for p, out in _merge(streams):
+            n = len(out.outputs)
+            for o in out.outputs:
+                result = sgl.result(body, p, rids[p], prompts[p][1], out, o, prefill_only[p])
+                if many:
+                    result["index"] = p * n + o.index
+                yield f"data: {json.dumps(result)}\n\n"
+                await asyncio.sleep(0)
+    except (EngineStepError, EngineDeadError, ValueError) as e:
+        status = 400 if isinstance(e, ValueError) else 500
+        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+# ---- role blocks ------------------------------------------------------------------------------
+_SENTINEL = "\x00PAGEDSERVE_CONTENT\x00"
+
+
+def chat_template_roles(tokenizer) -> dict[str, Any] | None:
+    """What the model's chat template puts around each role's content: ``begin`` (before the
+    first message) and ``[prefix, suffix]`` per role, for frontends that build chat text piece
+    by piece (pagedserve.lang's role blocks). None without a chat template."""
+    if tokenizer is None or tokenizer.chat_template is None:
+        return None
+    try:
+        begin = tokenizer.apply_chat_template([], add_generation_prompt=False)
+        roles = {}
+        for role in ("system", "user", "assistant"):
+            text = tokenizer.apply_chat_template(
+                [{"role": role, "content": _SENTINEL}], add_generation_prompt=False
+            )
+            head, _, tail = text.partition(_SENTINEL)
+            roles[role] = [head[len(begin) :] if head.startswith(begin) else head, tail]
+        generation = tokenizer.apply_chat_template([], add_generation_prompt=True)[len(begin) :]
+    except Exception:  # noqa: BLE001 - a template that cannot render pieces: no role blocks
+        return None
+    return {"begin": begin, "roles": roles, "generation_prompt": generation}
