@@ -546,8 +546,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         dest="dataset",
         choices=[*DATASETS, "agent"],
         default="random",
-        help="agent: multi-step programs (select, fork, constrained gen) through SGLang's "
-        "native API; --num-prompts programs, --max-concurrency at once (default 8)",
+        help="random, sharegpt or agent (default %(default)s); agent runs multi-step programs "
+        "(select, fork, constrained gen) through SGLang's native API: --num-prompts programs, "
+        "--max-concurrency at once (default 8)",
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     parser.add_argument("--num-prompts", type=int, default=100)

@@ -22,6 +22,7 @@ import pytest
 from helpers_models import SPECIAL_IDS, STOP_IDS
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
@@ -86,6 +87,8 @@ def engine_requests(live_server):
 
 # ---- the mapping: what the engine receives
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+GRAMMAR = 'root ::= "yes" | "no"'
 # (request fields, the SamplingParams fields they must become), for both endpoints
 SHARED_FIELDS = [
     ({"temperature": 0.5}, {"temperature": 0.5}),
@@ -105,6 +108,29 @@ SHARED_FIELDS = [
     ({"skip_special_tokens": False}, {"skip_special_tokens": False}),
     ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
     ({"n": 2}, {"n": 2}),
+    # constraints on the output (server/structured.py), the same for both endpoints
+    (
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": StructuredOutputsParams(json_object=True)},
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+        {"structured_outputs": StructuredOutputsParams(json=SCHEMA)},
+    ),
+    ({"guided_json": SCHEMA}, {"structured_outputs": StructuredOutputsParams(json=SCHEMA)}),
+    ({"guided_regex": "[ab]+"}, {"structured_outputs": StructuredOutputsParams(regex="[ab]+")}),
+    (
+        {"guided_choice": ["yes", "no"]},
+        {"structured_outputs": StructuredOutputsParams(choice=["yes", "no"])},
+    ),
+    (
+        {"guided_grammar": GRAMMAR},
+        {"structured_outputs": StructuredOutputsParams(grammar=GRAMMAR)},
+    ),
+    (
+        {"structured_outputs": {"regex": "[0-9]+"}},
+        {"structured_outputs": StructuredOutputsParams(regex="[0-9]+")},
+    ),
 ]
 COMPLETION_FIELDS = [
     ({"max_tokens": 5}, {"max_tokens": 5}),

@@ -28,6 +28,7 @@ from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import bad_request, error_body
+from pagedserve.server.sampling import check_logprobs
 from pagedserve.server.protocol import random_id
 from pagedserve.server.structured import build
 
@@ -129,7 +130,7 @@ class SGLangServing:
             raise bad_request("structured outputs need the model's tokenizer.json", "regex")
         if _per_prompt(body.return_logprob, i):
             top = _per_prompt(body.top_logprobs_num, i) or 0
-            self.serving.check_logprobs(top, "top_logprobs_num")
+            check_logprobs(top, "top_logprobs_num")
             params.logprobs = top
             params.prompt_logprobs = top
         if params.n > self.serving.max_num_seqs:
