@@ -108,13 +108,20 @@ SHARED_FIELDS = [
     ({"skip_special_tokens": False}, {"skip_special_tokens": False}),
     ({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True}),
     ({"n": 2}, {"n": 2}),
-    # constraints on the output (server/structured.py), the same for both endpoints
+]
+# constraints on the output (server/structured.py: attach_structured_outputs), both endpoints
+STRUCTURED_FIELDS = [
     (
         {"response_format": {"type": "json_object"}},
         {"structured_outputs": StructuredOutputsParams(json_object=True)},
     ),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": SCHEMA},
+            }
+        },
         {"structured_outputs": StructuredOutputsParams(json=SCHEMA)},
     ),
     ({"guided_json": SCHEMA}, {"structured_outputs": StructuredOutputsParams(json=SCHEMA)}),
@@ -153,7 +160,7 @@ NOT_SAMPLING_CHAT |= {"add_generation_prompt"}
 
 def mapping_cases():
     for endpoint, own in (("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS)):
-        for fields, expected in SHARED_FIELDS + own:
+        for fields, expected in SHARED_FIELDS + STRUCTURED_FIELDS + own:
             yield pytest.param(endpoint, fields, expected, id=f"{endpoint}-{'-'.join(fields)}")
 
 
@@ -179,8 +186,8 @@ def test_a_request_without_fields_gets_vllms_defaults(live_server, endpoint):
 @pytest.mark.parametrize(
     "model, cases, others",
     [
-        (CompletionRequest, SHARED_FIELDS + COMPLETION_FIELDS, NOT_SAMPLING),
-        (ChatCompletionRequest, SHARED_FIELDS + CHAT_FIELDS, NOT_SAMPLING_CHAT),
+        (CompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + COMPLETION_FIELDS, NOT_SAMPLING),
+        (ChatCompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + CHAT_FIELDS, NOT_SAMPLING_CHAT),
     ],
 )
 def test_every_request_field_has_a_mapping_case(model, cases, others):

@@ -6,14 +6,22 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_server_fields import BAD_FIELDS, CHAT_FIELDS, COMPLETION_FIELDS, SHARED_FIELDS
+from test_server_fields import (
+    BAD_FIELDS,
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    SHARED_FIELDS,
+    STRUCTURED_FIELDS,
+)
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.sampling import chat_sampling_params, completion_sampling_params
+from pagedserve.server.structured import attach_structured_outputs
 
 MAX_NUM_SEQS, VOCAB = 16, 320  # the live server's limits in conftest.py
+HAS_TOKENIZER = object()  # attach_structured_outputs only asks whether the server has one
 
 
 def params_for(endpoint: str, fields: dict) -> SamplingParams:
@@ -35,6 +43,15 @@ def test_each_field_becomes_its_sampling_param(endpoint, fields, expected):
     params = params_for(endpoint, {"max_tokens": 4, **fields})
     for name, value in expected.items():
         assert getattr(params, name) == value, name
+
+
+@pytest.mark.parametrize("fields, expected", STRUCTURED_FIELDS)
+def test_each_constraint_becomes_its_structured_outputs(fields, expected):
+    body = CompletionRequest(prompt=[1, 2], **fields)
+    params = completion_sampling_params(body, MAX_NUM_SEQS, VOCAB)
+    assert params.structured_outputs is None  # the sampling mapping leaves constraints alone
+    attach_structured_outputs(params, body, tokenizer=HAS_TOKENIZER)
+    assert params.structured_outputs == expected["structured_outputs"]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
