@@ -98,7 +98,10 @@ def test_installed_serve_reads_the_packaged_device_preset_and_answers_health(whe
     assert device["description"] == preset["description"]  # the YAML, not a built-in fallback
 
 
-def _wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout: float = 120) -> int:
+def _wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> int:
+    """The installed package builds its native kernels on its first start (about 30 s on a quiet
+    2-core machine, minutes on a loaded one), so the wait is long; a server that exits fails at
+    once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
