@@ -141,3 +141,18 @@ def live_server(tiny_glm4):
     yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, "tiny", app)
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture
+def slow_steps(live_server, monkeypatch):
+    """Engine steps of the live server that last at least 10 ms, for tests where a client leaves
+    mid-generation: the tiny model's 200 steps can otherwise end before a loaded machine's HTTP
+    thread sees the client go, and the request finishes instead of being aborted."""
+    engine = live_server.app.state.serving.llm_engine
+    execute_step = engine.execute_step
+
+    def slow_step():
+        time.sleep(0.01)
+        return execute_step()
+
+    monkeypatch.setattr(engine, "execute_step", slow_step)

@@ -453,7 +453,7 @@ def test_preemptions_are_counted_and_every_request_still_finishes(tiny_glm4):
     assert engine.block_manager.num_free_pages == 8
 
 
-def test_an_aborted_request_leaves_the_others_untouched(live_server, offline):
+def test_an_aborted_request_leaves_the_others_untouched(live_server, offline, slow_steps):
     """A client that leaves mid-stream: its request is aborted and counted, its pages freed,
     and a request running beside it gets the answer it gets alone."""
     aborted, finished = _success("abort"), _success("length")
@@ -494,7 +494,7 @@ def _wait_idle(live_server) -> dict[str, float]:
         time.sleep(0.05)
 
 
-def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server):
+def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server, slow_steps):
     before = _metrics(live_server)
     body = {**BASE, "max_tokens": 200, "n": 2, "stream": True}
     with httpx.Client(timeout=60) as http:
