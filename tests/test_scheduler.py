@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -456,3 +457,35 @@ def test_finishing_with_a_status_that_is_not_final_asserts():
     with pytest.raises(AssertionError):
         driver.scheduler.finish_request(req, RequestStatus.RUNNING)
     assert driver.scheduler.waiting[0] is req
+
+
+def test_a_request_waiting_for_its_grammar_keeps_its_place_and_others_pass_it():
+    """vLLM's WAITING_FOR_FSM: a request whose grammar is still compiling is not scheduled, the
+    requests behind it are, and it is admitted, first in line, once its grammar is ready."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    grammar = SimpleNamespace(ready=False)  # the one field the scheduler reads
+    reqs = [Request(f"r{i}", [i + 1] * 3, SamplingParams(max_tokens=2)) for i in range(4)]
+    reqs[1].structured_output = grammar
+    for req in reqs:
+        scheduler.add_request(req)
+
+    first = scheduler.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["r0", "r2", "r3"]
+    assert list(scheduler.waiting) == [reqs[1]]
+
+    grammar.ready = True
+    second = scheduler.schedule()
+    assert "r1" in [s.request.request_id for s in second.scheduled]
+    assert not scheduler.waiting
+
+
+def test_requests_waiting_for_grammars_keep_their_order():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    reqs = [Request(f"r{i}", [i + 1] * 3, SamplingParams(max_tokens=2)) for i in range(3)]
+    for req in reqs:
+        req.structured_output = SimpleNamespace(ready=False)
+        scheduler.add_request(req)
+    assert scheduler.schedule().scheduled == []
+    assert list(scheduler.waiting) == reqs

@@ -7,7 +7,8 @@ one's packages (torch stays as it is):
 
     python -m venv --system-site-packages .venv-sglang
     .venv-sglang/bin/pip install --no-deps sglang==0.5.23
-    .venv-sglang/bin/pip install psutil pybase64 msgspec aiohttp requests
+    .venv-sglang/bin/pip install psutil pybase64 msgspec aiohttp requests triton orjson pillow \
+        ipython pyzmq
 
 The test runs the program with that environment's python (``$PAGEDSERVE_SGLANG_PYTHON`` names
 another) and is skipped, saying why, where there is none.
