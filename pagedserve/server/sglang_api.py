@@ -28,8 +28,8 @@ from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import bad_request, error_body
-from pagedserve.server.sampling import check_logprobs
 from pagedserve.server.protocol import random_id
+from pagedserve.server.sampling import check_logprobs
 from pagedserve.server.structured import build
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
