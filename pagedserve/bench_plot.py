@@ -77,7 +77,7 @@ def plot(outputs: list[RequestOutput], path: str, title: str = "") -> None:
         if values:
             ax.legend()
     seconds, tokens = throughput_series(outputs)
-    axes.flat[4].plot(seconds, tokens, drawstyle="steps-post")
+    axes.flat[4].bar(seconds, tokens, width=1.0, align="edge", color="tab:green")
     axes.flat[4].set(title="output throughput", xlabel="s", ylabel="tokens/s")
     times, in_flight = in_flight_series(outputs)
     axes.flat[5].plot(times, in_flight, drawstyle="steps-post", color="tab:orange")
