@@ -706,6 +706,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.dataset == "agent":
         from pagedserve.bench_agent import run_agent_bench
 
+        if args.plot:
+            _note("error: --plot draws single requests; --dataset agent times programs: drop it")
+            return 2
         return run_agent_bench(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     http = httpx.Client(

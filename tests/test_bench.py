@@ -518,3 +518,9 @@ def test_plot_without_matplotlib_names_the_extra_before_any_request(tmp_path, mo
     assert code == 2
     assert "pagedserve[plot]" in capsys.readouterr().err
     assert behaviour.received == 0 and not (tmp_path / "p.png").exists()
+
+
+def test_plot_with_the_agent_dataset_is_refused_with_a_reason(tmp_path, capsys):
+    args = _args("http://unused", "--dataset", "agent", "--plot", str(tmp_path / "p.png"))
+    assert run_bench(args) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
