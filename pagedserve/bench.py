@@ -16,6 +16,8 @@ and reports TTFT, TPOT, ITL and E2E latency and throughput under vLLM's JSON fie
 - Token counts: the server's ``usage`` when it streams one (``stream_options.include_usage``),
   else the tokenizer's count of the text, else the number of content chunks (output) or the
   dataset's length (input).
+- The result: a table on stdout and JSON under vLLM's field names, in ``--output-file`` or in the
+  file vLLM would name; ``--plot`` draws the distributions (``bench_plot``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Protocol
 import httpx
 from tqdm import tqdm
 
+from pagedserve.bench_plot import require_matplotlib
 from pagedserve.presets import DEMO_MODEL, demo_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -289,7 +292,7 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict | None]:
 async def send_request(
     client: httpx.AsyncClient, url: str, body: dict, sample: SampleRequest
 ) -> RequestOutput:
-    """One streamed request, timed; ``output_tokens`` stays 0 when the server sends no usage
+    """One streamed request, timed to its end (failed or not); ``output_tokens`` stays 0 when the server sends no usage
     (``count_output_tokens`` fills it in after the run, off the clock)."""
     out = RequestOutput(prompt_len=sample.prompt_len)
     usage, chunks, text = None, 0, []
@@ -323,7 +326,8 @@ async def send_request(
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
         return out
-    out.latency = time.perf_counter() - out.start
+    finally:  # a failed request's end too: the plot's requests in flight need it
+        out.latency = time.perf_counter() - out.start
     out.generated_text = "".join(text)
     out.output_tokens = (usage or {}).get("completion_tokens") or 0
     out.num_chunks = chunks
@@ -437,14 +441,20 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict:
 
 
 def throughput_series(outputs: list[RequestOutput]) -> tuple[list[float], list[float]]:
-    """Output chunks per second in one-second bins from the first request's start."""
+    """Output tokens per second in one-second bins from the first request's start; a chunk
+    counts as its request's tokens per chunk (1 when the server streams a token a chunk)."""
     if not outputs:
         return [], []
     t0 = min(o.start for o in outputs)
-    times = [t - t0 for o in outputs if o.success for t in o.token_times]
-    bins = [0.0] * (int(max(times, default=0.0)) + 1)
-    for t in times:
-        bins[int(t)] += 1
+    weighted = [
+        (t - t0, o.output_tokens / o.num_chunks if o.num_chunks and o.output_tokens else 1.0)
+        for o in outputs
+        if o.success
+        for t in o.token_times
+    ]
+    bins = [0.0] * (int(max((t for t, _ in weighted), default=0.0)) + 1)
+    for t, tokens in weighted:
+        bins[int(t)] += tokens
     return [float(i) for i in range(len(bins))], bins
 
 
@@ -477,39 +487,6 @@ def format_table(metrics: dict) -> str:
         ]
     lines.append("=" * 50)
     return "\n".join(lines)
-
-
-def plot(outputs: list[RequestOutput], path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("pagedserve bench: matplotlib is not installed; skipping --plot", file=sys.stderr)
-        return False
-    done = [o for o in outputs if o.success]
-    series = {
-        "TTFT (ms)": [o.ttft * 1000 for o in done],
-        "TPOT (ms)": [
-            (o.latency - o.ttft) * 1000 / (o.output_tokens - 1) for o in done if o.output_tokens > 1
-        ],
-        "ITL (ms)": [g * 1000 for o in done for g in o.itl],
-        "E2E latency (ms)": [o.latency * 1000 for o in done],
-    }
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (title, values) in zip(axes.flat, series.items(), strict=False):
-        ax.hist(values, bins=30)
-        ax.set_title(title)
-    seconds, counts = throughput_series(outputs)
-    axes.flat[4].plot(seconds, counts)
-    axes.flat[4].set_title("output tokens/s over time")
-    axes.flat[4].set_xlabel("s")
-    axes.flat[5].axis("off")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
 
 
 # ---- CLI
@@ -588,13 +565,24 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per request")
-    parser.add_argument("--output-file", default=None, help="write the result JSON here")
+    parser.add_argument(
+        "--output-file",
+        default=None,
+        help="write the result JSON here (default: a file in the current directory named as "
+        "vLLM names it, openai-{rate}qps[-concurrency{n}]-{model}-{date}.json)",
+    )
     parser.add_argument(
         "--save-detailed",
         action="store_true",
         help="keep per-request lists (ttfts, itls, ...) in the JSON",
     )
-    parser.add_argument("--plot", default=None, metavar="FILE.png")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw TTFT, TPOT, ITL and E2E latency histograms, output tokens/s and requests in "
+        "flight over time (needs matplotlib: pip install 'pagedserve[plot]')",
+    )
     parser.add_argument("--disable-tqdm", action="store_true")
     parser.set_defaults(max_model_len=None)  # the server's, from /v1/models
     return parser
@@ -613,6 +601,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
+    if args.plot:
+        require_matplotlib()
 
 
 def _note(message: str) -> None:
@@ -703,11 +693,22 @@ def _fit_lengths(args: argparse.Namespace) -> None:
     )
 
 
+def default_output_file(args: argparse.Namespace, date: str) -> str:
+    """vLLM's ``bench serve`` name for a saved result; a model path keeps its last part."""
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+    model = Path(args.model.rstrip("/")).name or "model"
+    return f"openai-{rate}qps{concurrency}-{model}-{date}.json"
+
+
 def run_bench(args: argparse.Namespace) -> int:
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     if args.dataset == "agent":
         from pagedserve.bench_agent import run_agent_bench
 
+        if args.plot:
+            _note("error: --plot draws single requests; --dataset agent times programs: drop it")
+            return 2
         return run_agent_bench(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     http = httpx.Client(
@@ -748,10 +749,14 @@ def run_bench(args: argparse.Namespace) -> int:
             "itls": [o.itl for o in outputs],
             "generated_texts": [o.generated_text for o in outputs],
         }
-    if args.output_file:
-        Path(args.output_file).write_text(json.dumps(result, indent=2))
+    output_file = args.output_file or default_output_file(args, result["date"])
+    Path(output_file).write_text(json.dumps(result, indent=2))
+    _note(f"result written to {output_file}")
     if args.plot:
-        plot(outputs, args.plot)
+        from pagedserve.bench_plot import plot
+
+        plot(outputs, args.plot, title=f"{args.model}, {args.num_prompts} requests")
+        _note(f"plot drawn to {args.plot}")
     failed = metrics["failed"]
     if failed:
         print(

@@ -1,4 +1,5 @@
-"""``pagedserve`` command line: ``serve``, ``smi``, ``tune``, ``bench``, ``quantize``, ``eval-quant``.
+"""``pagedserve`` command line: ``serve``, ``smi``, ``tune``, ``bench``, ``quantize``, ``eval-quant``,
+``completion``; ``pagedserve --version``.
 
 ``serve``'s flags are vLLM's names (with SGLang's ``--mem-fraction-static`` and ``--tp-size`` as
 aliases) so that a vLLM launch script works unchanged.
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+import pagedserve
 from pagedserve.presets import preset_names
 
 logger = logging.getLogger("pagedserve.serve")
@@ -53,14 +55,34 @@ def _document_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 # ---- serve ------------------------------------------------------------------------------------
+# `serve --help` in groups, as vLLM's is (its ModelConfig, CacheConfig, SchedulerConfig,
+# DeviceConfig/ParallelConfig and frontend groups); a flag's name and default stay vLLM's.
+SERVE_GROUPS = {
+    "Model": "Which checkpoint, its dtype and quantization, its context length.",
+    "Cache": "The paged KV cache: page size, memory share, prefix sharing.",
+    "Scheduler": "How many sequences and tokens one engine step takes; the waiting queue.",
+    "Device": "Where the model runs, on how many ranks, with which kernels.",
+    "Server": "The HTTP front end.",
+}
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    a = parser.add_argument
-    a(
+    parser.add_argument(
         "--config",
         metavar="FILE",
         help="YAML file of serve flags (keys are flag names, with dashes "
         "or underscores); flags on the command line override it",
     )
+    groups = {title: parser.add_argument_group(title, text) for title, text in SERVE_GROUPS.items()}
+    _add_model_args(groups["Model"].add_argument)
+    _add_cache_args(groups["Cache"].add_argument)
+    _add_scheduler_args(groups["Scheduler"].add_argument)
+    _add_device_args(groups["Device"].add_argument)
+    _add_server_args(groups["Server"].add_argument)
+    return parser
+
+
+def _add_model_args(a: Callable[..., argparse.Action]) -> None:
     a(
         "--model",
         default="demo",
@@ -69,14 +91,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     a("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
-    a("--port", type=int, default=8000, help="TCP port to listen on")
-    a(
-        "--device",
-        default=None,
-        help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
-        f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
-    )
     a(
         "--dtype",
         default=None,
@@ -100,20 +114,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default: as the checkpoint has them). At batch 1 lm_head is a large share of each "
         "token; check the quality with `pagedserve eval-quant --lm-head`",
     )
-    a("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
-    a("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
-    a(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="token budget of one engine step (default 2048)",
-    )
     a(
         "--max-model-len",
         type=int,
         default=None,
         help="longest prompt + output in tokens (default: the model's context)",
     )
+    a("--seed", type=int, default=None, help="random seed of the engine")
+
+
+def _add_cache_args(a: Callable[..., argparse.Action]) -> None:
+    a("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     a(
         "--gpu-memory-utilization",
         "--mem-fraction-static",
@@ -123,6 +134,37 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "preset without a shared memory_bytes, of its KV tier (default 0.9)",
     )
     a("--num-kv-pages", type=int, default=None, help="exact KV page count (overrides the fraction)")
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV pages between requests with a common prefix (default on)",
+    )
+
+
+def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
+    a("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default 2048)",
+    )
+    a(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
+    )
+
+
+def _add_device_args(a: Callable[..., argparse.Action]) -> None:
+    a(
+        "--device",
+        default=None,
+        help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
+        f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
+    )
     a(
         "--tensor-parallel-size",
         "--tp-size",
@@ -137,13 +179,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="run plain PyTorch ops instead of the native CPU kernels that are compiled once per "
         "machine and cached (slower; for debugging and for machines without a C++ compiler)",
     )
-    a(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="share KV pages between requests with a common prefix (default on)",
-    )
-    a("--seed", type=int, default=None, help="random seed of the engine")
+
+
+def _add_server_args(a: Callable[..., argparse.Action]) -> None:
+    a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
+    a("--port", type=int, default=8000, help="TCP port to listen on")
     a(
         "--api-key",
         default=None,
@@ -151,18 +191,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "/version and the API docs (default: $PAGEDSERVE_API_KEY)",
     )
     a(
-        "--max-queue-len",
-        type=int,
-        default=None,
-        help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
-    )
-    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
         help="log verbosity",
     )
-    return parser
 
 
 def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -347,10 +380,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     so that ``serve``'s HTTP process does not load torch for ``tune`` or ``quantize``."""
     from pagedserve.smi import add_smi_args
 
-    chosen = next((a for a in argv if not a.startswith("-")), None) if argv else None
+    if argv is None:
+        chosen = None  # every subcommand loaded
+    else:  # the command named, or "" for none (--version, --help): no subcommand loaded
+        chosen = next((a for a in argv if not a.startswith("-")), "")
 
     parser = argparse.ArgumentParser(
         prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"pagedserve {pagedserve.__version__}"
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = subparsers.add_parser(
@@ -402,6 +441,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         "add_eval_quant_args",
         "run_eval_quant",
         load=chosen in (None, "eval-quant"),
+    )
+    _lazy_subcommand(
+        subparsers,
+        "completion",
+        'print a bash or zsh completion script: eval "$(pagedserve completion bash)"',
+        "pagedserve.completion",
+        "add_completion_args",
+        "run_completion",
+        load=chosen in (None, "completion"),
     )
     return parser
 

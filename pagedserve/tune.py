@@ -455,7 +455,7 @@ def explain(result: TuneResult) -> str:
         (
             "KV per max-model-len seq",
             _gib(r.kv_bytes_per_seq),
-            f"{r.max_model_len} tokens x KV bytes per token (exact; the deployment guide estimated ~4.6 GB)",
+            f"{r.max_model_len} tokens x KV bytes per token (exact; the Kunlun XPU deployment guide's KV-cache formula gave ~4.6 GB)",
         ),
         ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
         ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),

@@ -8,6 +8,7 @@ import json
 import random
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -433,3 +434,93 @@ def test_bench_against_a_live_pagedserve_server_completes_every_request(
         "median_e2el_ms",
     ):
         assert result[name] > 0
+
+
+def test_base_url_alone_benchmarks_a_live_server_and_writes_its_json(
+    live_server, tmp_path, monkeypatch, capsys
+):
+    """`pagedserve bench --base-url URL` (the API key from $OPENAI_API_KEY, as vLLM reads it):
+    the model from /v1/models, lengths fitted to its max_model_len, JSON under vLLM's name."""
+    from pagedserve.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OPENAI_API_KEY", live_server.api_key)
+    assert main(["bench", "--base-url", live_server.url, "--num-prompts", "2"]) == 0
+    (written,) = tmp_path.glob("*.json")
+    assert written.name.startswith(f"openai-infqps-{live_server.model}-")
+    result = json.loads(written.read_text())
+    assert result["model_id"] == live_server.model
+    assert result["completed"] == 2 and result["failed"] == 0
+    assert result["total_input_tokens"] + result["total_output_tokens"] <= 2 * 256
+    assert str(written.name) in capsys.readouterr().err
+
+
+def test_default_output_file_is_named_as_vllm_names_it():
+    args = _args("http://unused", "--request-rate", "2.5", "--max-concurrency", "4")
+    args.model = "/models/glm-4-9b-chat/"
+    name = bench.default_output_file(args, "20260101-120000")
+    assert name == "openai-2.5qps-concurrency4-glm-4-9b-chat-20260101-120000.json"
+
+
+def test_throughput_over_time_counts_tokens_not_chunks():
+    # two tokens a chunk (as a server that streams every other step would): 4 chunks, 8 tokens
+    out = bench.RequestOutput(
+        success=True,
+        start=10.0,
+        output_tokens=8,
+        num_chunks=4,
+        token_times=[10.2, 10.5, 11.1, 11.9],
+    )
+    seconds, tokens = bench.throughput_series([out])
+    assert seconds == [0.0, 1.0] and tokens == [4.0, 4.0]
+    assert sum(tokens) == out.output_tokens
+
+
+def test_plot_draws_a_png_of_the_runs_latencies_and_throughput(tmp_path):
+    image = pytest.importorskip("matplotlib.image", reason="the plot extra is not installed")
+    png = tmp_path / "bench.png"
+    with serve(FakeBehaviour()) as url:
+        code, result = _run(url, tmp_path, "--plot", str(png))
+    assert code == 0 and result["completed"] == 6
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(png)
+    assert pixels.shape[:2] == (800, 1500)  # six panels, 15 x 8 inches at 100 dpi
+    # drawn, not blank: many distinct colours (bars, lines, text), far from one background
+    distinct = {tuple(row) for row in pixels.reshape(-1, pixels.shape[2]).round(2).tolist()}
+    assert len(distinct) > 50
+
+
+def test_plot_series_follow_vllm_definitions():
+    from pagedserve.bench_plot import in_flight_series, latency_series
+
+    outs = [
+        bench.RequestOutput(
+            success=True, start=0.0, ttft=0.1, latency=0.5, output_tokens=5, itl=[0.1] * 4
+        ),
+        bench.RequestOutput(success=True, start=0.2, ttft=0.2, latency=0.2, output_tokens=1),
+        bench.RequestOutput(success=False, start=0.3, latency=0.05, error="x"),
+    ]
+    series = latency_series(outs)
+    assert series["TTFT"] == pytest.approx([100.0, 200.0])
+    assert series["TPOT"] == pytest.approx([100.0])  # the one-token request has no TPOT
+    assert series["ITL"] == pytest.approx([100.0] * 4)
+    assert series["E2E latency"] == pytest.approx([500.0, 200.0])
+    times, running = in_flight_series(outs)
+    assert times == pytest.approx([0.0, 0.2, 0.3, 0.35, 0.4, 0.5])
+    assert running == [1, 2, 3, 2, 1, 0]  # a failed request is in flight until it fails
+
+
+def test_plot_without_matplotlib_names_the_extra_before_any_request(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    behaviour = FakeBehaviour()
+    with serve(behaviour) as url:
+        code = run_bench(_args(url, "--plot", str(tmp_path / "p.png")))
+    assert code == 2
+    assert "pagedserve[plot]" in capsys.readouterr().err
+    assert behaviour.received == 0 and not (tmp_path / "p.png").exists()
+
+
+def test_plot_with_the_agent_dataset_is_refused_with_a_reason(tmp_path, capsys):
+    args = _args("http://unused", "--dataset", "agent", "--plot", str(tmp_path / "p.png"))
+    assert run_bench(args) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "p.png").exists()

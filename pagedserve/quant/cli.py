@@ -55,7 +55,8 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         "--skip-layers",
         default="",
         help="comma-separated linear names or globs kept 16-bit "
-        "(e.g. '*.down_proj'); the deployment guide's ln_1/ln_2/attn.softmax are accepted (never quantized)",
+        "(e.g. '*.down_proj'); the names the Kunlun XPU deployment guide's glm4_quantize takes, "
+        "ln_1/ln_2/attn.softmax, are accepted (never quantized)",
     )
     a("--calib-data", default=None, help="plain text, or JSONL with a 'text' field")
     a("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
@@ -84,7 +85,12 @@ def add_eval_quant_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     a("--seq-len", type=int, default=256, help="tokens per held-out block")
     a("--max-tokens", type=int, default=32, help="greedy continuation length")
     a("--prompt-len", type=int, default=32, help="prompt tokens for the continuations")
-    a("--max-loss-pct", type=float, default=0.5, help="PASS when perplexity rises at most this %%")
+    a(
+        "--max-loss-pct",
+        type=float,
+        default=0.5,
+        help="PASS when perplexity rises at most this %% (the Kunlun XPU deployment guide's bar)",
+    )
     a(
         "--abits",
         type=int,
@@ -217,7 +223,11 @@ def run_eval_quant(args: argparse.Namespace) -> int:
 
 
 def glm4_quantize_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm4_quantize", description="AWQ/RTN INT4 for GLM-4")
+    parser = argparse.ArgumentParser(
+        prog="glm4_quantize",
+        description="AWQ/RTN INT4 for GLM-4, with the flags of the Kunlun XPU deployment guide's "
+        "glm4_quantize",
+    )
     args = add_quantize_args(parser).parse_args(argv)
     try:
         return run_quantize(args)
