@@ -157,6 +157,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
     )
     a(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the web console (chat playground and device monitor) at /",
+    )
+    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -246,7 +251,13 @@ def _serve(engine, args: argparse.Namespace) -> int:
     from pagedserve.server.app import build_app
 
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key,
+        args.max_queue_len,
+        web_ui=not args.disable_web_ui,
+    )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")
     config = uvicorn.Config(

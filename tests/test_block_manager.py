@@ -133,6 +133,20 @@ def test_prefix_hit_across_two_requests_with_equal_prefixes():
     assert bm.prefix_cache_queries == 10 + 11 and bm.prefix_cache_hits == 8
 
 
+def test_page_map_runs_show_used_shared_cached_and_free_pages():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(10)))  # pages 0, 1 full (cached), page 2 partial
+    assert admit(bm, a)
+    assert bm.page_map() == [["used", 3], ["free", 5]]
+    b = Seq("b", list(range(8)) + [50])  # hits pages 0 and 1, takes page 3
+    assert admit(bm, b)
+    assert bm.page_map() == [["shared", 2], ["used", 2], ["free", 4]]
+    bm.free(a)
+    bm.free(b)
+    # full blocks stay cached for a later hit; partial ones are plain free pages
+    assert bm.page_map() == [["cached", 2], ["free", 6]]
+
+
 def test_fully_cached_prompt_still_leaves_a_block_to_compute():
     bm = BlockManager(8, 4)
     assert admit(bm, Seq("a", list(range(8))))
@@ -479,6 +493,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(a.free_queue) == {p for p in range(NUM_PAGES) if holders[p] == 0}
         assert a.num_free_pages + a.num_used_pages == NUM_PAGES
         assert set(self.bm.block_tables) == set(self.reqs)
+
+    @invariant()
+    def page_map_shows_every_page_as_its_holders_see_it(self):
+        """The web console's map, expanded, against the block tables (not the allocator)."""
+        holders = [0] * NUM_PAGES
+        for table in self.bm.block_tables.values():
+            for page in table:
+                holders[page] += 1
+        expanded = [state for state, count in self.bm.page_map() for _ in range(count)]
+        assert len(expanded) == NUM_PAGES
+        for page, state in enumerate(expanded):
+            cached = page in self.bm.page_to_cached_block
+            want = {0: "cached" if cached else "free", 1: "used"}.get(holders[page], "shared")
+            assert state == want, (page, holders[page], cached)
 
     @invariant()
     def prefix_cache_maps_agree(self):

@@ -71,6 +71,22 @@ class BlockManager:
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
 
+    def page_map(self) -> list[list]:
+        """The pool as runs ``[state, count]`` over page frames 0..num_pages-1, for the web
+        console's page-frame map. States: ``"free"``, ``"cached"`` (free, but holding a prefix
+        block a later request may reuse), ``"used"`` (held by one sequence), ``"shared"`` (held by
+        several: a prefix-cache hit or an n > 1 fork). Runs keep it small: the allocator hands
+        pages out in order, so a pool of 65,536 pages is a few dozen runs."""
+        runs: list[list] = []
+        ref_counts, cached = self.allocator.ref_counts, self.page_to_cached_block
+        for page, refs in enumerate(ref_counts):
+            state = _page_state(refs, page in cached)
+            if runs and runs[-1][0] == state:
+                runs[-1][1] += 1
+            else:
+                runs.append([state, 1])
+        return runs
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src_page, dst_page) copies the model runner must do before the next forward pass."""
         copies, self.pending_copies = self.pending_copies, []
@@ -253,3 +269,9 @@ class BlockManager:
             self.cached_block_hash_to_page[key.block_hash] = table[i]
             self.page_to_cached_block[table[i]] = key
         self.num_cached_blocks[req.request_id] = num_full
+
+
+def _page_state(ref_count: int, is_cached: bool) -> str:
+    if ref_count == 0:
+        return "cached" if is_cached else "free"
+    return "used" if ref_count == 1 else "shared"
