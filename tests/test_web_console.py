@@ -187,10 +187,7 @@ def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, demo
     from selenium.webdriver.common.keys import Keys
 
     driver = browser
-    driver.get(demo_server + "/")
-    key = driver.find_element(By.ID, "api-key")
-    key.send_keys(API_KEY, Keys.TAB)  # "change" event: the page reads /v1/models with it
-    _wait(lambda: driver.find_element(By.ID, "model-name").text == "demo", what="the model name")
+    _open_with_key(driver, demo_server)
     assert _unlabelled_controls(driver) == []
 
     # chat: a fixed sampling state so the answer is the same on every run
@@ -236,6 +233,38 @@ def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, demo
         long_request.join(60)
     _wait(lambda: in_use() == 0, what="the pages to be freed")
     assert driver.find_element(By.CSS_SELECTOR, "[data-fig=running]").text == "0"
+
+
+@pytest.mark.browser
+def test_completion_mode_answers_with_one_of_the_choices_given(browser, demo_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.select import Select
+
+    driver = browser
+    _open_with_key(driver, demo_server)
+    driver.find_element(By.CSS_SELECTOR, "input[name=mode][value=completion]").click()
+    assert not driver.find_element(By.ID, "system").is_displayed()  # chat only
+    Select(driver.find_element(By.ID, "structured")).select_by_value("choice")
+    driver.find_element(By.ID, "constraint").send_keys("mutable", Keys.ENTER, "immutable")
+    driver.find_element(By.ID, "prompt").send_keys("A Python list is", Keys.ENTER)
+    answer = _wait(
+        lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.completion[data-done=true]"),
+        what="the completion",
+    )[-1]
+    assert answer.find_element(By.CLASS_NAME, "text").text in ("mutable", "immutable")
+
+
+def _open_with_key(driver, url: str) -> None:
+    """Load the console and type the API key; the page then names the served model."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    driver.get(url + "/")
+    key = driver.find_element(By.ID, "api-key")
+    key.clear()
+    key.send_keys(API_KEY, Keys.TAB)  # "change" event: the page reads /v1/models with it
+    _wait(lambda: driver.find_element(By.ID, "model-name").text == "demo", what="the model name")
 
 
 def _long_request(url: str, leave: threading.Event) -> None:

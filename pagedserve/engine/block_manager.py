@@ -75,16 +75,17 @@ class BlockManager:
         """The pool as runs ``[state, count]`` over page frames 0..num_pages-1, for the web
         console's page-frame map. States: ``"free"``, ``"cached"`` (free, but holding a prefix
         block a later request may reuse), ``"used"`` (held by one sequence), ``"shared"`` (held by
-        several: a prefix-cache hit or an n > 1 fork). Runs keep it small: the allocator hands
-        pages out in order, so a pool of 65,536 pages is a few dozen runs."""
-        runs: list[list] = []
+        several: a prefix-cache hit or an n > 1 fork). Only held and cached pages are visited,
+        so an idle pool of 65,536 pages is one run, read without stalling the engine loop."""
         ref_counts, cached = self.allocator.ref_counts, self.page_to_cached_block
-        for page, refs in enumerate(ref_counts):
-            state = _page_state(refs, page in cached)
-            if runs and runs[-1][0] == state:
-                runs[-1][1] += 1
-            else:
-                runs.append([state, 1])
+        held = {page for table in self.block_tables.values() for page in table}
+        runs: list[list] = []
+        next_page = 0
+        for page in sorted(held | cached.keys()):
+            _extend(runs, "free", page - next_page)
+            _extend(runs, _page_state(ref_counts[page], page in cached), 1)
+            next_page = page + 1
+        _extend(runs, "free", self.num_pages - next_page)
         return runs
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -275,3 +276,12 @@ def _page_state(ref_count: int, is_cached: bool) -> str:
     if ref_count == 0:
         return "cached" if is_cached else "free"
     return "used" if ref_count == 1 else "shared"
+
+
+def _extend(runs: list[list], state: str, count: int) -> None:
+    if count <= 0:
+        return
+    if runs and runs[-1][0] == state:
+        runs[-1][1] += count
+    else:
+        runs.append([state, count])

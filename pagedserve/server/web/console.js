@@ -68,6 +68,8 @@ async function loadModelName() {
     state.model = models.data[0].id;
     $("model-name").textContent = state.model;
     notice("");
+    // answered without a key: this server has none, so the field would only confuse
+    if (!$("api-key").value.trim()) $("key-label").hidden = true;
   } catch (e) {
     $("model-name").textContent = "";
   }
@@ -108,8 +110,14 @@ function addEntry(role, text) {
   li.querySelector(".role").textContent = role;
   li.querySelector(".text").textContent = text;
   $("transcript").append(li);
-  li.scrollIntoView({ block: "end" });
+  scrollToEnd();
   return li;
+}
+
+// Scrolls the transcript, not the page: at phone width the page stays where the reader is.
+function scrollToEnd() {
+  const transcript = $("transcript");
+  transcript.scrollTop = transcript.scrollHeight;
 }
 
 function restoreConversation() {
@@ -234,7 +242,7 @@ async function stream(path, body, entry) {
         timing.first ??= performance.now();
         timing.chunks += 1;
         out.textContent += delta;
-        entry.scrollIntoView({ block: "end" });
+        scrollToEnd();
       }
     }
   } catch (e) {
