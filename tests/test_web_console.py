@@ -168,7 +168,8 @@ def _screenshot(driver, name: str) -> None:
     folder = os.environ.get("PAGEDSERVE_SCREENSHOTS")
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(Path(folder) / name))
+        body = driver.find_element("tag name", "body")  # the content only, not the empty window
+        body.screenshot(str(Path(folder) / name))
 
 
 # Records every text the answer shows, with whether the stream had ended (data-done).
