@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from pagedserve.engine import block_manager as bm_module
-from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.block_manager import PAGE_STATES, BlockManager
 from pagedserve.engine.page_allocator import PhysicalPageAllocator
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -133,18 +133,30 @@ def test_prefix_hit_across_two_requests_with_equal_prefixes():
     assert bm.prefix_cache_queries == 10 + 11 and bm.prefix_cache_hits == 8
 
 
-def test_page_map_runs_show_used_shared_cached_and_free_pages():
+def test_page_map_shows_used_shared_cached_and_free_pages():
     bm = BlockManager(8, 4)
     a = Seq("a", list(range(10)))  # pages 0, 1 full (cached), page 2 partial
     assert admit(bm, a)
-    assert bm.page_map() == [["used", 3], ["free", 5]]
+    assert bm.page_map()["cells"] == "22200000"
     b = Seq("b", list(range(8)) + [50])  # hits pages 0 and 1, takes page 3
     assert admit(bm, b)
-    assert bm.page_map() == [["shared", 2], ["used", 2], ["free", 4]]
+    assert bm.page_map()["cells"] == "33220000"
+    assert bm.page_map()["counts"] == {"free": 4, "cached": 0, "used": 2, "shared": 2}
     bm.free(a)
     bm.free(b)
     # full blocks stay cached for a later hit; partial ones are plain free pages
-    assert bm.page_map() == [["cached", 2], ["free", 6]]
+    assert bm.page_map()["cells"] == "11000000"
+
+
+def test_page_map_of_a_large_pool_shows_the_busiest_page_of_each_cell():
+    bm = BlockManager(10, 4)
+    assert admit(bm, Seq("a", list(range(9))))  # pages 0, 1 full (cached), page 2 partial
+    bm.free(Seq("a", []))
+    assert admit(bm, Seq("b", [7] * 5))  # pages 3 and 4: never used, first in the free queue
+    page_map = bm.page_map(max_cells=4)
+    assert page_map["pages_per_cell"] == 3
+    assert page_map["cells"] == "1200"  # [0 1 2] [3 4 5] [6 7 8] [9]
+    assert page_map["counts"] == {"free": 6, "cached": 2, "used": 2, "shared": 0}
 
 
 def test_fully_cached_prompt_still_leaves_a_block_to_compute():
@@ -501,12 +513,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for table in self.bm.block_tables.values():
             for page in table:
                 holders[page] += 1
-        expanded = [state for state, count in self.bm.page_map() for _ in range(count)]
-        assert len(expanded) == NUM_PAGES
-        for page, state in enumerate(expanded):
+        page_map = self.bm.page_map()
+        assert page_map["pages_per_cell"] == 1 and len(page_map["cells"]) == NUM_PAGES
+        for page, code in enumerate(page_map["cells"]):
             cached = page in self.bm.page_to_cached_block
             want = {0: "cached" if cached else "free", 1: "used"}.get(holders[page], "shared")
-            assert state == want, (page, holders[page], cached)
+            assert PAGE_STATES[int(code)] == want, (page, holders[page], cached)
+        assert sum(page_map["counts"].values()) == NUM_PAGES
 
     @invariant()
     def prefix_cache_maps_agree(self):

@@ -39,10 +39,8 @@ def test_page_map_agrees_with_the_device_figures(live_server):
     headers = {"Authorization": f"Bearer {live_server.api_key}"}
     pages = httpx.get(live_server.url + "/device/pages", headers=headers).json()
     kv = httpx.get(live_server.url + "/device", headers=headers).json()["kv_pages"]
-    counts = {"free": 0, "cached": 0, "used": 0, "shared": 0}
-    for state, count in pages["runs"]:
-        counts[state] += count
-    assert sum(counts.values()) == pages["total"] == kv["total"]
+    counts = pages["counts"]
+    assert sum(counts.values()) == pages["total"] == kv["total"] == len(pages["cells"])
     assert counts["used"] + counts["shared"] == kv["in_use"]
     assert counts["free"] + counts["cached"] == kv["free"]
     assert pages["block_size"] == kv["block_size"]

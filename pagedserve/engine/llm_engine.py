@@ -517,7 +517,7 @@ class LLMEngine:
     def get_page_map(self) -> dict:
         """The KV page pool frame by frame (``BlockManager.page_map``), for the web console."""
         bm = self.block_manager
-        return {"total": bm.num_pages, "block_size": self.block_size, "runs": bm.page_map()}
+        return {"total": bm.num_pages, "block_size": self.block_size, **bm.page_map()}
 
 
 def _cumulative(seq: Request) -> float | None:

@@ -743,7 +743,7 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.get("/device/pages")
     async def device_pages() -> dict:
-        """The KV page pool frame by frame, as runs of page states (the console's page map)."""
+        """The KV page pool frame by frame: a digit per page (the console's page map)."""
         try:
             return await serving.engine.get_page_map()
         except EngineDeadError as e:

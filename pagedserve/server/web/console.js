@@ -6,9 +6,7 @@
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "pagedserve.apiKey";
 const CHAT_STORE = "pagedserve.conversation";
-const MAP_MAX_CELLS = 4096; // beyond this, one cell shows the busiest of several pages
-const STATE_RANK = { free: 0, cached: 1, used: 2, shared: 3 };
-const STATES = Object.keys(STATE_RANK);
+const STATES = ["free", "cached", "used", "shared"]; // page-map digits 0..3 (PAGE_STATES)
 
 // ---- the server ---------------------------------------------------------------------------------
 function authHeaders() {
@@ -387,19 +385,8 @@ function renderTiers(box, tiers) {
 // Page frames 0..total-1 as cells left to right, top to bottom; see BlockManager.page_map.
 function renderPageMap(card, map) {
   const canvas = card.querySelector(".page-map");
-  const counts = { free: 0, cached: 0, used: 0, shared: 0 };
-  const group = Math.ceil(map.total / MAP_MAX_CELLS);
-  const cells = new Uint8Array(Math.ceil(map.total / group));
-  let page = 0;
-  for (const [name, count] of map.runs) {
-    counts[name] += count;
-    const rank = STATE_RANK[name];
-    for (let end = page + count; page < end; page++) {
-      const cell = Math.floor(page / group);
-      if (rank > cells[cell]) cells[cell] = rank;
-    }
-  }
-  drawCells(canvas, cells);
+  drawCells(canvas, Array.from(map.cells, Number));
+  const counts = map.counts;
   for (const name of STATES) {
     card.querySelector(`[data-count=${name}]`).textContent = counts[name].toLocaleString();
   }
@@ -409,7 +396,7 @@ function renderPageMap(card, map) {
     "aria-label",
     `KV page map: ${inUse} of ${map.total} pages in use (${counts.shared} shared), ` +
       `${counts.cached} cached, ${counts.free} free; ${map.block_size} tokens a page` +
-      (group > 1 ? `; one cell per ${group} pages` : ""),
+      (map.pages_per_cell > 1 ? `; one cell per ${map.pages_per_cell} pages` : ""),
   );
 }
 
@@ -429,8 +416,8 @@ function drawCells(canvas, cells) {
   const colours = STATES.map((s) => style.getPropertyValue(`--${s}`).trim());
   const gap = size > 4 ? 1 : 0;
   ctx.clearRect(0, 0, width, height);
-  cells.forEach((rank, i) => {
-    ctx.fillStyle = colours[rank];
+  cells.forEach((state, i) => {
+    ctx.fillStyle = colours[state];
     ctx.fillRect((i % perRow) * size, Math.floor(i / perRow) * size, size - gap, size - gap);
   });
 }
