@@ -299,3 +299,17 @@ def test_console_fits_a_phone_screen(browser, demo_server):
             assert overflow <= 0, f"{tab}: the page scrolls sideways by {overflow}px at 390px"
     finally:
         browser.set_window_size(*DESKTOP)
+
+
+@pytest.mark.browser
+def test_views_switch_from_the_keyboard(browser, demo_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    browser.get(demo_server + "/")
+    browser.find_element(By.ID, "tab-playground").send_keys(Keys.ARROW_RIGHT)
+    monitor_tab = browser.find_element(By.ID, "tab-monitor")
+    assert monitor_tab.get_attribute("aria-selected") == "true"
+    assert browser.switch_to.active_element == monitor_tab  # focus follows the selection
+    assert browser.find_element(By.ID, "monitor").is_displayed()
+    assert not browser.find_element(By.ID, "playground").is_displayed()
