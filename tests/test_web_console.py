@@ -313,3 +313,16 @@ def test_views_switch_from_the_keyboard(browser, demo_server):
     assert browser.switch_to.active_element == monitor_tab  # focus follows the selection
     assert browser.find_element(By.ID, "monitor").is_displayed()
     assert not browser.find_element(By.ID, "playground").is_displayed()
+
+
+@pytest.mark.browser
+def test_without_the_key_the_page_asks_for_it(browser, demo_server):
+    from selenium.webdriver.common.by import By
+
+    browser.get(demo_server + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.refresh()
+    notice = _wait(lambda: browser.find_element(By.ID, "notice").text, what="the notice")
+    assert "API key" in notice
+    key = browser.find_element(By.ID, "api-key")
+    assert key.is_displayed() and browser.switch_to.active_element == key

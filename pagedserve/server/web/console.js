@@ -17,9 +17,9 @@ function authHeaders() {
 async function api(path, options = {}) {
   const headers = { ...authHeaders(), ...(options.headers || {}) };
   const response = await fetch(path, { ...options, headers });
-  if (response.status === 401) {
+  if (response.status === 401 && $("notice").hidden) {
     notice("This server needs an API key: type its --api-key in the API key field.");
-    $("api-key").focus();
+    $("api-key").focus(); // once, not on every refresh of the monitor
   }
   if (!response.ok) throw new Error(await errorMessage(response));
   return response;
@@ -68,7 +68,7 @@ async function loadModelName() {
     notice("");
     // answered without a key: this server has none, so the field would only confuse
     if (!$("api-key").value.trim()) $("key-label").hidden = true;
-  } catch (e) {
+  } catch {
     $("model-name").textContent = "";
   }
 }
@@ -289,17 +289,22 @@ function onModeChange() {
 }
 
 // ---- monitor ------------------------------------------------------------------------------------
-const monitor = { timer: null };
+const monitor = { timer: null, run: 0 };
 
+// The next refresh is timed from the end of the last one, so a slow server gets no pile-up.
 function startMonitor() {
   stopMonitor();
-  refreshMonitor();
-  monitor.timer = setInterval(refreshMonitor, Number($("refresh").value));
+  const run = monitor.run;
+  const tick = async () => {
+    await refreshMonitor();
+    if (monitor.run === run) monitor.timer = setTimeout(tick, Number($("refresh").value));
+  };
+  tick();
 }
 
 function stopMonitor() {
-  clearInterval(monitor.timer);
-  monitor.timer = null;
+  monitor.run += 1;
+  clearTimeout(monitor.timer);
 }
 
 async function refreshMonitor() {
@@ -373,8 +378,7 @@ function renderTiers(box, tiers) {
     row.innerHTML = "<span></span><meter min=0></meter><span></span>";
     const [label, meter, figure] = row.children;
     label.textContent = name;
-    label.id = `tier-${name}-${Math.random().toString(36).slice(2)}`;
-    meter.setAttribute("aria-labelledby", label.id);
+    meter.setAttribute("aria-label", `${name} tier`);
     meter.max = cap || Math.max(used, 1);
     meter.value = used;
     figure.textContent = cap ? `${mib(used)} / ${mib(cap)}` : `${mib(used)} (unbounded)`;
@@ -451,7 +455,7 @@ function init() {
   document.addEventListener("keydown", (e) => e.key === "Escape" && state.controller?.abort());
   $("clear").addEventListener("click", clearConversation);
   $("structured").addEventListener("change", onStructuredChange);
-  $("refresh").addEventListener("change", () => monitor.timer && startMonitor());
+  $("refresh").addEventListener("change", () => !$("monitor").hidden && startMonitor());
   for (const radio of document.querySelectorAll("input[name=mode]")) {
     radio.addEventListener("change", onModeChange);
   }
