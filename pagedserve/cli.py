@@ -191,6 +191,11 @@ def _add_server_args(a: Callable[..., argparse.Action]) -> None:
         "/version and the API docs (default: $PAGEDSERVE_API_KEY)",
     )
     a(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the web console (chat playground and device monitor) at /",
+    )
+    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -279,7 +284,13 @@ def _serve(engine, args: argparse.Namespace) -> int:
     from pagedserve.server.app import build_app
 
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key,
+        args.max_queue_len,
+        web_ui=not args.disable_web_ui,
+    )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")
     config = uvicorn.Config(

@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 
 from pagedserve.engine import block_manager as bm_module
-from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.block_manager import PAGE_STATES, BlockManager
 from pagedserve.engine.page_allocator import PhysicalPageAllocator
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -131,6 +131,32 @@ def test_prefix_hit_across_two_requests_with_equal_prefixes():
     assert bm.get_block_table("b")[2] not in bm.get_block_table("a")
     assert [bm.allocator.refcount(p) for p in pages] == [2, 2]
     assert bm.prefix_cache_queries == 10 + 11 and bm.prefix_cache_hits == 8
+
+
+def test_page_map_shows_used_shared_cached_and_free_pages():
+    bm = BlockManager(8, 4)
+    a = Seq("a", list(range(10)))  # pages 0, 1 full (cached), page 2 partial
+    assert admit(bm, a)
+    assert bm.page_map()["cells"] == "22200000"
+    b = Seq("b", list(range(8)) + [50])  # hits pages 0 and 1, takes page 3
+    assert admit(bm, b)
+    assert bm.page_map()["cells"] == "33220000"
+    assert bm.page_map()["counts"] == {"free": 4, "cached": 0, "used": 2, "shared": 2}
+    bm.free(a)
+    bm.free(b)
+    # full blocks stay cached for a later hit; partial ones are plain free pages
+    assert bm.page_map()["cells"] == "11000000"
+
+
+def test_page_map_of_a_large_pool_shows_the_busiest_page_of_each_cell():
+    bm = BlockManager(10, 4)
+    assert admit(bm, Seq("a", list(range(9))))  # pages 0, 1 full (cached), page 2 partial
+    bm.free(Seq("a", []))
+    assert admit(bm, Seq("b", [7] * 5))  # pages 3 and 4: never used, first in the free queue
+    page_map = bm.page_map(max_cells=4)
+    assert page_map["pages_per_cell"] == 3
+    assert page_map["cells"] == "1200"  # [0 1 2] [3 4 5] [6 7 8] [9]
+    assert page_map["counts"] == {"free": 6, "cached": 2, "used": 2, "shared": 0}
 
 
 def test_fully_cached_prompt_still_leaves_a_block_to_compute():
@@ -479,6 +505,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(a.free_queue) == {p for p in range(NUM_PAGES) if holders[p] == 0}
         assert a.num_free_pages + a.num_used_pages == NUM_PAGES
         assert set(self.bm.block_tables) == set(self.reqs)
+
+    @invariant()
+    def page_map_shows_every_page_as_its_holders_see_it(self):
+        """The web console's map, expanded, against the block tables (not the allocator)."""
+        holders = [0] * NUM_PAGES
+        for table in self.bm.block_tables.values():
+            for page in table:
+                holders[page] += 1
+        page_map = self.bm.page_map()
+        assert page_map["pages_per_cell"] == 1 and len(page_map["cells"]) == NUM_PAGES
+        for page, code in enumerate(page_map["cells"]):
+            cached = page in self.bm.page_to_cached_block
+            want = {0: "cached" if cached else "free", 1: "used"}.get(holders[page], "shared")
+            assert PAGE_STATES[int(code)] == want, (page, holders[page], cached)
+        assert sum(page_map["counts"].values()) == NUM_PAGES
 
     @invariant()
     def prefix_cache_maps_agree(self):

@@ -1,6 +1,6 @@
 """A non-editable install (a built wheel, as the Dockerfile's `pip install .` makes) carries the
 device and model presets: run from outside the source tree, `tune` finds the model presets and
-`serve` reads the packaged device YAML."""
+`serve` reads the packaged device YAML and serves the web console's files."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import yaml
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+WEB_CONSOLE_FILES = ("/", "/console/console.js", "/console/console.css")
 
 
 def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -90,12 +91,14 @@ def test_installed_serve_reads_the_packaged_device_preset_and_answers_health(whe
         try:
             assert _wait_for_health(proc, url, log) == 200
             device = httpx.get(url + "/device", timeout=10).json()
+            console = [httpx.get(url + path, timeout=10) for path in WEB_CONSOLE_FILES]
         finally:
             proc.terminate()
             proc.wait(30)
     preset = yaml.safe_load((ROOT / "configs/devices/kunlun-emu.yaml").read_text())
     assert device["name"] == "kunlun-emu"
     assert device["description"] == preset["description"]  # the YAML, not a built-in fallback
+    assert [r.status_code for r in console] == [200] * len(WEB_CONSOLE_FILES), "console missing"
 
 
 def _wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> int:

@@ -138,14 +138,19 @@ def test_readme_names_the_routes_the_api_key_guards(live_server):
     assert m, "README no longer says which routes the API key guards"
     guarded_part, _, open_part = m.group(1).partition(" except ")
     guarded = re.findall(r"`(/[^`]*)`", guarded_part)
-    public = tuple(re.findall(r"`(/[^`]*)`", open_part))
-    assert "/tokenize" in guarded and "/health" in public
+    public = re.findall(r"`(/[^`]*)`", open_part)
+    assert "/tokenize" in guarded and "/health" in public and "/" in public
     for route in _routes(live_server.app.routes):
         method = sorted(getattr(route, "methods", None) or ["GET"])[0]
         r = httpx.request(method, live_server.url + route.path, timeout=30)
-        assert (r.status_code != 401) == route.path.startswith(public), (route.path, r.status_code)
+        assert (r.status_code != 401) == _listed(route.path, public), (route.path, r.status_code)
         if r.status_code == 401:
-            assert any(route.path.startswith(g.rstrip("*")) for g in guarded), route.path
+            assert _listed(route.path, guarded), route.path
+
+
+def _listed(path: str, names: list[str]) -> bool:
+    """``/`` names the root only; ``/x`` and ``/x/*`` name everything under ``/x``."""
+    return any(path == n if n == "/" else path.startswith(n.rstrip("*/")) for n in names)
 
 
 def test_readme_lists_exactly_the_presets_that_ship():

@@ -44,6 +44,34 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineStepError"]
 logger = logging.getLogger(__name__)
 
 THROUGHPUT_WINDOW_S = 10.0
+TOKEN_RATE_HISTORY_S = 300  # the web console's tokens/s chart: the last five minutes
+
+
+class TokenRateHistory:
+    """Tokens generated in each whole second of the last ``window_s``, from the running total
+    that every engine message carries (one comes at least every heartbeat, busy or idle)."""
+
+    def __init__(self, window_s: int = TOKEN_RATE_HISTORY_S):
+        self.window_s = window_s
+        self.buckets: deque[list[int]] = deque()  # [second, tokens generated in it], in order
+        self.last_total: int | None = None
+
+    def record(self, now: float, total: int) -> None:
+        new = 0 if self.last_total is None else max(total - self.last_total, 0)
+        self.last_total = total
+        second = int(now)
+        if self.buckets and self.buckets[-1][0] == second:
+            self.buckets[-1][1] += new
+        else:
+            self.buckets.append([second, new])
+        while self.buckets[0][0] < second - self.window_s:
+            self.buckets.popleft()
+
+    def per_second(self, now: float) -> list[int]:
+        """Tokens in each of the last ``window_s`` complete seconds, oldest first."""
+        counts = dict(self.buckets)
+        current = int(now)
+        return [counts.get(s, 0) for s in range(current - self.window_s, current)]
 
 
 class AsyncLLMEngine:
@@ -75,6 +103,7 @@ class AsyncLLMEngine:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._token_marks: deque[tuple[float, int]] = deque()
+        self.token_rate_history = TokenRateHistory()
         self._dead_callbacks: list[Callable[[str], None]] = []
         self._output_task: asyncio.Task | None = None
         self._stopping = False
@@ -206,6 +235,9 @@ class AsyncLLMEngine:
     async def get_device_stats(self) -> dict:
         return await self.call_utility("get_device_stats")
 
+    async def get_page_map(self) -> dict:
+        return await self.call_utility("get_page_map")
+
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility("reset_prefix_cache")
 
@@ -269,6 +301,8 @@ class AsyncLLMEngine:
 
     def _mark_tokens(self) -> None:
         now = time.monotonic()
-        self._token_marks.append((now, self.stats.get("generation_tokens_total", 0)))
+        total = self.stats.get("generation_tokens_total", 0)
+        self._token_marks.append((now, total))
+        self.token_rate_history.record(now, total)
         while len(self._token_marks) > 2 and now - self._token_marks[0][0] > THROUGHPUT_WINDOW_S:
             self._token_marks.popleft()

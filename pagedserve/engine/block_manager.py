@@ -6,7 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from pagedserve.engine.page_allocator import PhysicalPageAllocator
+
+PAGE_STATES = ("free", "cached", "used", "shared")  # page_map's states, busiest last
+PAGE_MAP_CELLS = 4096  # the most cells page_map returns (what a console can draw legibly)
 
 
 class SequenceLike(Protocol):
@@ -70,6 +75,28 @@ class BlockManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]
+
+    def page_map(self, max_cells: int = PAGE_MAP_CELLS) -> dict:
+        """The pool frame by frame, for the web console's page-frame map: ``cells``, one digit
+        per page in frame order (an index into ``PAGE_STATES``: free, cached = free but holding a
+        prefix block a later request may reuse, used = held by one sequence, shared = held by
+        several), and ``counts`` per state. A pool of more than ``max_cells`` pages is drawn
+        ``pages_per_cell`` pages a cell, each the busiest state among them, so the answer stays
+        small. Vectorized, as it runs on the engine loop: a few ms for 65,536 pages."""
+        refs = np.asarray(self.allocator.ref_counts, dtype=np.int64)
+        codes = np.minimum(refs, 2).astype(np.int8)
+        codes[codes > 0] += 1  # 2 used, 3 shared
+        cached = np.fromiter(self.page_to_cached_block, np.int64, len(self.page_to_cached_block))
+        codes[cached[codes[cached] == 0]] = 1
+        per_cell = -(-len(codes) // max_cells)
+        cells = np.zeros(-(-len(codes) // per_cell) * per_cell, dtype=np.int8)
+        cells[: len(codes)] = codes
+        cells = cells.reshape(-1, per_cell).max(axis=1)
+        return {
+            "pages_per_cell": per_cell,
+            "cells": (cells + ord("0")).astype(np.uint8).tobytes().decode("ascii"),
+            "counts": dict(zip(PAGE_STATES, np.bincount(codes, minlength=4).tolist())),
+        }
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src_page, dst_page) copies the model runner must do before the next forward pass."""

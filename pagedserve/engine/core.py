@@ -47,7 +47,7 @@ class EngineCore:
 
     # what the HTTP process may call by name (``[UTILITY, call_id, name, args]``)
     UTILITIES = frozenset(
-        {"get_stats", "get_device_stats", "reset_prefix_cache", "pause", "resume"}
+        {"get_stats", "get_device_stats", "get_page_map", "reset_prefix_cache", "pause", "resume"}
     )
 
     def __init__(self, engine: LLMEngine):
@@ -136,6 +136,9 @@ class EngineCore:
 
     def get_device_stats(self) -> dict:
         return self.engine.get_device_stats()
+
+    def get_page_map(self) -> dict:
+        return self.engine.get_page_map()
 
     def reset_prefix_cache(self) -> bool:
         self.engine.block_manager.reset_prefix_cache()

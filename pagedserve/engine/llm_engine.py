@@ -514,6 +514,11 @@ class LLMEngine:
             "faults_detected": dev.num_faults_detected,
         }
 
+    def get_page_map(self) -> dict:
+        """The KV page pool frame by frame (``BlockManager.page_map``), for the web console."""
+        bm = self.block_manager
+        return {"total": bm.num_pages, "block_size": self.block_size, **bm.page_map()}
+
 
 def _cumulative(seq: Request) -> float | None:
     return seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None

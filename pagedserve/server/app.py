@@ -57,6 +57,7 @@ from pagedserve.server.sampling import chat_sampling_params, completion_sampling
 from pagedserve.server.session_state import SessionStore, session_router
 from pagedserve.server.sglang_api import sglang_router
 from pagedserve.server.structured import attach_structured_outputs
+from pagedserve.server.web_ui import install_web_ui, is_web_ui_path
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -635,10 +636,12 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = None,
+    web_ui: bool = True,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
     its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
-    thread of this process. The app's lifespan starts and stops the engine core."""
+    thread of this process. The app's lifespan starts and stops the engine core. ``web_ui``: the
+    web console at ``/`` (``pagedserve serve --disable-web-ui`` turns it off)."""
     serving = OpenAIServing(engine, served_model_name, max_queue_len)
 
     @asynccontextmanager
@@ -659,6 +662,8 @@ def build_app(
     _add_routes(app, serving)
     app.include_router(sglang_router(serving))
     app.include_router(session_router(SessionStore()))
+    if web_ui:
+        install_web_ui(app)
     return app
 
 
@@ -668,7 +673,7 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if request.url.path.startswith(PUBLIC_PATHS) or request.method == "OPTIONS":
+        if _is_public(request.url.path) or request.method == "OPTIONS":
             return await call_next(request)
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
             body = error_body(
@@ -679,6 +684,12 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
             )
             return JSONResponse(body, status_code=401)
         return await call_next(request)
+
+
+def _is_public(path: str) -> bool:
+    """Routes open without the API key: liveness, metrics, API docs, and the web console's page
+    and files (they hold no data; the page asks for the key and sends it on every call)."""
+    return path.startswith(PUBLIC_PATHS) or is_web_ui_path(path)
 
 
 def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
@@ -725,7 +736,18 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
             **stats,
             "model": serving.model_name,
             "tokens_per_second": serving.engine.tokens_per_second(),
+            "tokens_per_second_history": serving.engine.token_rate_history.per_second(
+                time.monotonic()
+            ),
         }
+
+    @app.get("/device/pages")
+    async def device_pages() -> dict:
+        """The KV page pool frame by frame: a digit per page (the console's page map)."""
+        try:
+            return await serving.engine.get_page_map()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from e
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
