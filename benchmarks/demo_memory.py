@@ -6,7 +6,7 @@ Starts ``pagedserve serve`` on the embedded demo model (on a free port) as the R
 then with ``--num-kv-pages 512`` and with ``--gpu-memory-utilization 0.1``; in each it serves a
 burst of completions, then reads the resident memory (VmRSS, and the peak VmHWM) of the server's
 process tree (the HTTP process and its engine core process) and the KV pool the server reports at
-``GET /device``. How much of an untouched pool is resident depends on the kernel, so the default
+``GET /device`` (pages, tokens, MiB, and how many sequences of ``max_model_len`` tokens it holds). How much of an untouched pool is resident depends on the kernel, so the default
 server runs ``--runs`` times and the file keeps every run. Writes
 benchmarks/results/demo_memory.json; rerun it whenever pagedserve/demo_model changes.
 """
@@ -53,16 +53,31 @@ async def burst(url: str, requests: int = 16, max_tokens: int = 64) -> None:
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
 
 
+def kv_pool(url: str) -> dict:
+    """The KV pool the server reports: pages, tokens, MiB, and full-length sequences it holds."""
+    device = httpx.get(url + "/device", timeout=60).json()
+    max_model_len = httpx.get(url + "/v1/models", timeout=60).json()["data"][0]["max_model_len"]
+    pages, block_size = device["kv_pages"]["total"], device["kv_pages"]["block_size"]
+    return {
+        "num_kv_pages": pages,
+        "block_size": block_size,
+        "tokens": pages * block_size,
+        "mib": device["tiers"]["kv"]["allocations"]["kv_cache"] / 2**20,
+        "max_model_len": max_model_len,
+        "full_length_sequences": pages * block_size // max_model_len,
+    }
+
+
 def measure(flags: list[str]) -> dict:
     with demo_server(flags) as (pid, url):
-        device = httpx.get(url + "/device", timeout=60).json()
+        pool = kv_pool(url)
         asyncio.run(burst(url))
         rss, peak = process_tree_kib(pid, "VmRSS"), process_tree_kib(pid, "VmHWM")
     return {
         "rss_gb": sum(rss.values()) * 1024 / 1e9,
         "peak_rss_gb": sum(peak.values()) * 1024 / 1e9,
         "http_process_rss_mb": rss[pid] * 1024 / 1e6,
-        "device": device,
+        "kv_pool": pool,
     }
 
 
@@ -78,9 +93,9 @@ def main() -> None:
             "rss_gb": spread([r["rss_gb"] for r in runs]),
             "peak_rss_gb": spread([r["peak_rss_gb"] for r in runs]),
             "http_process_rss_mb": spread([r["http_process_rss_mb"] for r in runs]),
-            "device": runs[0]["device"],
+            "kv_pool": runs[0]["kv_pool"],
         }
-        print(name, {k: v for k, v in figures[name].items() if k != "device"}, flush=True)
+        print(name, figures[name], flush=True)
     print(write_result("demo_memory", figures))
 
 

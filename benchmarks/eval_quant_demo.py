@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 from results import write_result  # noqa: E402
 
 from pagedserve.quant.cli import (  # noqa: E402
@@ -77,7 +78,12 @@ def main() -> None:
                 **result,
             }
             print(name, candidates[name], flush=True)
-    figures = {"model": args.model, "group_size": 32, "candidates": candidates}
+    figures = {
+        "model": args.model,
+        "group_size": 32,
+        "threads": torch.get_num_threads(),
+        "candidates": candidates,
+    }
     print(write_result("eval_quant_demo", figures))
 
 

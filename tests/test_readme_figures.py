@@ -67,7 +67,7 @@ NOT_MEASUREMENTS = [
     ("a 32 GiB Kunlun XPU", "the device preset table: preset sizes"),
     ("| 2 GiB KV cache in host memory", "the device preset table: preset sizes"),
     ("0.625 bytes per parameter", "arithmetic of the format: 4 bits + 2 x 16 bits / 32"),
-    ("1,024 sessions, 256 KiB each", "server limits (pagedserve/server/sessions)"),
+    ("1,024 sessions, 256 KiB each", "server limits (pagedserve/server/session_state.py)"),
     ("over the last ~10 s", "the window smi's tokens/s is averaged over"),
     ("(default 0.5, the deployment guide's bar)", "a default threshold"),
     ("under 1.50 bits per character", "the bound tests/test_demo_model.py asserts"),
