@@ -84,11 +84,7 @@ def strip_code(text: str) -> str:
     """The text without fenced code, inline code and HTML comments, its whitespace collapsed."""
     text = re.sub(r"```.*?```", " ", text, flags=re.S)
     text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
-    return re.sub(r"\s+", " ", re.sub(r"`[^`\n]*`", " ", text))
-
-
-def readme_prose() -> str:
-    return re.sub(r"\s+", " ", README.read_text())
+    return re.sub(r"\s+", " ", re.sub(r"`[^`]*`", " ", text))
 
 
 def is_name(text: str, start: int, end: int) -> bool:
