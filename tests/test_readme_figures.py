@@ -165,17 +165,22 @@ def test_results_file_records_date_machine_torch_and_an_existing_command(path):
         assert (ROOT / script).is_file(), f"{path.name}: its command's {script} is not in the repo"
 
 
+def unquoted(passage: str, record: dict) -> list[str]:
+    """The figures of a marked passage that its results record does not hold."""
+    values = numbers_in(record)
+    return [w for w, d in figures(strip_code(passage)) if not quotes(w, d, values)]
+
+
 @pytest.mark.parametrize("index", range(len(marked_blocks())))
 def test_every_figure_in_a_marked_passage_is_in_its_results_files(index):
     files, body = marked_blocks()[index]
-    values = [n for name in files for n in numbers_in(load(name))]
-    missing = [w for w, d in figures(strip_code(body)) if not quotes(w, d, values)]
+    missing = unquoted(body, [load(name) for name in files])
     assert not missing, f"figures not in {', '.join(files)}: {missing}"
 
 
-def unmarked_figures() -> list[str]:
-    """Each number with a unit outside the marked passages, with its line's text around it."""
-    text = strip_code(BLOCK.sub(" ", README.read_text()))
+def unmarked_figures(readme: str) -> list[str]:
+    """Each number with a unit outside the marked passages, with the text around it."""
+    text = strip_code(BLOCK.sub(" ", readme))
     for statement, _ in NOT_MEASUREMENTS:
         text = text.replace(statement, " ")
     found = []
@@ -188,7 +193,8 @@ def unmarked_figures() -> list[str]:
 
 
 def test_no_figure_outside_a_marked_passage():
-    assert not unmarked_figures(), "\n".join(unmarked_figures())
+    found = unmarked_figures(README.read_text())
+    assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("statement", [s for s, _ in NOT_MEASUREMENTS])
@@ -209,3 +215,17 @@ def test_the_checks_tell_figures_from_names():
     assert quotes("2.6", 1, [2.6327]) and not quotes("2.7", 1, [2.6327])
     assert quotes("62.3", 1, [0.6229]) and quotes("4.5", 1, [4531.5])
     assert not quotes("1.3", 1, [1508.0])  # gate_up at 32 rows: 1.3 ms is not 1,508 us
+
+
+def test_the_checks_catch_the_stale_figures_issue_16_found():
+    """A figure that drifted from its results file, or a timing with no results file, fails."""
+    paths = {"us_per_call": {"gate_up": {"rows": {"32": {"native int4": 1508.2}}}}}
+    assert unquoted("gate_up at 32 rows takes 1,508 µs", paths) == []
+    assert unquoted("gate_up at 32 rows takes 1.5 ms", paths) == []
+    assert unquoted("gate_up at 32 rows takes 1.3 ms", paths) == ["1.3"]
+    awq = {"AWQ W4A8": {"bleu": 0.8898, "quantize_seconds": 57.2}}
+    assert unquoted("| AWQ W4A8 | 0.890 | took 57 s |", awq) == []
+    assert unquoted("| AWQ W4A8 | 0.852 | took 29 s |", awq) == ["0.852", "29"]
+    assert unmarked_figures("AWQ took 29 s here.") != []
+    marked = "<!-- results: benchmarks/results/x.json -->AWQ took 29 s here.<!-- /results -->"
+    assert unmarked_figures(marked) == []
