@@ -80,11 +80,14 @@ NOT_MEASUREMENTS = [
 ]
 
 
+def without_code(text: str) -> str:
+    """The text without fenced and inline code (where a marker is only shown, not meant)."""
+    return re.sub(r"`[^`]*`", " ", re.sub(r"```.*?```", " ", text, flags=re.S))
+
+
 def strip_code(text: str) -> str:
-    """The text without fenced code, inline code and HTML comments, its whitespace collapsed."""
-    text = re.sub(r"```.*?```", " ", text, flags=re.S)
-    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
-    return re.sub(r"\s+", " ", re.sub(r"`[^`]*`", " ", text))
+    """The text without code and HTML comments, its whitespace collapsed."""
+    return re.sub(r"\s+", " ", re.sub(r"<!--.*?-->", " ", without_code(text), flags=re.S))
 
 
 def is_name(text: str, start: int, end: int) -> bool:
@@ -130,7 +133,7 @@ def quotes(written: str, decimals: int, values: list[float]) -> bool:
 
 
 def marked_blocks() -> list[tuple[list[str], str]]:
-    text = README.read_text()
+    text = without_code(README.read_text())
     return [
         ([f.strip() for f in m.group("files").split(",")], m.group("body"))
         for m in BLOCK.finditer(text)
@@ -146,7 +149,7 @@ def load(name: str) -> dict:
 
 
 def test_every_results_marker_is_closed_and_names_existing_files():
-    text = README.read_text()
+    text = without_code(README.read_text())
     assert len(OPENING.findall(text)) == len(CLOSING.findall(text)) == len(marked_blocks())
     for files, _ in marked_blocks():
         for name in files:
@@ -180,7 +183,7 @@ def test_every_figure_in_a_marked_passage_is_in_its_results_files(index):
 
 def unmarked_figures(readme: str) -> list[str]:
     """Each number with a unit outside the marked passages, with the text around it."""
-    text = strip_code(BLOCK.sub(" ", readme))
+    text = strip_code(BLOCK.sub(" ", without_code(readme)))
     for statement, _ in NOT_MEASUREMENTS:
         text = text.replace(statement, " ")
     found = []
