@@ -1,7 +1,7 @@
 """The eval-quant table of the README: the embedded demo model quantized each way, judged against
 its bf16 weights by ``pagedserve eval-quant``, and how long each quantization took.
 
-    python benchmarks/eval_quant_demo.py [--model demo]
+    python benchmarks/eval_quant_demo.py [--model demo] [--threads N] [--output NAME]
 
 For AWQ W4A16, AWQ W4A8 and RTN W4A16 it runs what the README tells a user to run,
 
@@ -64,7 +64,11 @@ def eval_quant(model: str, candidate: Path, out_json: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo", help="16-bit model directory, or demo")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--output", default="eval_quant_demo", help="results file name")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     candidates = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (method, abits) in CANDIDATES.items():
@@ -84,7 +88,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "candidates": candidates,
     }
-    print(write_result("eval_quant_demo", figures))
+    print(write_result(args.output, figures))
 
 
 if __name__ == "__main__":
