@@ -8,9 +8,11 @@
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
 - native bf16 GEMV (up to 4 rows) and torch.mv (1 row): the dense few-row paths.
 
-    python benchmarks/linear_paths.py [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512]
+    python benchmarks/linear_paths.py [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512] [--output NAME]
 
-Prints microseconds per call and GFLOP/s, and writes benchmarks/results/linear_paths.json.
+Prints microseconds per call and GFLOP/s, and writes both to benchmarks/results/NAME.json
+(default linear_paths_MODEL; give a run of other rows its own NAME, so that it does not replace
+the full run the README quotes).
 """
 
 from __future__ import annotations
@@ -106,21 +108,22 @@ def main() -> None:
     ap.add_argument("--model", default="122m", choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--output", default=None, help="results file name (default linear_paths_MODEL)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; microseconds per call (GFLOP/s)")
     print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
     table = {}
     for name, n, k in layer_shapes(args.model):
-        table[name] = {"n": n, "k": k, "rows": {}}
+        table[name] = {"n": n, "k": k, "rows": {}, "gflops": {}}
         for m, t in measure(n, k, args.rows).items():
+            gflops = {p: round(2 * m * n * k / us / 1e3, 1) for p, us in t.items()}
             table[name]["rows"][m] = {p: round(us, 1) for p, us in t.items()}
-            cells = [
-                f"{t[p]:9.0f} ({2 * m * n * k / t[p] / 1e3:5.0f})" if p in t else "-" for p in PATHS
-            ]
+            table[name]["gflops"][m] = gflops
+            cells = [f"{t[p]:9.0f} ({gflops[p]:5.0f})" if p in t else "-" for p in PATHS]
             print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells), flush=True)
     path = write_result(
-        f"linear_paths_{args.model}",
+        args.output or f"linear_paths_{args.model}",
         {"model": args.model, "threads": args.threads, "group_size": GROUP, "us_per_call": table},
     )
     print(f"wrote {path}")

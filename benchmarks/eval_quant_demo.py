@@ -1,0 +1,95 @@
+"""The eval-quant table of the README: the embedded demo model quantized each way, judged against
+its bf16 weights by ``pagedserve eval-quant``, and how long each quantization took.
+
+    python benchmarks/eval_quant_demo.py [--model demo] [--threads N] [--output NAME]
+
+For AWQ W4A16, AWQ W4A8 and RTN W4A16 it runs what the README tells a user to run,
+
+    pagedserve quantize --model-path demo --output-path DST --quant-method awq|rtn --abits 16|8
+    pagedserve eval-quant --reference demo --candidate DST --json OUT
+
+in this process (so the quantize time is the quantization, not Python's start-up), into a
+temporary directory, and writes benchmarks/results/eval_quant_demo.json: per candidate the
+eval-quant results (perplexities, increase in %, top-1 agreement, mean KL, BLEU-4, ROUGE-L,
+verdict), the quantize wall time in seconds and the size of the quantized directory in MB. AWQ and RTN are deterministic, so the quality
+figures repeat exactly for a given model; the times depend on how busy the machine is.
+It depends on the demo model: rerun it whenever pagedserve/demo_model changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from results import write_result  # noqa: E402
+
+from pagedserve.quant.cli import (  # noqa: E402
+    add_eval_quant_args,
+    add_quantize_args,
+    run_eval_quant,
+    run_quantize,
+)
+
+CANDIDATES = {
+    "AWQ W4A16": ("awq", 16),
+    "AWQ W4A8": ("awq", 8),
+    "RTN W4A16": ("rtn", 16),
+}
+
+
+def quantize(model: str, out: Path, method: str, abits: int) -> float:
+    """``pagedserve quantize`` into ``out``; its wall time in seconds."""
+    argv = ["--model-path", model, "--output-path", str(out), "--quant-method", method]
+    args = add_quantize_args(argparse.ArgumentParser()).parse_args([*argv, "--abits", str(abits)])
+    start = time.perf_counter()
+    run_quantize(args)
+    return time.perf_counter() - start
+
+
+def eval_quant(model: str, candidate: Path, out_json: Path) -> dict:
+    """``pagedserve eval-quant`` of ``candidate`` against ``model``: its --json record."""
+    argv = ["--reference", model, "--candidate", str(candidate), "--json", str(out_json)]
+    run_eval_quant(add_eval_quant_args(argparse.ArgumentParser()).parse_args(argv))
+    return json.loads(out_json.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo", help="16-bit model directory, or demo")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--output", default="eval_quant_demo", help="results file name")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    candidates = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (method, abits) in CANDIDATES.items():
+            out = Path(tmp) / f"{method}-a{abits}"
+            seconds = quantize(args.model, out, method, abits)
+            size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+            result = eval_quant(args.model, out, Path(tmp) / f"{method}-a{abits}.json")
+            candidates[name] = {
+                "quantize_seconds": round(seconds, 1),
+                "directory_mb": round(size_mb, 1),
+                **result,
+            }
+            print(name, candidates[name], flush=True)
+    figures = {
+        "model": args.model,
+        "group_size": 32,
+        "threads": torch.get_num_threads(),
+        "candidates": candidates,
+    }
+    print(write_result(args.output, figures))
+
+
+if __name__ == "__main__":
+    main()
