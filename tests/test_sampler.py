@@ -11,6 +11,7 @@ from pagedserve.engine.sampler import (
     NUCLEUS_CANDIDATES,
     Sampler,
     SamplingMetadata,
+    apply_grammar_bitmask,
     apply_logit_bias,
     apply_penalties,
 )
@@ -408,3 +409,61 @@ def test_logprobs_zero_reports_only_the_chosen_token_when_it_is_not_the_top():
     out = Sampler()(logits.clone(), make_meta(params))
     assert len(set(out.sampled_token_ids)) > 1
     assert [list(d) for d in out.logprobs] == [[t] for t in out.sampled_token_ids]
+
+
+# ---- grammar bitmasks (structured output)
+
+
+def bitmask_of(allowed: list[set[int] | None], vocab: int) -> torch.Tensor:
+    """llguidance's layout, built by hand: int32 words, bit t % 32 of word t // 32 allows token t;
+    None is an unconstrained row (all ones)."""
+    words = (vocab + 31) // 32
+    mask = torch.full((len(allowed), words), -1, dtype=torch.int32)
+    for i, tokens in enumerate(allowed):
+        if tokens is None:
+            continue
+        bits = [0] * words
+        for t in tokens:
+            bits[t // 32] |= 1 << (t % 32)
+        mask[i] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits])
+    return mask
+
+
+@pytest.mark.parametrize("vocab", [12, 40, 64, 70])
+def test_grammar_bitmask_leaves_each_row_exactly_its_allowed_tokens(vocab):
+    allowed = [{1, 3}, None, {vocab - 1}, {0, 31, 32, 33} & set(range(vocab))]
+    logits = torch.randn(4, vocab)
+    masked = apply_grammar_bitmask(logits.clone(), bitmask_of(allowed, vocab))
+    for i, tokens in enumerate(allowed):
+        finite = set(torch.isfinite(masked[i]).nonzero().flatten().tolist())
+        assert finite == (tokens if tokens is not None else set(range(vocab))), i
+        keep = sorted(finite)
+        assert torch.equal(masked[i, keep], logits[i, keep])
+
+
+def test_tokens_past_the_bitmasks_vocabulary_are_not_allowed():
+    """A model whose lm_head is wider than the tokenizer's vocabulary (padding rows): the mask
+    covers the tokenizer's tokens only, and the padding is never drawn."""
+    logits = torch.zeros(1, 70)
+    masked = apply_grammar_bitmask(logits, bitmask_of([{2, 5}], 40))
+    assert set(torch.isfinite(masked[0]).nonzero().flatten().tolist()) == {2, 5}
+
+
+def test_sampler_draws_and_reports_logprobs_within_each_rows_grammar():
+    allowed = [{4, 7}, None, {9}]
+    logits = torch.randn(3, VOCAB)
+    params = [
+        SamplingParams(temperature=1.0, seed=1, logprobs=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
+    meta = make_meta(params)
+    meta.grammar_bitmask = bitmask_of(allowed, VOCAB)
+    draws = [Sampler()(logits.clone(), meta).sampled_token_ids for _ in range(20)]
+    assert {d[0] for d in draws} <= {4, 7}
+    assert all(d[1] == int(logits[1].argmax()) and d[2] == 9 for d in draws)
+    out = Sampler()(logits.clone(), meta)
+    expected = torch.log_softmax(logits[0, [4, 7]], dim=-1)
+    assert set(out.logprobs[0]) >= {4, 7}
+    for token, value in zip([4, 7], expected.tolist(), strict=True):
+        assert math.isclose(out.logprobs[0][token], value, rel_tol=1e-5, abs_tol=1e-6)
