@@ -174,3 +174,50 @@ def test_the_int4_variant_passes_the_golden_standard_against_the_demo_model(tmp_
     result = json.loads(report.read_text())
     assert verdict == 0 and result["passed"], result
     assert result["mean_kl"] > 0 and result["max_loss_pct"] == 0.5  # it differs, within the bar
+
+
+def test_the_schedule_warms_up_holds_the_peak_then_decays_linearly_to_zero():
+    schedule = _train_demo().Schedule.for_steps(1e-3, warmup=10, steps=100, decay_steps=20)
+    assert schedule.lr(0) == pytest.approx(1e-4) and schedule.lr(9) == pytest.approx(1e-3)
+    assert schedule.lr(50) == schedule.lr(80) == 1e-3
+    assert schedule.lr(90) == pytest.approx(0.5e-3) and schedule.lr(100) == 0
+
+
+def test_a_minutes_budget_gives_the_decay_the_rest_of_the_budget_at_the_measured_pace():
+    train_demo = _train_demo()
+    schedule = train_demo.Schedule(1e-3, warmup=10)
+    assert schedule.lr(500) == 1e-3  # no end yet: the stable phase lasts
+    train_demo._start_decay(schedule, train_demo.Progress(step=80, seconds=40.0), 50.0, 0.2)
+    assert (schedule.decay_start, schedule.total) == (80, 100)  # 10 s left at 0.5 s a step
+
+
+def test_a_resumed_run_has_the_model_optimizer_and_batches_it_was_saved_with(tmp_path):
+    from tokenizers import models
+
+    train_demo = _train_demo()
+    path = tmp_path / "ck.pt"
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        return model, torch.optim.AdamW(model.parameters()), torch.Generator().manual_seed(1)
+
+    model, optimizer, gen = run()
+    model(torch.randn(2, 4, generator=gen)).sum().backward()
+    optimizer.step()
+    schedule = train_demo.Schedule(1e-3, 10, total=100, decay_start=80)
+    progress = train_demo.Progress(step=1, seconds=2.0, ema=3.0)
+    train_demo.save_checkpoint(
+        path, model, optimizer, gen, schedule, progress, Tokenizer(models.BPE())
+    )
+    expected_batch = torch.randn(2, 4, generator=gen)
+
+    resumed, resumed_optimizer, resumed_gen = run()
+    fresh = train_demo.Schedule(1e-3, 10)
+    assert (
+        train_demo.load_checkpoint(path, resumed, resumed_optimizer, resumed_gen, fresh) == progress
+    )
+    assert (fresh.total, fresh.decay_start) == (100, 80)
+    assert torch.equal(resumed.weight, model.weight)
+    assert resumed_optimizer.state_dict()["state"][0]["step"] == 1
+    assert torch.equal(torch.randn(2, 4, generator=resumed_gen), expected_batch)
