@@ -5,6 +5,7 @@ takes, and the routes it says the API key guards are the ones it guards."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -18,6 +19,9 @@ from conftest import serve_subprocess
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_PORT = 8000
+DEMO_METRICS = json.loads((ROOT / "pagedserve" / "demo_model" / "metrics.json").read_text())
+# the server's weights are the ones tools/train_demo.py measured; its forward is not bit-identical
+SERVER_BITS_PER_CHAR_TOLERANCE = 0.005
 
 
 def code_blocks(language: str) -> list[str]:
@@ -97,6 +101,41 @@ def test_readme_shows_the_demo_models_real_completion(demo_server):
     _, port = demo_server
     out = _run(["bash", "-c", on_port(curl_examples()[0], port)], timeout=120).stdout
     assert json.loads(out)["choices"][0]["text"] == shown_completion()
+
+
+def demo_heldout():
+    """benchmarks/demo_heldout.py: the held-out measure through the server."""
+    path = ROOT / "benchmarks" / "demo_heldout.py"
+    spec = importlib.util.spec_from_file_location("demo_heldout", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_server_scores_the_heldout_slice_as_training_recorded(demo_server):
+    """echo + logprobs through the server on the slice metrics.json records (held-out documents
+    the model never trained on): the shipped model is as good there as its training run said."""
+    _, port = demo_server
+    bench = demo_heldout()
+    text = bench.HELDOUT_FILE.read_text(encoding="utf-8")[: DEMO_METRICS["test_slice_chars"]]
+    measured = bench.server_bits_per_char(f"http://127.0.0.1:{port}", text)
+    recorded = DEMO_METRICS["test_slice_bits_per_char"]
+    assert measured["heldout_bits_per_char"] <= recorded + SERVER_BITS_PER_CHAR_TOLERANCE
+    assert measured["heldout_bits_per_char"] == pytest.approx(
+        recorded, abs=SERVER_BITS_PER_CHAR_TOLERANCE
+    )
+
+
+def test_readme_quotes_the_heldout_bits_per_char_measured_through_the_server():
+    """The README's figure is benchmarks/demo_heldout.py's result on the whole held-out text, and
+    that agrees with what training recorded for the shipped weights."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "demo_heldout.json").read_text())
+    bpc = result["heldout_bits_per_char"]
+    assert result["heldout_chars"] == DEMO_METRICS["heldout_chars"]
+    assert bpc == pytest.approx(
+        DEMO_METRICS["heldout_bits_per_char"], abs=SERVER_BITS_PER_CHAR_TOLERANCE
+    )
+    assert readme_gb(r"held-out documents it never trained on: ([\d.]+) bits per") == round(bpc, 3)
 
 
 @pytest.mark.parametrize("index", range(len(python_examples(server=True))))

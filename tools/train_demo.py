@@ -6,7 +6,8 @@ library's sources), so the run is reproducible on any machine:
     python tools/train_demo.py --output pagedserve/demo_model --minutes 20 --threads 1
 
 Steps: corpus (held-out 5% by document) -> byte-level BPE tokenizer (GLM-4 special tokens at the END
-of the vocabulary, as in GLM-4) -> Glm4ForCausalLM trained with AdamW and a cosine schedule ->
+of the vocabulary, as in GLM-4) -> Glm4ForCausalLM trained with AdamW and a warmup-stable-decay
+schedule (checkpointed every --checkpoint-every steps; --resume continues a stopped run) ->
 a Hugging Face directory (bf16 safetensors, tokenizer.json, chat template) plus TRAINING.md and
 metrics.json with held-out bits per character next to a unigram baseline.
 """
@@ -29,7 +30,6 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tqdm import tqdm
 
 from pagedserve.models.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
 
@@ -210,7 +210,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     assert tokenizer.get_vocab_size() == vocab_size, tokenizer.get_vocab_size()
     return tokenizer
 
@@ -305,6 +305,29 @@ def build_model(shape: ModelShape, tokenizer: Tokenizer):
     return Glm4ForCausalLM(config)
 
 
+def init_model(model_dir: Path):
+    """Continue from a trained checkpoint (its shape and weights; its tokenizer is reused)."""
+    from transformers import Glm4ForCausalLM
+
+    return Glm4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _record_shape(args: argparse.Namespace, config) -> None:
+    """The shape actually trained, for metrics.json (an --init-from model brings its own)."""
+    args.hidden_size = config.hidden_size
+    args.layers = config.num_hidden_layers
+    args.intermediate_size = config.intermediate_size
+    args.num_attention_heads = config.num_attention_heads
+    args.num_key_value_heads = config.num_key_value_heads
+
+
+def _init_command(model_dir: Path | None) -> str | None:
+    """How the --init-from checkpoint was trained, as its own metrics.json records it."""
+    if model_dir is None:
+        return None
+    return json.loads((model_dir / "metrics.json").read_text())["command"]
+
+
 def token_stream(
     tokenizer: Tokenizer, docs: list[Document], chats: list[str], chat_repeats: int, seed: int
 ) -> list[int]:
@@ -321,11 +344,46 @@ def token_stream(
     return stream
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+@dataclass(slots=True)
+class Schedule:
+    """Warmup-stable-decay: linear warmup, a constant peak, then a linear decay to zero.
+
+    A run stopped during the stable phase is still a good starting point: resuming it with a
+    decay is all it takes to finish, which is what makes a wall-clock budget safe.
+    `total` and `decay_start` stay None until a --minutes run reaches its decay point. `cosine`
+    is the schedule of earlier runs (a cosine from the peak down to a tenth of it over `total`),
+    kept so that their commands still reproduce them.
+    """
+
+    peak: float
+    warmup: int
+    total: int | None = None
+    decay_start: int | None = None
+    cosine: bool = False
+
+    def lr(self, step: int) -> float:
+        if step < self.warmup:
+            return self.peak * (step + 1) / self.warmup
+        if self.cosine:
+            progress = (step - self.warmup) / max(1, self.total - self.warmup)
+            return self.peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        if self.decay_start is None or step < self.decay_start:
+            return self.peak
+        return self.peak * max(0.0, (self.total - step) / (self.total - self.decay_start))
+
+    @classmethod
+    def for_steps(
+        cls, peak: float, warmup: int, steps: int, decay_steps: int, cosine: bool = False
+    ) -> Schedule:
+        return cls(peak, warmup, steps, steps - decay_steps, cosine)
+
+    def describe(self) -> str:
+        if self.cosine:
+            return f"warmup {self.warmup}, cosine to a tenth of the peak at step {self.total}"
+        return (
+            f"warmup {self.warmup}, stable, linear decay to zero over the last "
+            f"{self.total - self.decay_start} steps"
+        )
 
 
 def sample_batch(
@@ -346,40 +404,90 @@ def train_step(model, optimizer, batch: torch.Tensor, autocast: bool = True) -> 
     return loss.item()
 
 
-def calibrate_steps(model, stream, args) -> int:
-    """Steps that fit in --minutes, timed on a few throwaway steps of a copy of the model."""
-    import copy
+@dataclass(slots=True)
+class Progress:
+    """Everything a resumed run needs besides the model and optimizer."""
 
-    probe = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(probe.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    train_step(probe, optimizer, sample_batch(stream, args.batch, args.seq_len, gen), args.autocast)
-    start = time.perf_counter()
-    for _ in range(5):
-        batch = sample_batch(stream, args.batch, args.seq_len, gen)
-        train_step(probe, optimizer, batch, args.autocast)
-    per_step = (time.perf_counter() - start) / 5
-    return max(10, int(args.minutes * 60 / per_step))
+    step: int = 0
+    seconds: float = 0.0
+    ema: float | None = None
 
 
-def train(model, stream: torch.Tensor, args, steps: int) -> float:
+def save_checkpoint(path: Path, model, optimizer, gen, schedule, progress, tokenizer) -> None:
+    """Write the run's state atomically, so a run killed mid-write keeps its last checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "generator": gen.get_state(),
+        "schedule": (schedule.total, schedule.decay_start),
+        "progress": (progress.step, progress.seconds, progress.ema),
+        "tokenizer": tokenizer.to_str(),
+    }
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
+
+
+def checkpoint_tokenizer(path: Path) -> Tokenizer:
+    return Tokenizer.from_str(torch.load(path, weights_only=False)["tokenizer"])
+
+
+def load_checkpoint(path: Path, model, optimizer, gen, schedule) -> Progress:
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    gen.set_state(state["generator"])
+    if schedule.total is None:  # a --minutes run keeps the decay point it had reached
+        schedule.total, schedule.decay_start = state["schedule"]
+    return Progress(*state["progress"])
+
+
+def _start_decay(schedule: Schedule, progress: Progress, budget_s: float, fraction: float) -> None:
+    """Fix the decay length from the measured step time: it fills the rest of the budget."""
+    per_step = progress.seconds / max(1, progress.step)
+    remaining = max(budget_s - progress.seconds, fraction * budget_s)
+    schedule.decay_start = progress.step
+    schedule.total = progress.step + max(1, round(remaining / per_step))
+
+
+def train(model, stream: torch.Tensor, args, schedule: Schedule, tokenizer, probe) -> Progress:
+    """Train until the schedule ends; `probe(model)` reports held-out bits/char at checkpoints."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
+    progress = Progress()
+    if args.resume and args.checkpoint.exists():
+        progress = load_checkpoint(args.checkpoint, model, optimizer, gen, schedule)
+        print(f"resumed at step {progress.step} ({progress.seconds:.0f} s trained)", flush=True)
+    budget_s = args.minutes * 60
     model.train()
-    start, ema = time.perf_counter(), None
-    bar = tqdm(range(steps), desc="train", mininterval=10)
-    for step in bar:
+    while schedule.total is None or progress.step < schedule.total:
+        if schedule.total is None and progress.seconds >= (1 - args.decay_fraction) * budget_s:
+            _start_decay(schedule, progress, budget_s, args.decay_fraction)
+            print(f"decay from step {schedule.decay_start} to {schedule.total}", flush=True)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, steps, args.lr, args.warmup)
+            group["lr"] = schedule.lr(progress.step)
+        start = time.perf_counter()
         batch = sample_batch(stream, args.batch, args.seq_len, gen)
         loss = train_step(model, optimizer, batch, args.autocast)
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
-        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        progress.seconds += time.perf_counter() - start
+        progress.step += 1
+        progress.ema = loss if progress.ema is None else 0.98 * progress.ema + 0.02 * loss
+        if progress.step % args.checkpoint_every == 0 or progress.step == schedule.total:
+            save_checkpoint(args.checkpoint, model, optimizer, gen, schedule, progress, tokenizer)
+            model.eval()
+            bpc = probe(model)
+            model.train()
+            print(
+                f"step {progress.step}/{schedule.total or '?'} {progress.seconds:.0f}s "
+                f"lr {schedule.lr(progress.step - 1):.2e} loss {progress.ema:.3f} "
+                f"probe {bpc:.4f} bits/char",
+                flush=True,
+            )
     model.eval()
-    return time.perf_counter() - start
+    return progress
 
 
 # ---------------------------------------------------------------- output
@@ -401,7 +509,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "additional_special_tokens": SPECIAL_TOKENS[1:],
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",
         "clean_up_tokenization_spaces": False,
@@ -444,19 +552,31 @@ def greedy_samples(model_dir: Path, prompts: list[str], max_new_tokens: int = 48
     return outs
 
 
+def _init_lines(metrics: dict) -> list[str]:
+    if not metrics.get("init_from"):
+        return []
+    return [
+        "That run continues (`--init-from`) the earlier demo model, itself trained from scratch by:",
+        "",
+        f"    {metrics['init_from']}",
+        "",
+    ]
+
+
 def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     lines = [
         "# pagedserve demo model",
         "",
         "A tiny GLM-4-0414-architecture model (`Glm4ForCausalLM`: sandwich norms, partial interleaved",
-        "RoPE, GQA, qkv bias) trained from scratch on CPU on text that ships with CPython: the pydoc",
+        "RoPE, GQA, qkv bias) trained on CPU on text that ships with CPython: the pydoc",
         "help topics and standard-library sources, plus chat-formatted questions whose answers are the",
         "first paragraph of a help topic or module docstring. It writes Python-ish text and help-like",
         "answers; it knows nothing else. Reproduce with:",
         "",
         f"    {metrics['command']}",
         "",
+        *_init_lines(metrics),
         "Special tokens sit at the end of the vocabulary (as in GLM-4); the tokenizer's post-processor",
         "adds none: prompts get `[gMASK]<sop>` from the chat template.",
         "",
@@ -479,7 +599,18 @@ def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
         "test_slice_bits_per_char",
     ]:
         lines.append(f"| {key} | {metrics[key]} |")
-    lines += [
+    lines += _vocab_lines(metrics)
+    lines += ["", "Greedy samples:", ""]
+    for prompt, completion in samples.items():
+        lines += [f"- `{prompt!r}` -> `{completion!r}`"]
+    (out / "TRAINING.md").write_text("\n".join(lines) + "\n")
+
+
+def _vocab_lines(metrics: dict) -> list[str]:
+    """The vocabulary-size table, when the run measured more than the size it used."""
+    if len(metrics["vocab_measurements"]) < 2:
+        return []
+    lines = [
         "",
         "Vocabulary size, by measurement: held-out characters per token, and what the embedding",
         "plus the untied lm_head cost at this hidden size. The chosen size is the knee: doubling",
@@ -491,10 +622,7 @@ def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
     hidden = metrics["hidden_size"]
     for vocab, cpt in sorted(metrics["vocab_measurements"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {vocab} | {cpt} | {2 * int(vocab) * hidden} |")
-    lines += ["", "Greedy samples:", ""]
-    for prompt, completion in samples.items():
-        lines += [f"- `{prompt!r}` -> `{completion!r}`"]
-    (out / "TRAINING.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 # ---------------------------------------------------------------- main
@@ -504,10 +632,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output", type=Path, default=Path("pagedserve/demo_model"))
     p.add_argument(
-        "--minutes", type=float, default=20.0, help="training time, used when --steps is not given"
+        "--minutes",
+        type=float,
+        default=20.0,
+        help="training time when --steps is not given; the decay takes its last --decay-fraction",
     )
     p.add_argument(
         "--steps", type=int, default=None, help="exact number of optimizer steps (reproducible)"
+    )
+    p.add_argument(
+        "--decay-steps",
+        type=int,
+        default=None,
+        help="with --steps: the last this many steps decay the learning rate to zero "
+        "(default: --decay-fraction of --steps)",
+    )
+    p.add_argument("--decay-fraction", type=float, default=0.2)
+    p.add_argument(
+        "--schedule",
+        choices=["wsd", "cosine"],
+        default="wsd",
+        help="warmup-stable-decay, or the cosine of earlier runs (needs --steps)",
+    )
+    p.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue training a model directory written by this script (its tokenizer and "
+        "shape are kept; the shape flags are ignored)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=Path("build/train_demo_checkpoint.pt"),
+        help="where the run's state is saved every --checkpoint-every steps",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint (same corpus and shape; the budget counts time "
+        "already trained)",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
@@ -534,7 +699,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bf16 autocast for training matmuls (2x faster on CPUs with AVX-512 bf16)",
     )
     p.add_argument("--chat-repeats", type=int, default=3)
-    p.add_argument("--max-source-bytes", type=int, default=4_000_000)
+    p.add_argument("--max-source-bytes", type=int, default=16_000_000)
+    p.add_argument("--max-file-bytes", type=int, default=30_000)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--num-key-value-heads", type=int, default=2)
+    p.add_argument(
+        "--probe-chars", type=int, default=8000, help="held-out text probed at checkpoints"
+    )
     p.add_argument("--test-slice-chars", type=int, default=4000)
     return p.parse_args(argv)
 
@@ -546,7 +717,7 @@ def main(argv: list[str] | None = None) -> None:
     out = args.output
     out.mkdir(parents=True, exist_ok=True)
 
-    corpus = build_corpus(args.max_source_bytes)
+    corpus = build_corpus(args.max_source_bytes, args.max_file_bytes)
     train_texts = [d.text for d in corpus.train]
     heldout = heldout_eval_text(corpus.heldout)
     heldout_file = args.heldout_file or _default_heldout_file(out)
@@ -559,11 +730,16 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     vocab_measurements = {}
-    for vocab in args.measure_vocab:
+    for vocab in [] if args.init_from else args.measure_vocab:
         if vocab != args.vocab_size:
             cpt = chars_per_token(train_tokenizer(train_texts, vocab), heldout)
             vocab_measurements[str(vocab)] = round(cpt, 3)
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    if args.resume and args.checkpoint.exists():
+        tokenizer = checkpoint_tokenizer(args.checkpoint)
+    elif args.init_from:
+        tokenizer = Tokenizer.from_file(str(args.init_from / "tokenizer.json"))
+    else:
+        tokenizer = train_tokenizer(train_texts, args.vocab_size)
     vocab_measurements[str(args.vocab_size)] = round(chars_per_token(tokenizer, heldout), 3)
     print(f"chars/token by vocab: {vocab_measurements}", flush=True)
 
@@ -576,13 +752,27 @@ def main(argv: list[str] | None = None) -> None:
         hidden_size=args.hidden_size,
         num_hidden_layers=args.layers,
         intermediate_size=args.intermediate_size,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
     )
-    model = build_model(shape, tokenizer)
+    model = init_model(args.init_from) if args.init_from else build_model(shape, tokenizer)
+    _record_shape(args, model.config)
     n_params = sum(p.numel() for p in model.parameters())
-    steps = args.steps or calibrate_steps(model, stream, args)
-    print(f"model: {n_params} parameters; {steps} steps of {args.batch}x{args.seq_len}", flush=True)
+    print(f"model: {n_params} parameters; batches of {args.batch}x{args.seq_len}", flush=True)
+    if args.steps:
+        decay_steps = args.decay_steps or round(args.decay_fraction * args.steps)
+        cosine = args.schedule == "cosine"
+        schedule = Schedule.for_steps(args.lr, args.warmup, args.steps, decay_steps, cosine)
+    elif args.schedule == "cosine":
+        raise SystemExit("--schedule cosine needs --steps")
+    else:
+        schedule = Schedule(args.lr, args.warmup)
 
-    seconds = train(model, stream, args, steps)
+    def probe(m) -> float:
+        return bits_per_char(m, tokenizer, heldout, args.probe_chars)
+
+    progress = train(model, stream, args, schedule, tokenizer, probe)
+    steps, seconds = progress.step, progress.seconds
     write_tokenizer_files(tokenizer, out)
     write_model_files(model, tokenizer, out)
 
@@ -593,9 +783,15 @@ def main(argv: list[str] | None = None) -> None:
     nll, n_tokens, n_chars = heldout_nll(shipped, shipped_tok, heldout)
     metrics = {
         "command": "python tools/train_demo.py --output pagedserve/demo_model "
-        f"--steps {steps} --threads {args.threads} --seed {args.seed} "
-        f"--vocab-size {args.vocab_size} --hidden-size {args.hidden_size} --layers {args.layers} "
-        f"--intermediate-size {args.intermediate_size} --batch {args.batch} --lr {args.lr}",
+        f"--steps {steps} --decay-steps {schedule.total - schedule.decay_start} "
+        f"--threads {args.threads} --seed {args.seed} --vocab-size {args.vocab_size} "
+        f"--hidden-size {args.hidden_size} --layers {args.layers} "
+        f"--num-attention-heads {args.num_attention_heads} "
+        f"--num-key-value-heads {args.num_key_value_heads} "
+        f"--intermediate-size {args.intermediate_size} --batch {args.batch} --lr {args.lr} "
+        f"--warmup {args.warmup} --max-file-bytes {args.max_file_bytes} "
+        f"--max-source-bytes {args.max_source_bytes} --schedule {args.schedule}"
+        + (f" --init-from {args.init_from.as_posix()}" if args.init_from else ""),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "parameters": n_params,
@@ -606,6 +802,8 @@ def main(argv: list[str] | None = None) -> None:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "lr": args.lr,
+        "schedule": schedule.describe(),
+        "init_from": _init_command(args.init_from),
         "train_seconds": round(seconds, 1),
         "steps": steps,
         "tokens_seen": steps * args.batch * args.seq_len,
