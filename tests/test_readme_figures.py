@@ -71,7 +71,7 @@ NOT_MEASUREMENTS = [
     ("over the last ~10 s", "the window smi's tokens/s is averaged over"),
     ("tokens/s over the last 5 minutes", "the console's chart window (TokenRateHistory)"),
     ("each of the last 300 seconds", "the window /device keeps (TokenRateHistory)"),
-    ("under 1.50 bits per character", "the bound tests/test_demo_model.py asserts"),
+    ("the package's 25 MB budget", "the size bound tests/test_demo_model.py asserts"),
     ("(20x overload)", "the workload: 240 clients against 4 running + 8 queued requests"),
     ("(a 1 GiB sum, 2 threads)", "the size of profile_decode.py's bandwidth probe"),
     ("24 GiB, no GPU", "the description of the machine"),
