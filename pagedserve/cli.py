@@ -26,7 +26,7 @@ ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
-    "quantize_lm_head",
+    "quantize_lm_head", "weight_scrub_pages",
 )  # fmt: skip
 
 
@@ -145,6 +145,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     a("--seed", type=int, default=None, help="random seed of the engine")
     a(
+        "--weight-scrub-pages",
+        type=int,
+        default=None,
+        help="weight pages (64 KiB each) whose checksums the patrol scrub verifies in every "
+        "step; a corrupted page is restored from the checkpoint and the step recomputed; 0 "
+        "turns the patrol off (POST /device/scrub still verifies all) (default 16)",
+    )
+    a(
+        "--enable-fault-injection",
+        action="store_true",
+        default=None,
+        help="let POST /device/faults inject device faults (a flipped bit in a KV or weight "
+        "page, a failing kernel) on --device kunlun-emu, to test recovery; never in production",
+    )
+    a(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
@@ -246,7 +261,13 @@ def _serve(engine, args: argparse.Namespace) -> int:
     from pagedserve.server.app import build_app
 
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key,
+        args.max_queue_len,
+        enable_fault_injection=bool(args.enable_fault_injection),
+    )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")
     config = uvicorn.Config(

@@ -47,7 +47,16 @@ class EngineCore:
 
     # what the HTTP process may call by name (``[UTILITY, call_id, name, args]``)
     UTILITIES = frozenset(
-        {"get_stats", "get_device_stats", "reset_prefix_cache", "pause", "resume"}
+        {
+            "get_stats",
+            "get_device_stats",
+            "reset_prefix_cache",
+            "pause",
+            "resume",
+            "scrub_weights",
+            "check_invariants",
+            "inject_fault",
+        }
     )
 
     def __init__(self, engine: LLMEngine):
@@ -99,7 +108,8 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """One engine step; a failure aborts the requests in flight and the loop goes on."""
+        """One engine step. A failed forward pass ends that step's requests (the engine says
+        which); a failure anywhere else aborts every request in flight; the loop goes on."""
         try:
             advanced = self.engine.execute_step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
@@ -108,6 +118,7 @@ class EngineCore:
             return []
         self.num_steps += 1
         self.errors.extend([rid, "rejected", why] for rid, why in self.engine.take_rejected())
+        self.errors.extend([rid, "step_failed", why] for rid, why in self.engine.take_failed())
         return [_output(group, index) for group, index in advanced]
 
     def step_encoded(self) -> bytes:
@@ -136,6 +147,25 @@ class EngineCore:
 
     def get_device_stats(self) -> dict:
         return self.engine.get_device_stats()
+
+    def scrub_weights(self) -> dict:
+        """Verify every weight page now; corrupted ones are restored from the checkpoint."""
+        restored = self.engine.scrub_weights()
+        return {"pages_verified": self.engine.device.num_weight_pages, "pages_restored": restored}
+
+    def check_invariants(self) -> dict:
+        """The KV pool's consistency and what is in flight (a soak's end-of-run check)."""
+        stats = self.engine.get_stats()
+        return {
+            "problems": self.engine.check_invariants(),
+            "num_requests_running": stats["num_requests_running"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+            "num_groups": self.engine.get_num_unfinished_requests(),
+            "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
+        }
+
+    def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
+        return self.engine.inject_fault(kind, tag, page)
 
     def reset_prefix_cache(self) -> bool:
         self.engine.block_manager.reset_prefix_cache()
@@ -256,7 +286,8 @@ class EngineCoreProc:
         try:
             result = getattr(self.core, name)(*args)
         except Exception as e:  # noqa: BLE001 - handed back to the caller
-            self.utility_results.append([call_id, False, repr(e)])
+            message = str(e) if isinstance(e, ValueError) else repr(e)  # a caller's mistake
+            self.utility_results.append([call_id, False, message])
             return
         self.utility_results.append([call_id, True, result])
 

@@ -12,12 +12,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
 
 import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
@@ -635,6 +636,7 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = None,
+    enable_fault_injection: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
     its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
@@ -657,6 +659,7 @@ def build_app(
     install_error_handlers(app)
     _install_auth(app, api_key)
     _add_routes(app, serving)
+    _add_device_routes(app, serving, enable_fault_injection)
     app.include_router(sglang_router(serving))
     app.include_router(session_router(SessionStore()))
     return app
@@ -679,6 +682,48 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
             )
             return JSONResponse(body, status_code=401)
         return await call_next(request)
+
+
+class FaultRequest(BaseModel):
+    kind: Literal["kv_page", "weight_page", "step"]
+    tag: str | None = Field(None, max_length=512, description="weight_page: the tensor's tag")
+    page: int | None = Field(None, ge=0, le=2**31, description="the page number")
+
+
+def _add_device_routes(app: FastAPI, serving: OpenAIServing, enable_fault_injection: bool) -> None:
+    """The operator's routes under /device (behind the API key): the weight tier's scrub on
+    demand, the KV pool's consistency check, and fault injection when the server allows it."""
+
+    async def call(name: str, *args: Any) -> Any:
+        try:
+            return await serving.engine.call_utility(name, *args)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from e
+
+    @app.post("/device/scrub")
+    async def scrub() -> dict:
+        """Verify every weight page's checksum now; corrupted pages are restored."""
+        return await call("scrub_weights")
+
+    @app.get("/device/invariants")
+    async def invariants() -> dict:
+        """The KV pool's own consistency check (``problems`` empty when all is well) and what
+        is in flight: after a soak, nothing running, nothing waiting, no page in use."""
+        return await call("check_invariants")
+
+    @app.post("/device/faults")
+    async def inject_fault(body: FaultRequest) -> dict:
+        """Inject a device fault (kunlun-emu, with --enable-fault-injection)."""
+        if not enable_fault_injection:
+            raise APIError(
+                403,
+                "fault injection is off: start the server with --enable-fault-injection",
+                code="fault_injection_disabled",
+            )
+        try:
+            return await call("inject_fault", body.kind, body.tag, body.page)
+        except RuntimeError as e:  # the engine's ValueError: no such page or tag, not kunlun-emu
+            raise bad_request(str(e)) from e
 
 
 def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -281,4 +281,6 @@ class DeviceStatsResponse(ResponseModel):
     kv_pages: dict[str, Any]
     requests: dict[str, int]
     faults_detected: int = 0
+    faults: dict[str, dict[str, int]] = {}  # per kind: injected, detected, recovered
+    weight_pages: dict[str, int] = {}  # total, scrubbed_total, scrub_pages_per_step
     tokens_per_second: float = 0.0
