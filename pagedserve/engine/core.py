@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -162,6 +163,7 @@ class EngineCore:
             "num_requests_waiting": stats["num_requests_waiting"],
             "num_groups": self.engine.get_num_unfinished_requests(),
             "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
+            "num_kv_pages_in_use": stats["num_kv_pages"] - stats["num_free_kv_pages"],
         }
 
     def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
@@ -234,6 +236,7 @@ class EngineCoreProc:
         self.poller.register(input_socket, zmq.POLLIN)
         self.utility_results: list[list] = []
         self.stopping = False
+        self.parent_gone = False
 
     def run_busy_loop(self) -> None:
         try:
@@ -261,7 +264,7 @@ class EngineCoreProc:
     def _check_parent(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.warning("the HTTP process is gone; the engine core stops")
-            self.stopping = True
+            self.stopping = self.parent_gone = True
 
     def _handle(self, message: list) -> None:
         kind = message[0]
@@ -337,3 +340,11 @@ def run_engine_core(
     input_socket.close(linger=0)
     output_socket.close(linger=2000)
     ctx.term()
+    if proc.parent_gone:  # killed without a word (SIGKILL): leave no socket files behind
+        _remove_ipc_dir(input_address)
+
+
+def _remove_ipc_dir(address: str) -> None:
+    """The directory of an ``ipc://DIR/NAME`` socket, which the HTTP process made for this core."""
+    if address.startswith("ipc://"):
+        shutil.rmtree(Path(address.removeprefix("ipc://")).parent, ignore_errors=True)
