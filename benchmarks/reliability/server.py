@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 
@@ -22,15 +23,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(*flags: str, timeout: float = 300) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`pagedserve serve FLAGS` on a free loopback port, once /health answers; stopped after."""
+def serve(
+    *flags: str, log: IO | None = None, timeout: float = 300
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`pagedserve serve FLAGS` on a free loopback port, once /health answers; stopped after.
+    Its output goes to ``log`` (default: this process's)."""
     import httpx
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *flags]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen(cmd)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -80,3 +84,11 @@ def rss_bytes(pids: list[int]) -> int:
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+def logged_errors(log_text: str) -> list[str]:
+    """The server's ERROR lines and tracebacks (an error a vanished client never saw is still
+    one)."""
+    return [
+        line for line in log_text.splitlines() if " ERROR " in line or line.startswith("Traceback")
+    ]

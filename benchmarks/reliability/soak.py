@@ -19,12 +19,13 @@ import argparse
 import asyncio
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import BENCHMARKS, process_tree, rss_bytes, serve  # noqa: E402
+from server import BENCHMARKS, logged_errors, process_tree, rss_bytes, serve  # noqa: E402
 
 PREFIXES = [
     "You are a careful assistant. Answer in one short sentence, plainly, without lists. ",
@@ -179,10 +180,15 @@ def main() -> None:
     from results import write_result
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-pages", str(args.num_kv_pages)]
-    with serve(*flags) as (server, url):
-        pids = process_tree(server.pid)
-        figures = run_soak(url, args.requests, args.concurrency, pids, args.seed)
+    with tempfile.TemporaryFile("w+") as log:
+        with serve(*flags, log=log) as (server, url):
+            pids = process_tree(server.pid)
+            figures = run_soak(url, args.requests, args.concurrency, pids, args.seed)
+        log.seek(0)
+        errors = logged_errors(log.read())
     figures |= {
+        "server_errors_logged": len(errors),
+        "first_server_errors": errors[:5],
         "max_num_seqs": args.max_num_seqs,
         "num_kv_pages": args.num_kv_pages,
         "note": "correctness and memory, not speed: pinned to one busy core with its clients",
@@ -191,7 +197,8 @@ def main() -> None:
     print(
         f"soak: {figures['requests']} requests in {figures['seconds']} s: "
         f"{figures['completed']} completed, {figures['disconnected']} clients gone early, "
-        f"{figures['status_5xx']} 5xx, {figures['other_errors']} other errors; after: "
+        f"{figures['status_5xx']} 5xx, {figures['other_errors']} other errors, "
+        f"{figures['server_errors_logged']} errors in the server's log; after: "
         f"kv_cache_usage_perc {end['kv_cache_usage_perc']}, running "
         f"{end['num_requests_running']}, waiting {end['num_requests_waiting']}, invariant "
         f"problems {end['problems'] or 'none'}; resident memory {figures['rss_mb']} MB, "

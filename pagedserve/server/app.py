@@ -204,8 +204,11 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             if not gather.done():
+                # the streams abort as the cancellation reaches them, a moment later: until then
+                # the gathering future is neither done nor cancelled, and nobody reads it after
                 gather.cancel()
-        if gather.cancelled():
+                gather.add_done_callback(_retrieve)
+        if not gather.done() or gather.cancelled():
             raise APIError(499, "client disconnected")
         try:
             return gather.result()
@@ -621,6 +624,12 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Read an abandoned future's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
