@@ -74,16 +74,25 @@ def process_tree(pid: int) -> list[int]:
 
 def rss_bytes(pids: list[int]) -> int:
     """Resident memory of these processes together (VmRSS; a gone process counts 0)."""
-    total = 0
-    for pid in pids:
+    return sum(rss_by_process(pids).values())
+
+
+def rss_by_process(pids: list[int]) -> dict[str, int]:
+    """Resident memory per process, named by role: the first is the server's HTTP process, a
+    spawned child running the engine is ``engine_core``, others by their command name."""
+    rss = {}
+    for i, pid in enumerate(pids):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) * 1024
-    return total
+        role = "http" if i == 0 else "engine_core" if "spawn_main" in cmdline else "other"
+        kib = next(
+            int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")
+        )
+        rss[role] = rss.get(role, 0) + kib * 1024
+    return rss
 
 
 def logged_errors(log_text: str) -> list[str]:

@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import BENCHMARKS, logged_errors, process_tree, rss_bytes, serve  # noqa: E402
+from server import BENCHMARKS, logged_errors, process_tree, rss_by_process, serve  # noqa: E402
 
 PREFIXES = [
     "You are a careful assistant. Answer in one short sentence, plainly, without lists. ",
@@ -99,17 +99,14 @@ async def _drive(
 
     rng = random.Random(seed)
     outcomes: Counter = Counter()
-    rss: dict[str, int] = {}
-    marks = {
-        int(num_requests * WARMUP): "after_warmup",
-        int(num_requests * (WARMUP + MEASURED)): "after_measured",
-    }
+    rss: dict[int, dict[str, int]] = {}  # per tenth of the run: per process
+    tenths = {num_requests * k // 10: k * 10 for k in range(1, 10)}
     todo = iter(range(num_requests))
 
     async def client(http) -> None:
         for i in todo:
-            if i in marks and memory_pids:
-                rss[marks[i]] = rss_bytes(memory_pids)
+            if i in tenths and memory_pids:
+                rss[tenths[i]] = rss_by_process(memory_pids)
             await _send(http, url, *_request(rng, prefix_copies), rng, outcomes)
 
     limits = httpx.Limits(max_connections=concurrency * 2)
@@ -160,9 +157,16 @@ def run_soak(
         "leaked_pages": end["num_kv_pages_in_use"],
     }
     if memory_pids:
-        rss = driven["rss"] | {"end": rss_bytes(memory_pids)}
-        figures["rss_mb"] = {k: round(v / 2**20, 1) for k, v in rss.items()}
-        figures["rss_growth_mb"] = round((rss["after_measured"] - rss["after_warmup"]) / 2**20, 1)
+        rss = driven["rss"] | {100: rss_by_process(memory_pids)}
+        figures["rss_mb_by_percent_done"] = {
+            pct: {name: round(v / 2**20, 1) for name, v in by_process.items()}
+            for pct, by_process in sorted(rss.items())
+        }
+        warm, measured = round(WARMUP * 100), round((WARMUP + MEASURED) * 100)
+        figures["rss_growth_mb"] = {
+            name: round((rss[measured][name] - rss[warm][name]) / 2**20, 1) for name in rss[warm]
+        }
+        figures["rss_growth_mb"]["total"] = round(sum(figures["rss_growth_mb"].values()), 1)
     return figures
 
 
@@ -201,8 +205,9 @@ def main() -> None:
         f"{figures['server_errors_logged']} errors in the server's log; after: "
         f"kv_cache_usage_perc {end['kv_cache_usage_perc']}, running "
         f"{end['num_requests_running']}, waiting {end['num_requests_waiting']}, invariant "
-        f"problems {end['problems'] or 'none'}; resident memory {figures['rss_mb']} MB, "
-        f"growth over the measured {MEASURED:.0%}: {figures['rss_growth_mb']} MB"
+        f"problems {end['problems'] or 'none'}; resident memory (MB) by % done "
+        f"{figures['rss_mb_by_percent_done']}; growth over the measured {MEASURED:.0%}: "
+        f"{figures['rss_growth_mb']} MB"
     )
     write_result("soak", figures)
 
