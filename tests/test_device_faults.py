@@ -10,7 +10,7 @@ import torch
 from helpers_models import build_tiny_model_dir
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.hal.faults import checksum, page_bytes
+from pagedserve.hal.faults import UnrecoverableFaultError, checksum, page_bytes
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -92,6 +92,23 @@ def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint
     assert not torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
     assert engine.scrub_weights() == 1 and engine.scrub_weights() == 0
     assert torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
+
+
+def test_a_weight_page_that_cannot_be_restored_stops_the_engine(llm, monkeypatch):
+    engine = llm.llm_engine
+
+    def gone(*_):
+        raise FileNotFoundError("model.safetensors")
+
+    monkeypatch.setattr(engine.model, "rebuild_weights", gone)
+    engine.inject_fault("weight_page", NORM, 0)
+    engine.add_request("doomed", PROMPT, GREEDY)
+    with pytest.raises(UnrecoverableFaultError, match=r"cannot be restored from .*restart"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.scrub_weights() == 1
+    engine.abort_request("doomed")
+    assert _drained(llm)
 
 
 def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(llm):

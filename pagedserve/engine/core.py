@@ -34,6 +34,7 @@ from pagedserve.engine.messages import (
     encode,
     params_from_wire,
 )
+from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,9 +111,12 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """One engine step. A failed forward pass ends that step's requests (the engine says
-        which); a failure anywhere else aborts every request in flight; the loop goes on."""
+        which); a failure anywhere else aborts every request in flight; the loop goes on, but
+        for an unrecoverable device fault."""
         try:
             advanced = self.engine.execute_step()
+        except UnrecoverableFaultError:
+            raise  # the loop dies and says why; /health turns 503
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
             logger.exception("engine step failed; aborting the requests in flight")
             self._fail_in_flight(e)

@@ -21,6 +21,7 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured import StructuredOutputManager
 from pagedserve.hal import get_device
+from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.hal.memory import format_bytes
 from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
 from pagedserve.models.glm4 import GlmForCausalLM
@@ -317,6 +318,8 @@ class LLMEngine:
         forks = self._forks_this_step(sched)
         try:
             result = self.runner.execute_model(sched, forks)
+        except UnrecoverableFaultError:
+            raise  # no step can be trusted any more: the engine stops
         except Exception as e:  # noqa: BLE001 - a device or kernel error ends this step only
             self._fail_step(sched, e)
             return []
@@ -359,7 +362,13 @@ class LLMEngine:
         dev = self.device
         bad = dev.scrub_weights(dev.num_weight_pages if num_pages is None else num_pages)
         for layer in {layer_of(p.tag) for p in bad}:
-            rebuilt = self.model.rebuild_weights(self.model_path, layer)
+            try:
+                rebuilt = self.model.rebuild_weights(self.model_path, layer)
+            except (OSError, ValueError, KeyError) as e:
+                raise UnrecoverableFaultError(
+                    f"weight pages {[(p.tag, p.index) for p in bad]} are corrupted and cannot "
+                    f"be restored from {self.model_path}: {e!r}; restart the server"
+                ) from e
             for p in (p for p in bad if layer_of(p.tag) == layer):
                 logger.warning(
                     "weight page %d of %s failed its checksum: restored from %s",

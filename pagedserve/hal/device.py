@@ -14,7 +14,12 @@ import torch
 import yaml
 
 from pagedserve.hal import int4, kernels
-from pagedserve.hal.faults import FaultCounts, WeightPage, WeightScrubber
+from pagedserve.hal.faults import (
+    FaultCounts,
+    UnrecoverableFaultError,
+    WeightPage,
+    WeightScrubber,
+)
 from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
@@ -225,7 +230,7 @@ class Device:
         """Write a corrupted page back from ``source`` (its tensor rebuilt from the checkpoint)."""
         assert self.scrubber is not None, "restore_weight_page before seal_weights"
         if not self.scrubber.restore(page, source):
-            raise RuntimeError(
+            raise UnrecoverableFaultError(
                 f"weight page {page.index} of {page.tag} still fails its checksum after "
                 "restoration: the checkpoint on disk differs from the one loaded"
             )

@@ -21,6 +21,11 @@ class DeviceKernelError(RuntimeError):
     """A kernel failed on the device (on ``kunlun-emu``: an injected one)."""
 
 
+class UnrecoverableFaultError(RuntimeError):
+    """A fault the device cannot repair (a weight page whose checkpoint is gone or changed):
+    serving on would give wrong answers, so the engine stops and its supervisor restarts it."""
+
+
 @dataclass
 class FaultCounts:
     """Per fault kind: injected on purpose, detected, and recovered (the engine went on with
