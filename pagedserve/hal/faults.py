@@ -59,15 +59,27 @@ def page_bytes(t: torch.Tensor, index: int, size: int = WEIGHT_PAGE_BYTES) -> to
 
 
 def checksum(page: torch.Tensor) -> int:
-    """Sum of the page's 32-bit words in 64 bits: one flipped bit changes it by 2**k (k < 32),
-    so every single-bit upset is seen; one pass at memory speed, on any torch device."""
-    words = page.view(torch.int32) if page.numel() % 4 == 0 else page
-    return int(words.sum(dtype=torch.int64))
+    """Sum of the page's 64-bit words, wrapping: one flipped bit changes it by 2**k (k < 64),
+    never by a multiple of 2**64, so every single-bit upset is seen; one pass at memory speed,
+    on any torch device."""
+    return _sum(_words(page))
+
+
+def _words(page: torch.Tensor) -> torch.Tensor:
+    """The page as 64-bit words (an unaligned tail stays bytes)."""
+    if page.numel() % 8 == 0 and page.storage_offset() % 8 == 0:
+        return page.view(torch.int64)
+    return page
+
+
+def _sum(words: torch.Tensor) -> int:
+    return int(words.sum() if words.dtype == torch.int64 else words.sum(dtype=torch.int64))
 
 
 class WeightScrubber:
     """Checksums of every weight page, taken once the weights are placed, and a patrol cursor
-    that verifies the next few pages each time it is asked."""
+    that verifies the next few pages each time it is asked (each page's word view is made once:
+    a patrol step is one sum per page)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], size: int = WEIGHT_PAGE_BYTES):
         self.tensors = tensors
@@ -77,7 +89,8 @@ class WeightScrubber:
             for tag, t in tensors.items()
             for i in range(-(-t.numel() * t.element_size() // size))
         ]
-        self.checksums = {p: checksum(self.page(p)) for p in self.pages}
+        self.words = [_words(self.page(p)) for p in self.pages]
+        self.checksums = [_sum(w) for w in self.words]
         self.cursor = 0
         self.num_pages_scrubbed = 0
 
@@ -89,15 +102,19 @@ class WeightScrubber:
         num_pages = min(num_pages, len(self.pages))
         bad = []
         for _ in range(num_pages):
-            p = self.pages[self.cursor]
-            self.cursor = (self.cursor + 1) % len(self.pages)
-            if checksum(self.page(p)) != self.checksums[p]:
-                bad.append(p)
+            i, self.cursor = self.cursor, (self.cursor + 1) % len(self.pages)
+            if _sum(self.words[i]) != self.checksums[i]:
+                bad.append(self.pages[i])
         self.num_pages_scrubbed += num_pages
         return bad
+
+    def verified(self, p: WeightPage) -> bool:
+        """Whether page ``p`` holds what it held when the checksums were taken."""
+        i = self.pages.index(p)
+        return _sum(self.words[i]) == self.checksums[i]
 
     def restore(self, p: WeightPage, source: torch.Tensor) -> bool:
         """Copy the page's bytes from ``source`` (the same tensor rebuilt); True when the page
         then matches its checksum again."""
         self.page(p).copy_(page_bytes(source.to(self.tensors[p.tag].device), p.index, self.size))
-        return checksum(self.page(p)) == self.checksums[p]
+        return self.verified(p)
