@@ -292,6 +292,8 @@ class EngineCoreProc:
             return
         try:
             result = getattr(self.core, name)(*args)
+        except UnrecoverableFaultError:
+            raise  # e.g. a scrub on demand that cannot restore a page: the loop dies
         except Exception as e:  # noqa: BLE001 - handed back to the caller
             message = str(e) if isinstance(e, ValueError) else repr(e)  # a caller's mistake
             self.utility_results.append([call_id, False, message])

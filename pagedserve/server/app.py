@@ -12,13 +12,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
 
 import pagedserve
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
@@ -45,6 +44,7 @@ from pagedserve.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    FaultRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -691,12 +691,6 @@ def _install_auth(app: FastAPI, api_key: str | None) -> None:
             )
             return JSONResponse(body, status_code=401)
         return await call_next(request)
-
-
-class FaultRequest(BaseModel):
-    kind: Literal["kv_page", "weight_page", "step"]
-    tag: str | None = Field(None, max_length=512, description="weight_page: the tensor's tag")
-    page: int | None = Field(None, ge=0, le=2**31, description="the page number")
 
 
 def _add_device_routes(app: FastAPI, serving: OpenAIServing, enable_fault_injection: bool) -> None:
