@@ -38,8 +38,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _client(http, url: str, body: dict, stop_at: float, outcomes: Counter) -> None:
+async def _client(
+    http, url: str, body: dict, stop_at: float, outcomes: Counter, ttfts: list[float]
+) -> None:
+    """Send, read to the end (keeping the time to the first token), send the next; a 503 waits
+    the Retry-After it names, as the OpenAI SDK does; a request past its timeout counts."""
+    import httpx
+
     while time.monotonic() < stop_at:
+        sent = time.perf_counter()
         try:
             async with http.stream("POST", url + "/v1/completions", json=body) as r:
                 if r.status_code == 503:
@@ -48,15 +55,20 @@ async def _client(http, url: str, body: dict, stop_at: float, outcomes: Counter)
                     await r.aread()
                     await asyncio.sleep(float(retry_after or 1))
                     continue
-                async for _ in r.aiter_lines():
-                    pass
+                first = True
+                async for line in r.aiter_lines():
+                    if first and line.startswith("data: "):
+                        ttfts.append((time.perf_counter() - sent) * 1e3)
+                        first = False
                 outcomes[str(r.status_code)] += 1
+        except httpx.TimeoutException:
+            outcomes["timed out"] += 1
         except Exception as e:  # noqa: BLE001 - counted, not fatal: the load goes on
             outcomes[type(e).__name__] += 1
 
 
-def probe(url: str, duration: float) -> tuple[list[float], Counter]:
-    """GET /health every HEALTH_INTERVAL_S for ``duration``: latencies (ms) and status codes."""
+def probe(url: str, duration: float, path: str = "/health") -> tuple[list[float], Counter]:
+    """GET ``path`` every HEALTH_INTERVAL_S for ``duration``: latencies (ms) and status codes."""
     import httpx
 
     latencies: list[float] = []
@@ -66,7 +78,7 @@ def probe(url: str, duration: float) -> tuple[list[float], Counter]:
         while time.monotonic() < stop_at:
             start = time.perf_counter()
             try:
-                codes[str(http.get(url + "/health").status_code)] += 1
+                codes[str(http.get(url + path).status_code)] += 1
             except httpx.HTTPError as e:
                 codes[type(e).__name__] += 1
             latencies.append((time.perf_counter() - start) * 1e3)
@@ -74,35 +86,56 @@ def probe(url: str, duration: float) -> tuple[list[float], Counter]:
     return latencies, codes
 
 
-async def drive(url: str, clients: int, duration: float, body: dict) -> dict:
-    """CLIENTS looping clients plus one /health prober, for DURATION seconds (loopback only)."""
+async def drive(
+    url: str,
+    clients: int,
+    duration: float,
+    body: dict,
+    request_timeout: float | None = None,
+    probe_paths: tuple[str, ...] = ("/health",),
+) -> dict:
+    """CLIENTS looping clients plus one prober process per path in ``probe_paths``, for DURATION
+    seconds (loopback only). ``request_timeout``: how long one request may take (default: the
+    whole run and a minute)."""
     import httpx
 
     assert url.startswith(("http://127.", "http://localhost", "http://[::1]")), url
     outcomes: Counter = Counter()
-    prober = subprocess.Popen(
-        [sys.executable, __file__, "--probe", url, "--duration", str(duration)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    ttfts: list[float] = []
+    probers = {
+        path: subprocess.Popen(
+            [sys.executable, __file__, "--probe", url, "--path", path, "--duration", str(duration)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for path in probe_paths
+    }
     stop_at = time.monotonic() + duration
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    timeout = httpx.Timeout(duration + 60)
+    timeout = httpx.Timeout(request_timeout or duration + 60)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as load:
-        await asyncio.gather(*(_client(load, url, body, stop_at, outcomes) for _ in range(clients)))
-    out, _ = prober.communicate(timeout=duration + 60)
-    probed = json.loads(out)
-    latencies, health_codes = probed["latencies_ms"], probed["codes"]
-    return {
+        await asyncio.gather(
+            *(_client(load, url, body, stop_at, outcomes, ttfts) for _ in range(clients))
+        )
+    figures = {
         "clients": clients,
         "duration_s": duration,
         "requests": dict(outcomes),
-        "health_codes": health_codes,
-        "health_probes": len(latencies),
-        "health_median_ms": statistics.median(latencies),
-        "health_p99_ms": percentile(latencies, 0.99),
-        "health_max_ms": max(latencies),
+        "ttft_p50_ms": percentile(ttfts, 0.5) if ttfts else None,
+        "ttft_p99_ms": percentile(ttfts, 0.99) if ttfts else None,
     }
+    for path, prober in probers.items():
+        out, _ = prober.communicate(timeout=duration + 60)
+        probed = json.loads(out)
+        latencies, name = probed["latencies_ms"], path.strip("/")
+        figures |= {
+            f"{name}_codes": probed["codes"],
+            f"{name}_probes": len(latencies),
+            f"{name}_median_ms": statistics.median(latencies),
+            f"{name}_p99_ms": percentile(latencies, 0.99),
+            f"{name}_max_ms": max(latencies),
+        }
+    return figures
 
 
 def main() -> None:
@@ -114,10 +147,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--max-queue-len", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the prober process
+    ap.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # a prober process
+    ap.add_argument("--path", default="/health", help=argparse.SUPPRESS)  # what it probes
     args = ap.parse_args()
     if args.probe:
-        latencies, codes = probe(args.probe, args.duration)
+        latencies, codes = probe(args.probe, args.duration, args.path)
         print(json.dumps({"latencies_ms": latencies, "codes": codes}))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))

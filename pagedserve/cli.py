@@ -28,7 +28,7 @@ ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
-    "quantize_lm_head",
+    "quantize_lm_head", "weight_scrub_pages",
 )  # fmt: skip
 
 
@@ -180,6 +180,23 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
         "machine and cached (slower; for debugging and for machines without a C++ compiler)",
     )
 
+    a(
+        "--weight-scrub-pages",
+        type=int,
+        default=None,
+        help="weight pages (64 KiB each) whose checksums the patrol scrub verifies in every "
+        "step; a corrupted page is restored from the checkpoint and the step recomputed; 0 "
+        "turns the patrol off (POST /device/scrub still verifies all) (default 2: 128 KiB, "
+        "about 0.1 ms a step)",
+    )
+    a(
+        "--enable-fault-injection",
+        action="store_true",
+        default=None,
+        help="let POST /device/faults inject device faults (a flipped bit in a KV or weight "
+        "page, a failing kernel) on --device kunlun-emu, to test recovery; never in production",
+    )
+
 
 def _add_server_args(a: Callable[..., argparse.Action]) -> None:
     a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
@@ -290,6 +307,7 @@ def _serve(engine, args: argparse.Namespace) -> int:
         api_key,
         args.max_queue_len,
         web_ui=not args.disable_web_ui,
+        enable_fault_injection=bool(args.enable_fault_injection),
     )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")

@@ -64,6 +64,7 @@ class SchedulerConfig(_Config):
 class DeviceConfig(_Config):
     device: str = "kunlun-emu"
     enforce_eager: bool = False  # plain PyTorch ops instead of the compiled (native) kernels
+    weight_scrub_pages: int = Field(2, ge=0)  # weight pages the patrol scrub verifies per step
 
 
 class EngineConfig(_Config):

@@ -89,8 +89,16 @@ def format_summary(devices: list[dict]) -> str:
             f"faults detected {d.get('faults_detected', 0)}"
         )
         lines.append(f"|     {load:<80} |")
+        if d.get("faults"):
+            lines.append(f"|     {_faults_line(d['faults']):<80} |")
         lines.append(bar)
     return "\n".join(lines)
+
+
+def _faults_line(faults: dict) -> str:
+    """``faults kv_page 1/1  weight_page 2/2  step 0/0 (detected/recovered)``."""
+    counts = "  ".join(f"{k} {v['detected']}/{v['recovered']}" for k, v in faults.items())
+    return f"faults {counts} (detected/recovered)"
 
 
 def format_detail(device: dict, index: int) -> str:
@@ -120,6 +128,17 @@ def format_detail(device: dict, index: int) -> str:
         f"    Generated tokens      : {device.get('generation_tokens_total', 0)}",
         f"    Faults detected       : {device.get('faults_detected', 0)}",
     ]
+    for kind, counts in device.get("faults", {}).items():
+        lines.append(
+            f"        {kind:<18}: injected {counts['injected']}, detected {counts['detected']}, "
+            f"recovered {counts['recovered']}"
+        )
+    scrub = device.get("weight_pages")
+    if scrub:
+        lines.append(
+            f"    Weight pages          : {scrub['total']} (patrol {scrub['scrub_pages_per_step']} "
+            f"per step, {scrub['scrubbed_total']} verified so far)"
+        )
     return "\n".join(lines)
 
 

@@ -388,6 +388,20 @@ def test_copy_on_write_page_counts_in_the_all_or_nothing_check():
     assert snapshot(bm) == before
 
 
+def test_the_invariant_check_names_a_leaked_page_and_a_lost_refcount():
+    bm = BlockManager(8, 4)
+    req = Seq("a", list(range(9)))
+    assert admit(bm, req) and bm.check_invariants() == []
+    bm.allocator.ref_counts[bm.get_block_table("a")[0]] += 1  # a reference nobody holds
+    problems = bm.check_invariants()
+    assert len(problems) == 1 and "has refcount 2 but 1 holders" in problems[0]
+    bm.allocator.ref_counts[bm.get_block_table("a")[0]] -= 1
+    bm.block_tables.pop("a")  # pages leaked: held by refcount, by no table
+    problems = bm.check_invariants()
+    assert "has refcount 1 but 0 holders" in problems[0]
+    assert any("bookkeeping kept" in p for p in problems)
+
+
 def test_can_fit_and_usage():
     bm = BlockManager(4, 16)
     assert bm.can_fit(64) and not bm.can_fit(65)
@@ -505,6 +519,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(a.free_queue) == {p for p in range(NUM_PAGES) if holders[p] == 0}
         assert a.num_free_pages + a.num_used_pages == NUM_PAGES
         assert set(self.bm.block_tables) == set(self.reqs)
+        assert self.bm.check_invariants() == []
 
     @invariant()
     def page_map_shows_every_page_as_its_holders_see_it(self):
@@ -548,6 +563,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for req in list(self.reqs.values()):
             self.bm.free(req)
         assert self.bm.num_free_pages == NUM_PAGES and self.bm.usage == 0.0
+        assert self.bm.check_invariants() == []
         assert not self.bm.block_tables
         assert not self.bm.block_hashes and not self.bm.num_cached_blocks, "bookkeeping leaked"
 

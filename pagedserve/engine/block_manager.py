@@ -103,6 +103,27 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def check_invariants(self) -> list[str]:
+        """The pool's consistency, as a soak or a test checks it (empty: all is well).
+
+        Every page's refcount is the number of block tables that hold it (so with no request in
+        flight every refcount is zero and the only pages not free-for-use are none: cached
+        prefix pages sit in the free queue, evictable); free + used == total; the two prefix-cache
+        maps agree; no per-request bookkeeping outlives its block table.
+        """
+        holders = [0] * self.num_pages
+        for table in self.block_tables.values():
+            for page in table:
+                holders[page] += 1
+        problems = self.allocator.check_invariants(holders)
+        by_page = {p: b.block_hash for p, b in self.page_to_cached_block.items()}
+        if by_page != {p: h for h, p in self.cached_block_hash_to_page.items()}:
+            problems.append("the prefix cache's hash -> page and page -> block maps disagree")
+        stale = (set(self.block_hashes) | set(self.num_cached_blocks)) - set(self.block_tables)
+        if stale:
+            problems.append(f"bookkeeping kept for requests that hold no pages: {sorted(stale)}")
+        return problems
+
     # ---- prefix cache
 
     def get_computed_blocks(self, req: SequenceLike) -> tuple[list[int], int]:

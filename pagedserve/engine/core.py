@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from pagedserve.engine.messages import (
     encode,
     params_from_wire,
 )
+from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,17 @@ class EngineCore:
 
     # what the HTTP process may call by name (``[UTILITY, call_id, name, args]``)
     UTILITIES = frozenset(
-        {"get_stats", "get_device_stats", "get_page_map", "reset_prefix_cache", "pause", "resume"}
+        {
+            "get_stats",
+            "get_device_stats",
+            "get_page_map",
+            "reset_prefix_cache",
+            "pause",
+            "resume",
+            "scrub_weights",
+            "check_invariants",
+            "inject_fault",
+        }
     )
 
     def __init__(self, engine: LLMEngine):
@@ -99,15 +111,20 @@ class EngineCore:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        """One engine step; a failure aborts the requests in flight and the loop goes on."""
+        """One engine step. A failed forward pass ends that step's requests (the engine says
+        which); a failure anywhere else aborts every request in flight; the loop goes on, but
+        for an unrecoverable device fault."""
         try:
             advanced = self.engine.execute_step()
+        except UnrecoverableFaultError:
+            raise  # the loop dies and says why; /health turns 503
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
             logger.exception("engine step failed; aborting the requests in flight")
             self._fail_in_flight(e)
             return []
         self.num_steps += 1
         self.errors.extend([rid, "rejected", why] for rid, why in self.engine.take_rejected())
+        self.errors.extend([rid, "step_failed", why] for rid, why in self.engine.take_failed())
         return [_output(group, index) for group, index in advanced]
 
     def step_encoded(self) -> bytes:
@@ -139,6 +156,26 @@ class EngineCore:
 
     def get_page_map(self) -> dict:
         return self.engine.get_page_map()
+
+    def scrub_weights(self) -> dict:
+        """Verify every weight page now; corrupted ones are restored from the checkpoint."""
+        restored = self.engine.scrub_weights()
+        return {"pages_verified": self.engine.device.num_weight_pages, "pages_restored": restored}
+
+    def check_invariants(self) -> dict:
+        """The KV pool's consistency and what is in flight (a soak's end-of-run check)."""
+        stats = self.engine.get_stats()
+        return {
+            "problems": self.engine.check_invariants(),
+            "num_requests_running": stats["num_requests_running"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+            "num_groups": self.engine.get_num_unfinished_requests(),
+            "kv_cache_usage_perc": stats["kv_cache_usage_perc"],
+            "num_kv_pages_in_use": stats["num_kv_pages"] - stats["num_free_kv_pages"],
+        }
+
+    def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
+        return self.engine.inject_fault(kind, tag, page)
 
     def reset_prefix_cache(self) -> bool:
         self.engine.block_manager.reset_prefix_cache()
@@ -207,6 +244,7 @@ class EngineCoreProc:
         self.poller.register(input_socket, zmq.POLLIN)
         self.utility_results: list[list] = []
         self.stopping = False
+        self.parent_gone = False
 
     def run_busy_loop(self) -> None:
         try:
@@ -234,7 +272,7 @@ class EngineCoreProc:
     def _check_parent(self) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.warning("the HTTP process is gone; the engine core stops")
-            self.stopping = True
+            self.stopping = self.parent_gone = True
 
     def _handle(self, message: list) -> None:
         kind = message[0]
@@ -258,8 +296,11 @@ class EngineCoreProc:
             return
         try:
             result = getattr(self.core, name)(*args)
+        except UnrecoverableFaultError:
+            raise  # e.g. a scrub on demand that cannot restore a page: the loop dies
         except Exception as e:  # noqa: BLE001 - handed back to the caller
-            self.utility_results.append([call_id, False, repr(e)])
+            message = str(e) if isinstance(e, ValueError) else repr(e)  # a caller's mistake
+            self.utility_results.append([call_id, False, message])
             return
         self.utility_results.append([call_id, True, result])
 
@@ -309,3 +350,11 @@ def run_engine_core(
     input_socket.close(linger=0)
     output_socket.close(linger=2000)
     ctx.term()
+    if proc.parent_gone:  # killed without a word (SIGKILL): leave no socket files behind
+        _remove_ipc_dir(input_address)
+
+
+def _remove_ipc_dir(address: str) -> None:
+    """The directory of an ``ipc://DIR/NAME`` socket, which the HTTP process made for this core."""
+    if address.startswith("ipc://"):
+        shutil.rmtree(Path(address.removeprefix("ipc://")).parent, ignore_errors=True)

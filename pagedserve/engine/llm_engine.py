@@ -21,9 +21,11 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured import StructuredOutputManager
 from pagedserve.hal import get_device
+from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.hal.memory import format_bytes
 from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
 from pagedserve.models.glm4 import GlmForCausalLM
+from pagedserve.models.loader import layer_of
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -80,6 +82,7 @@ class LLMEngine:
         self.device = get_device(config.device.device, config.device.enforce_eager)
         self.tokenizer = self._load_tokenizer()
         self.model = self._load_model()
+        self.device.seal_weights()  # the patrol scrub's checksums, of the weights as placed
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
         self._check_max_model_len()
         self.block_size = config.cache.block_size
@@ -98,6 +101,7 @@ class LLMEngine:
             usage_context,
         )
         self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
+        self.runner.patrol_scrub = self._patrol_scrub
         self.groups: dict[str, RequestGroup] = {}
         self.eos_token_ids = frozenset(
             self.model_config.eos_token_ids
@@ -110,6 +114,7 @@ class LLMEngine:
         )
         self.runner.structured_output_manager = self.structured_output_manager
         self.rejected: list[tuple[str, str]] = []  # (request id, why) found after admission
+        self.failed: list[tuple[str, str]] = []  # (request id, why): a step failed under them
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
         logger.info("%s", self.describe())
 
@@ -311,8 +316,104 @@ class LLMEngine:
             self._wait_for_grammars()
             return []
         forks = self._forks_this_step(sched)
-        result = self.runner.execute_model(sched, forks)
+        try:
+            result = self.runner.execute_model(sched, forks)
+        except UnrecoverableFaultError:
+            raise  # no step can be trusted any more: the engine stops
+        except Exception as e:  # noqa: BLE001 - a device or kernel error ends this step only
+            self._fail_step(sched, e)
+            return []
         return self._update(sched, forks, result)
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
+        """A forward pass that raised ends the requests it computed, and only those, with an
+        error that says so; the others (waiting, or not in this batch) go on. The KV this step
+        wrote may be half written, so those pages leave the prefix cache."""
+        logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
+        self.device.faults.detected["step"] += 1
+        request_ids: list[str] = []
+        for s in sched.scheduled:
+            for page in s.block_table[s.request.num_computed_tokens // self.block_size :]:
+                self.block_manager.uncache_page(page)
+            rid = s.request.request_id.partition("#")[0]
+            if rid not in request_ids:
+                request_ids.append(rid)
+        why = (
+            f"the engine step computing this request failed ({error!r}); the engine goes on "
+            "serving: send the request again"
+        )
+        self.failed += [(rid, why) for rid in request_ids]
+        self.abort_request(request_ids)
+        self.device.faults.recovered["step"] += 1
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    # ---- device faults ------------------------------------------------------------------------
+    def _patrol_scrub(self) -> bool:
+        """Between a step's forward pass and its sampling: verify the patrol's next pages; True
+        when a corrupted one was restored, so that the step is computed again."""
+        return self.scrub_weights(self.config.device.weight_scrub_pages) > 0
+
+    def scrub_weights(self, num_pages: int | None = None) -> int:
+        """Verify ``num_pages`` weight pages (None: every one) and restore each corrupted page
+        from the checkpoint on disk; the number restored."""
+        dev = self.device
+        bad = dev.scrub_weights(dev.num_weight_pages if num_pages is None else num_pages)
+        for layer in {layer_of(p.tag) for p in bad}:
+            try:
+                rebuilt = self.model.rebuild_weights(self.model_path, layer)
+            except (OSError, ValueError, KeyError) as e:
+                raise UnrecoverableFaultError(
+                    f"weight pages {[(p.tag, p.index) for p in bad]} are corrupted and cannot "
+                    f"be restored from {self.model_path}: {e!r}; restart the server"
+                ) from e
+            for p in (p for p in bad if layer_of(p.tag) == layer):
+                logger.warning(
+                    "weight page %d of %s failed its checksum: restored from %s",
+                    p.index,
+                    p.tag,
+                    self.model_path,
+                )
+                dev.restore_weight_page(p, rebuilt[p.tag])
+        return len(bad)
+
+    def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
+        """Provoke a device fault on purpose (``kunlun-emu`` only): ``kv_page`` flips a bit in
+        KV page ``page`` (default: the first page of a running request), ``weight_page`` in a
+        weight page (``tag``, ``page``; default: a random one), ``step`` fails the next forward
+        pass. What was injected, as plain data."""
+        dev = self.device
+        if not hasattr(dev, "inject_kernel_fault"):
+            raise ValueError(f"fault injection needs --device kunlun-emu, not {dev.name}")
+        if kind == "kv_page":
+            if page is None:
+                tables = [
+                    self.block_manager.get_block_table(r.request_id) for r in self.scheduler.running
+                ]
+                page = next((t[0] for t in tables if t), 0)
+            if not 0 <= page < self.num_kv_pages:
+                raise ValueError(f"KV pages are 0..{self.num_kv_pages - 1}, not {page}")
+            dev.inject_fault(page)
+            return {"kind": kind, "page": page}
+        if kind == "weight_page":
+            injected = dev.inject_weight_fault(tag, page)
+            return {"kind": kind, "tag": injected.tag, "page": injected.index}
+        if kind == "step":
+            dev.inject_kernel_fault()
+            return {"kind": kind}
+        raise ValueError(f"unknown fault kind {kind!r}; use kv_page, weight_page or step")
+
+    def check_invariants(self) -> list[str]:
+        """The KV pool's consistency (``BlockManager.check_invariants``), plus: only running
+        sequences hold pages."""
+        problems = self.block_manager.check_invariants()
+        running = {r.request_id for r in self.scheduler.running}
+        strays = set(self.block_manager.block_tables) - running
+        if strays:
+            problems.append(f"sequences that are not running hold pages: {sorted(strays)}")
+        return problems
 
     def _recover_from_device_faults(self) -> None:
         """A page the device reports corrupted leaves the prefix cache, and every request that
@@ -327,6 +428,7 @@ class LLMEngine:
                 logger.warning("KV page fault under %s: recomputing it", req.request_id)
                 self.scheduler.preempt(req)
                 self._release_matcher(req)
+        self.device.faults.recovered["kv_page"] += len(faulted)
 
     # ---- structured output --------------------------------------------------------------------
     def _reject_failed_grammars(self) -> None:
@@ -486,6 +588,7 @@ class LLMEngine:
             "prefix_cache_queries_total": bm.prefix_cache_queries,
             "prefix_cache_hits_total": bm.prefix_cache_hits,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            "device_faults_total": dict(self.device.faults.detected),
             **self.stats,
         }
 
@@ -512,6 +615,12 @@ class LLMEngine:
             },
             "generation_tokens_total": self.stats["generation_tokens_total"],
             "faults_detected": dev.num_faults_detected,
+            "faults": dev.faults.to_dict(),
+            "weight_pages": {
+                "total": dev.num_weight_pages,
+                "scrubbed_total": dev.scrubber.num_pages_scrubbed if dev.scrubber else 0,
+                "scrub_pages_per_step": self.config.device.weight_scrub_pages,
+            },
         }
 
     def get_page_map(self) -> dict:

@@ -6,6 +6,7 @@ prompt positions of requests that asked for prompt logprobs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,8 @@ class ModelRunner:
         self.sampler = Sampler(argmax=device.argmax)
         self.generators: dict[str, torch.Generator] = {}
         self.structured_output_manager = None  # the engine's, when it serves constraints
+        # the engine's weight patrol: True when it restored a corrupted page (recompute the step)
+        self.patrol_scrub: Callable[[], bool] | None = None
 
     @torch.inference_mode()
     def execute_model(
@@ -53,6 +56,12 @@ class ModelRunner:
         self.device.copy_pages(sched.page_copies)
         inp = self.prepare_inputs(sched)
         hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_cache)
+        if self.patrol_scrub is not None and self.patrol_scrub():
+            # a weight page this pass may have read was corrupted and is now restored: the
+            # step is computed again (its KV slots rewritten) before anything is sampled
+            hidden = self.model.forward(
+                inp.input_ids, inp.positions, inp.attn_metadata, self.kv_cache
+            )
         out = ModelRunnerOutput()
         self._compute_prompt_logprobs(sched, hidden, inp, out)
         samplers = [s.request for s in sched.scheduled if s.completes_sequence]

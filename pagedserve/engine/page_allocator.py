@@ -59,6 +59,25 @@ class PhysicalPageAllocator:
     def usage(self) -> float:
         return self.num_used_pages / self.num_pages
 
+    def check_invariants(self, holders: list[int]) -> list[str]:
+        """What is wrong with the pool, given how many block tables hold each page (empty: all
+        is well): free + used == total, every refcount equals its holders, the free queue is
+        exactly the pages nobody holds."""
+        problems = []
+        if self.num_free_pages + self.num_used_pages != self.num_pages:
+            problems.append(
+                f"free {self.num_free_pages} + used {self.num_used_pages} != total {self.num_pages}"
+            )
+        for page, (count, held) in enumerate(zip(self.ref_counts, holders)):
+            if count != held:
+                problems.append(f"page {page} has refcount {count} but {held} holders")
+        unheld = {p for p, held in enumerate(holders) if held == 0}
+        if set(self.free_queue) != unheld:
+            problems.append(
+                f"free queue differs from the unheld pages on {sorted(set(self.free_queue) ^ unheld)}"
+            )
+        return problems
+
     def _check(self, page: int) -> None:
         assert 0 <= page < self.num_pages, (
             f"page {page} is outside the pool 0..{self.num_pages - 1}"

@@ -116,14 +116,23 @@ class LLM:
                 for rid, why in engine.take_rejected():  # a constraint that failed to compile
                     finished[rid] = _rejected_output(rid, None, [], SamplingParams(), why)
                     bar.update(1)
+                for rid, why in engine.take_failed():  # a step failed under it
+                    finished[rid] = _rejected_output(rid, None, [], SamplingParams(), why, "error")
+                    bar.update(1)
         return [finished[rid] for rid in request_ids]
 
 
 def _rejected_output(
-    request_id: str, prompt: str | None, ids: list[int], params: SamplingParams, error: str
+    request_id: str,
+    prompt: str | None,
+    ids: list[int],
+    params: SamplingParams,
+    error: str,
+    finish_reason: str = "rejected",
 ) -> RequestOutput:
+    """A request that produced nothing: rejected, or ended by a failed step ("error")."""
     choices = [
-        CompletionOutput(index=i, text="", token_ids=[], finish_reason="rejected")
+        CompletionOutput(index=i, text="", token_ids=[], finish_reason=finish_reason)
         for i in range(params.n)
     ]
     return RequestOutput(request_id, prompt, ids, choices, finished=True, error=error)

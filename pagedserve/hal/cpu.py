@@ -45,6 +45,9 @@ class CpuDevice(Device):
         super().__init__(preset, "cpu")
         self.native = None if enforce_eager else load_native_kernels()
 
+    def twin(self) -> CpuDevice:
+        return type(self)(self.preset, enforce_eager=self.native is None)
+
     @property
     def kernel_set(self) -> str:
         return "native" if self.native is not None else "eager"

@@ -14,6 +14,12 @@ import torch
 import yaml
 
 from pagedserve.hal import int4, kernels
+from pagedserve.hal.faults import (
+    FaultCounts,
+    UnrecoverableFaultError,
+    WeightPage,
+    WeightScrubber,
+)
 from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
@@ -107,7 +113,18 @@ class Device:
         self._handles: dict[int, tuple[str, int]] = {}
         self.kv_cache: torch.Tensor | None = None
         self.kv_memory_attr: MemoryAttr | None = None
-        self.num_faults_detected = 0
+        self.weight_tensors: dict[str, torch.Tensor] = {}  # by tag: what the scrub covers
+        self.scrubber: WeightScrubber | None = None
+        self.faults = FaultCounts()
+
+    def twin(self) -> Device:
+        """A fresh device of the same backend and preset, placing tensors as this one does (a
+        weight page's restoration rebuilds its tensor there)."""
+        return type(self)(self.preset)
+
+    @property
+    def num_faults_detected(self) -> int:
+        return sum(self.faults.detected.values())
 
     @property
     def name(self) -> str:
@@ -121,6 +138,9 @@ class Device:
         handle = self.tiers[tier].reserve(t.numel() * t.element_size(), tag, attr)
         out = t.to(self.torch_device).contiguous()
         self._handles[id(out)] = (tier, handle)
+        if tier == "weight":
+            assert tag not in self.weight_tensors, f"two weight tensors tagged {tag!r}"
+            self.weight_tensors[tag] = out
         return out
 
     def empty(
@@ -140,6 +160,7 @@ class Device:
     def free(self, t: torch.Tensor) -> None:
         tier, handle = self._handles.pop(id(t))
         self.tiers[tier].release(handle)
+        self.weight_tensors = {k: v for k, v in self.weight_tensors.items() if v is not t}
 
     def num_kv_pages_available(self, page_bytes: int, utilization: float) -> int:
         """How many KV pages fit in ``utilization`` of the device memory, after the weights.
@@ -187,6 +208,33 @@ class Device:
     def take_faulted_pages(self) -> list[int]:
         """KV pages whose contents the device found corrupted since the last call."""
         return []
+
+    # ---- the weight tier's patrol scrub -------------------------------------------------------
+    def seal_weights(self) -> None:
+        """Take every weight page's checksum (call once the model's weights are placed)."""
+        self.scrubber = WeightScrubber(self.weight_tensors)
+
+    @property
+    def num_weight_pages(self) -> int:
+        return len(self.scrubber.pages) if self.scrubber else 0
+
+    def scrub_weights(self, num_pages: int) -> list[WeightPage]:
+        """Verify the patrol's next ``num_pages`` weight pages; the corrupted ones (counted)."""
+        if self.scrubber is None or num_pages <= 0:
+            return []
+        bad = self.scrubber.scrub(num_pages)
+        self.faults.detected["weight_page"] += len(bad)
+        return bad
+
+    def restore_weight_page(self, page: WeightPage, source: torch.Tensor) -> None:
+        """Write a corrupted page back from ``source`` (its tensor rebuilt from the checkpoint)."""
+        assert self.scrubber is not None, "restore_weight_page before seal_weights"
+        if not self.scrubber.restore(page, source):
+            raise UnrecoverableFaultError(
+                f"weight page {page.index} of {page.tag} still fails its checksum after "
+                "restoration: the checkpoint on disk differs from the one loaded"
+            )
+        self.faults.recovered["weight_page"] += 1
 
     def memory_stats(self) -> dict:
         return {name: tier.stats() for name, tier in self.tiers.items()}

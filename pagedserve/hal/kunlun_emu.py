@@ -1,16 +1,22 @@
 """A CPU emulation of a Kunlun XPU: separate memory tiers with hard capacities, page frames by number,
-cached/uncached memory attributes, an INT4 unit (PyTorch's CPU int4 kernel) and page-fault detection.
+cached/uncached memory attributes, an INT4 unit (PyTorch's CPU int4 kernel) and injectable faults.
 
 The kernels are the CPU backend's; what the emulation adds is the device's bookkeeping, so code that
-runs here respects the limits it would meet on the real card.
+runs here respects the limits it would meet on the real card, and the faults the Kunlun XPU
+deployment guide's firmware recovers from can be provoked on purpose: a flipped bit in a KV page
+(the memory controller's ECC reports it), a flipped bit in a weight page (the patrol scrub finds
+it) and a kernel that fails mid-step.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from pagedserve.hal.cpu import CpuDevice
 from pagedserve.hal.device import DevicePreset
+from pagedserve.hal.faults import WEIGHT_PAGE_BYTES, DeviceKernelError, WeightPage, page_bytes
 
 
 class KunlunEmuDevice(CpuDevice):
@@ -19,6 +25,7 @@ class KunlunEmuDevice(CpuDevice):
     def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
         super().__init__(preset, enforce_eager)
         self._faulted_pages: set[int] = set()
+        self._kernel_fault_armed = False
 
     def inject_fault(self, page: int, layer: int = 0) -> None:
         """Flip the top exponent bit of the first K element of ``page`` in ``layer``, as an HBM
@@ -28,12 +35,48 @@ class KunlunEmuDevice(CpuDevice):
         reported by ``take_faulted_pages``.
         """
         assert self.kv_cache is not None, "inject_fault before the KV cache was allocated"
-        element = self.kv_cache[layer, 0, page].view(-1)[:1]
-        int_view, bit = {2: (torch.int16, 14), 4: (torch.int32, 30)}[element.element_size()]
-        element.view(int_view).bitwise_xor_(1 << bit)
+        _flip_top_bit(self.kv_cache[layer, 0, page].view(-1)[:1])
         self._faulted_pages.add(page)
+        self.faults.injected["kv_page"] += 1
 
     def take_faulted_pages(self) -> list[int]:
         pages, self._faulted_pages = sorted(self._faulted_pages), set()
-        self.num_faults_detected += len(pages)
+        self.faults.detected["kv_page"] += len(pages)
         return pages
+
+    def inject_weight_fault(self, tag: str | None = None, index: int | None = None) -> WeightPage:
+        """Flip bit 30 of the first 32-bit word of a weight page (a random one unless named): a
+        16-bit weight's top exponent bit, or a high bit of packed int4 codes. Nothing reports
+        it: only the patrol scrub's checksums find it."""
+        assert self.weight_tensors, "inject_weight_fault before the weights were placed"
+        rng = random.Random()
+        tag = tag if tag is not None else rng.choice(sorted(self.weight_tensors))
+        if tag not in self.weight_tensors:
+            raise ValueError(f"no weight tensor {tag!r} on {self.name}")
+        t = self.weight_tensors[tag]
+        num_pages = -(-t.numel() * t.element_size() // WEIGHT_PAGE_BYTES)
+        index = rng.randrange(num_pages) if index is None else index
+        if not 0 <= index < num_pages:
+            raise ValueError(f"{tag} has weight pages 0..{num_pages - 1}, not {index}")
+        _flip_top_bit(page_bytes(t, index)[:4])
+        self.faults.injected["weight_page"] += 1
+        return WeightPage(tag, index)
+
+    def inject_kernel_fault(self) -> None:
+        """The next forward pass fails in its first kernel, as an XPU exception would."""
+        self._kernel_fault_armed = True
+        self.faults.injected["step"] += 1
+
+    def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> object:
+        """The first kernel of every forward pass: where an armed kernel fault goes off."""
+        if self._kernel_fault_armed:
+            self._kernel_fault_armed = False
+            raise DeviceKernelError("kunlun-emu: injected kernel fault (an XPU exception mid-step)")
+        return super().rotary_at(cos_sin, positions)
+
+
+def _flip_top_bit(element: torch.Tensor) -> None:
+    """Flip the top exponent bit of a 16- or 32-bit element (or of a 4-byte word)."""
+    nbytes = element.numel() * element.element_size()
+    int_view, bit = {2: (torch.int16, 14), 4: (torch.int32, 30)}[nbytes]
+    element.view(int_view).bitwise_xor_(1 << bit)

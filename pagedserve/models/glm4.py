@@ -7,6 +7,7 @@ differ only in GLM-4-0414's sandwich norms after attention and after the MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, quantize_int8
 from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
+from pagedserve.models.loader import layer_of, load_state_dict
 from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 
 Linear = torch.Tensor | Int4Linear | Int8Linear
@@ -59,6 +61,7 @@ class GlmForCausalLM:
                 f"--quantize-lm-head {quantize_lm_head!r}: use one of {', '.join(LM_HEAD_QUANTIZATIONS)}"
             )
         self.quantize_lm_head = quantize_lm_head
+        self.quantization = quantization
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -82,14 +85,8 @@ class GlmForCausalLM:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (see GLM4.md); q/k/v are fused here into one projection."""
         sd = state_dict
-        qc = self.config.quantization_config
-        self.int4_layers: dict[str, CanonicalInt4] = load_quantized_linears(sd, qc) if qc else {}
-        put = self._place
-        embed = sd.pop("model.embed_tokens.weight")
-        lm_head = sd.pop("lm_head.weight", None)
-        self.embed_tokens = put(embed, "model.embed_tokens.weight")
-        self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
-        self.lm_head = self._load_lm_head(sd, lm_head, embed)
+        self._take_quantized(sd)
+        self._load_outer(sd)
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
         self.fused_layers = [
             self.device.fused_decoder_layer(
@@ -97,6 +94,41 @@ class GlmForCausalLM:
             )
             for w in self.layers
         ]
+
+    def rebuild_weights(self, model_dir: str | Path, layer: int | None) -> dict[str, torch.Tensor]:
+        """Decoder layer ``layer`` (None: the embedding, final norm and lm_head) read again from
+        the checkpoint on disk and placed as ``load_weights`` placed it, on a twin of the device:
+        the bytes a corrupted weight page must hold, by device tag."""
+        twin = self.device.twin()
+        model = GlmForCausalLM(
+            self.config,
+            twin,
+            self.dtype,
+            self.quantization,
+            self.quant_group_size,
+            self.quantize_lm_head,
+        )
+        sd = load_state_dict(
+            model_dir, self.config, self.dtype, only=lambda n: layer_of(n) == layer
+        )
+        model._take_quantized(sd)
+        if layer is None:
+            model._load_outer(sd)
+        else:
+            model._load_layer(sd, layer)
+        return twin.weight_tensors
+
+    def _take_quantized(self, sd: dict[str, torch.Tensor]) -> None:
+        qc = self.config.quantization_config
+        self.int4_layers: dict[str, CanonicalInt4] = load_quantized_linears(sd, qc) if qc else {}
+
+    def _load_outer(self, sd: dict[str, torch.Tensor]) -> None:
+        """The embedding, the final norm and lm_head (everything outside the decoder layers)."""
+        embed = sd.pop("model.embed_tokens.weight")
+        lm_head = sd.pop("lm_head.weight", None)
+        self.embed_tokens = self._place(embed, "model.embed_tokens.weight")
+        self.norm = self._place(sd.pop("model.norm.weight"), "model.norm.weight")
+        self.lm_head = self._load_lm_head(sd, lm_head, embed)
 
     def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ _CHATGLM_RENAMES = [
     (r"\.mlp\.dense_4h_to_h\.", ".mlp.down_proj."),
 ]
 _DROPPED = re.compile(r"(^transformer\.rotary_pos_emb\.|\.rotary_emb\.)inv_freq$")
+_LAYER = re.compile(r"\blayers\.(\d+)\.")
 _FUSED_QKV = re.compile(r"^(.*)\.self_attention\.query_key_value\.(weight|bias)$")
 
 
@@ -45,20 +46,35 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_state_dict(
-    model_dir: str | Path, config: GlmConfig, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    config: GlmConfig,
+    dtype: torch.dtype | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay."""
+    """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay.
+
+    ``only``: read just the checkpoint tensors whose names it accepts (a part of the model, as
+    a weight page's restoration needs it); the completeness check is then skipped.
+    """
     files = weight_files(model_dir)
     state: dict[str, torch.Tensor] = {}
-    disable = True if len(files) == 1 else None
+    disable = True if len(files) == 1 or only is not None else None
     for path in tqdm(files, desc="Loading weight shards", unit="shard", disable=disable):
-        for name, tensor in _read_file(path):
+        for name, tensor in _read_file(path, only):
             for hf_name, t in _to_hf_names(name, tensor, config):
                 state[hf_name] = _cast(t, dtype)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
-    _check_complete(state, config, Path(model_dir))
+    if only is None:
+        _check_complete(state, config, Path(model_dir))
     return state
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a tensor belongs to, in either naming (HF's or chatglm's); None for
+    the embedding, the final norm and lm_head."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -90,13 +106,17 @@ def _files_from_index(index: Path) -> list[Path]:
     return files
 
 
-def _read_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_file(
+    path: Path, only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if only is None or only(name):
+                    yield name, f.get_tensor(name)
     else:
-        yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield from ((n, t) for n, t in tensors.items() if only is None or only(n))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -44,6 +44,7 @@ from pagedserve.server.protocol import (
     DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
+    FaultRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -204,8 +205,11 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             if not gather.done():
+                # the streams abort as the cancellation reaches them, a moment later: until then
+                # the gathering future is neither done nor cancelled, and nobody reads it after
                 gather.cancel()
-        if gather.cancelled():
+                gather.add_done_callback(_retrieve)
+        if not gather.done() or gather.cancelled():
             raise APIError(499, "client disconnected")
         try:
             return gather.result()
@@ -623,6 +627,12 @@ async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
             task.cancel()
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """Read an abandoned future's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _wait_for_disconnect(raw: Request) -> None:
     while True:
         message = await raw.receive()
@@ -637,6 +647,7 @@ def build_app(
     api_key: str | None = None,
     max_queue_len: int | None = None,
     web_ui: bool = True,
+    enable_fault_injection: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
     its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
@@ -660,6 +671,7 @@ def build_app(
     install_error_handlers(app)
     _install_auth(app, api_key)
     _add_routes(app, serving)
+    _add_device_routes(app, serving, enable_fault_injection)
     app.include_router(sglang_router(serving))
     app.include_router(session_router(SessionStore()))
     if web_ui:
@@ -690,6 +702,40 @@ def _is_public(path: str) -> bool:
     """Routes open without the API key: liveness, metrics, API docs, and the web console's page
     and files (they hold no data; the page asks for the key and sends it on every call)."""
     return path.startswith(PUBLIC_PATHS) or is_web_ui_path(path)
+def _add_device_routes(app: FastAPI, serving: OpenAIServing, enable_fault_injection: bool) -> None:
+    """The operator's routes under /device (behind the API key): the weight tier's scrub on
+    demand, the KV pool's consistency check, and fault injection when the server allows it."""
+
+    async def call(name: str, *args: Any) -> Any:
+        try:
+            return await serving.engine.call_utility(name, *args)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead") from e
+
+    @app.post("/device/scrub")
+    async def scrub() -> dict:
+        """Verify every weight page's checksum now; corrupted pages are restored."""
+        return await call("scrub_weights")
+
+    @app.get("/device/invariants")
+    async def invariants() -> dict:
+        """The KV pool's own consistency check (``problems`` empty when all is well) and what
+        is in flight: after a soak, nothing running, nothing waiting, no page in use."""
+        return await call("check_invariants")
+
+    @app.post("/device/faults")
+    async def inject_fault(body: FaultRequest) -> dict:
+        """Inject a device fault (kunlun-emu, with --enable-fault-injection)."""
+        if not enable_fault_injection:
+            raise APIError(
+                403,
+                "fault injection is off: start the server with --enable-fault-injection",
+                code="fault_injection_disabled",
+            )
+        try:
+            return await call("inject_fault", body.kind, body.tag, body.page)
+        except RuntimeError as e:  # the engine's ValueError: no such page or tag, not kunlun-emu
+            raise bad_request(str(e)) from e
 
 
 def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:

@@ -59,6 +59,14 @@ class _EngineStatsCollector(Collector):
         for name, doc in COUNTERS.items():
             family = PREFIX + name.removesuffix("_total")
             yield CounterMetricFamily(family, doc, value=float(stats.get(name, 0)))
+        faults = CounterMetricFamily(
+            PREFIX + "device_faults",
+            "Device faults detected, by kind (kv_page, weight_page, step).",
+            labels=["kind"],
+        )
+        for kind, count in (stats.get("device_faults_total") or {}).items():
+            faults.add_metric([kind], float(count))
+        yield faults
 
 
 class ServerMetrics:

@@ -272,6 +272,14 @@ class VersionResponse(ResponseModel):
     version: str
 
 
+class FaultRequest(OpenAIModel):
+    """``POST /device/faults``: which device fault to inject (kunlun-emu)."""
+
+    kind: Literal["kv_page", "weight_page", "step"]
+    tag: str | None = Field(None, max_length=512, description="weight_page: the tensor's tag")
+    page: int | None = Field(None, ge=0, le=2**31, description="the page number")
+
+
 class DeviceStatsResponse(ResponseModel):
     """``engine.get_device_stats()`` plus ``tokens_per_second`` and the server's model name."""
 
@@ -281,4 +289,6 @@ class DeviceStatsResponse(ResponseModel):
     kv_pages: dict[str, Any]
     requests: dict[str, int]
     faults_detected: int = 0
+    faults: dict[str, dict[str, int]] = {}  # per kind: injected, detected, recovered
+    weight_pages: dict[str, int] = {}  # total, scrubbed_total, scrub_pages_per_step
     tokens_per_second: float = 0.0
