@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.models.config import GlmConfig
+from pagedserve.models.tensor_parallel import Shard, TensorParallel
 from pagedserve.presets import DEMO_MODEL, demo_model_dir
 
 _CHATGLM_RENAMES = [
@@ -45,16 +46,23 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_state_dict(
-    model_dir: str | Path, config: GlmConfig, dtype: torch.dtype | None = None
+    model_dir: str | Path,
+    config: GlmConfig,
+    dtype: torch.dtype | None = None,
+    tp: TensorParallel | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay."""
+    """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay.
+
+    With ``tp``, each tensor is this rank's shard: read alone from a safetensors file under its
+    Hugging Face name, cut from the whole tensor otherwise (chatglm names, ``.bin`` files)."""
+    tp = tp or TensorParallel(config)
     files = weight_files(model_dir)
     state: dict[str, torch.Tensor] = {}
     disable = True if len(files) == 1 else None
     for path in tqdm(files, desc="Loading weight shards", unit="shard", disable=disable):
-        for name, tensor in _read_file(path):
+        for name, tensor in _read_file(path, tp):
             for hf_name, t in _to_hf_names(name, tensor, config):
-                state[hf_name] = _cast(t, dtype)
+                state[hf_name] = _cast(tp.take(hf_name, t), dtype)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     _check_complete(state, config, Path(model_dir))
@@ -90,13 +98,27 @@ def _files_from_index(index: Path) -> list[Path]:
     return files
 
 
-def _read_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_file(path: Path, tp: TensorParallel) -> Iterator[tuple[str, torch.Tensor]]:
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                shard = tp.shard(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, _read_shard(f.get_slice(name), shard)
     else:
         yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def _read_shard(tensor_slice, shard: Shard) -> torch.Tensor:
+    """Only the rows (dim 0) or columns (dim 1) of ``shard`` from the file."""
+    if tensor_slice.get_shape()[shard.dim] != shard.full:  # not the shape the config implies
+        return tensor_slice[:]
+    pieces = [
+        tensor_slice[a:b] if shard.dim == 0 else tensor_slice[:, a:b] for a, b in shard.ranges
+    ]
+    return torch.cat(pieces, shard.dim)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
