@@ -92,7 +92,9 @@ class MPCoreClient(CoreClient):
             target=_run_engine_core,
             args=(config, self.input_address, self.output_address, log_level, os.getpid()),
             name="pagedserve-engine-core",
-            daemon=True,
+            # a daemonic process may not start processes: at tensor-parallel size > 1 the core
+            # starts its ranks' (it stops when this process is gone, _check_parent)
+            daemon=config.parallel.tensor_parallel_size == 1,
         )
         self.proc.start()
         try:

@@ -716,16 +716,18 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/device")
-    async def device() -> dict:
+    async def device() -> dict | list[dict]:
         try:
             stats = await serving.engine.get_device_stats()
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
-        return {
-            **stats,
+        shared = {
             "model": serving.model_name,
             "tokens_per_second": serving.engine.tokens_per_second(),
         }
+        if isinstance(stats, list):  # one record per tensor-parallel card
+            return [{**card, **shared} for card in stats]
+        return {**stats, **shared}
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
