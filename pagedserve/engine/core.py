@@ -303,6 +303,7 @@ def run_engine_core(
     try:
         proc.run_busy_loop()
     except BaseException:  # noqa: BLE001 - logged and reported by the loop
+        core.engine.shutdown()
         output_socket.close(linger=2000)
         sys.exit(1)
     core.engine.shutdown()

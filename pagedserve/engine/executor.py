@@ -177,19 +177,21 @@ class MultiprocExecutor(Executor):
         return [proc.pid for proc in self.procs.values()]
 
     def shutdown(self) -> None:
-        """Tell the ranks to stop (when they can still hear), then end their processes."""
-        if self.failed is None and dist.is_initialized() and self.worker is not None:
+        """Tell the ranks to stop when they can still hear it; else end their processes."""
+        stopped = False
+        if self.failed is None and self.worker is not None and dist.is_initialized():
             try:
                 self._send(STOP)
+                stopped = True
             except RuntimeError:
                 pass
         for proc in self.procs.values():
-            proc.join(JOIN_TIMEOUT_S)
+            proc.join(JOIN_TIMEOUT_S if stopped else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(JOIN_TIMEOUT_S)
         self.procs.clear()
-        if dist.is_initialized():
+        if stopped:  # a group with a lost rank is left to the process's exit
             dist.destroy_process_group()
 
 

@@ -96,7 +96,9 @@ def _parse_cards(value: int | str) -> int | None:
     if value == "per-process":
         return None
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"device preset cards: {value!r}; write a count of 1 or more or per-process")
+        raise ValueError(
+            f"device preset cards: {value!r}; write a count of 1 or more or per-process"
+        )
     return value
 
 
