@@ -24,7 +24,7 @@ def add_smi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=None,
         dest="device_index",
-        help="only device N (a server drives one device: 0)",
+        help="only card N (a tensor-parallel server has one card per rank; otherwise 0)",
     )
     a("--json", action="store_true", help="print the raw figures as JSON")
     a(
