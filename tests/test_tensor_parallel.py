@@ -115,6 +115,39 @@ def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(models, arch, tp, 
         llm.llm_engine.shutdown()
 
 
+def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(models, tmp_path):
+    import argparse
+
+    from pagedserve.quant.cli import add_quantize_args, run_quantize
+
+    argv = ["--model-path", str(models["glm"]), "--output-path", str(tmp_path / "awq")]
+    argv += ["--format", "autoawq", "--calib-samples", "2", "--calib-seq-len", "16"]
+    assert run_quantize(add_quantize_args(argparse.ArgumentParser()).parse_args(argv)) == 0
+    reference, llm = _greedy(tmp_path / "awq")
+    llm.llm_engine.shutdown()
+    got, llm = _greedy(tmp_path / "awq", tensor_parallel_size=2)
+    llm.llm_engine.shutdown()
+    assert got == reference
+
+
+def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(models):
+    from helpers_models import prompt_logprobs
+
+    logprobs = []
+    for tp in (1, 2):
+        llm = LLM(
+            model=str(models["glm4"]),
+            dtype="bfloat16",
+            device="cpu",
+            num_kv_pages=64,
+            tensor_parallel_size=tp,
+        )
+        logprobs.append(prompt_logprobs(llm, PROMPTS[1]))
+        llm.llm_engine.shutdown()
+    diff = (logprobs[0] - logprobs[1]).abs()
+    assert diff.mean() < 0.02 and diff.max() < 0.2, (diff.mean(), diff.max())
+
+
 # ---- serving: a model larger than one card ---------------------------------------------------
 SERVE_FLAGS = ["--dtype", "float32", "--served-model-name", "tiny", "--max-model-len", "256"]
 SERVE_FLAGS += ["--num-kv-pages", "16"]
