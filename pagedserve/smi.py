@@ -89,6 +89,10 @@ def format_summary(devices: list[dict]) -> str:
             f"faults detected {d.get('faults_detected', 0)}"
         )
         lines.append(f"|     {load:<80} |")
+        if "tp_rank" in d:
+            sent = _mib(d.get("collective_bytes_sent", 0))
+            sent = f"tensor-parallel rank {d['tp_rank']}   collectives sent {sent}"
+            lines.append(f"|     {sent:<80} |")
         lines.append(bar)
     return "\n".join(lines)
 
@@ -120,6 +124,11 @@ def format_detail(device: dict, index: int) -> str:
         f"    Generated tokens      : {device.get('generation_tokens_total', 0)}",
         f"    Faults detected       : {device.get('faults_detected', 0)}",
     ]
+    if "tp_rank" in device:
+        lines += [
+            f"    Tensor-parallel rank  : {device['tp_rank']}",
+            f"    Collectives sent      : {_mib(device.get('collective_bytes_sent', 0))}",
+        ]
     return "\n".join(lines)
 
 

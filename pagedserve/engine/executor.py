@@ -46,7 +46,7 @@ class Executor:
         self.worker: Worker | None = None
 
     def load(self) -> Worker:
-        """Rank 0's card, weights and KV pages (the other ranks load theirs meanwhile)."""
+        """The card, its weights and its KV pages."""
         self.worker = Worker(self.config, 0, 1, self.usage_context)
         self.worker.init_kv_cache()
         return self.worker
@@ -143,12 +143,13 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(self.failed) from e
 
     def _broadcast_step(self, inp: ModelInput) -> None:
-        self._send(STEP, inp.to_tensor())
+        self._send(STEP, inp.to_tensor().to(self.worker.device.torch_device))
 
     def _send(self, kind: int, payload: torch.Tensor | None = None) -> None:
         device = self.worker.device
         size = 0 if payload is None else payload.numel()
-        device.broadcast(torch.tensor([kind, size], dtype=torch.long), src=0)
+        header = torch.tensor([kind, size], dtype=torch.long, device=device.torch_device)
+        device.broadcast(header, src=0)
         if payload is not None:
             device.broadcast(payload, src=0)
 
@@ -304,15 +305,16 @@ def run_worker(
 def worker_loop(worker: Worker) -> None:
     """Receive rank 0's messages and act on them until STOP."""
     device = worker.device
+    where = device.torch_device  # nccl moves CUDA tensors only
     while True:
-        header = device.broadcast(torch.zeros(2, dtype=torch.long), src=0)
+        header = device.broadcast(torch.zeros(2, dtype=torch.long, device=where), src=0)
         kind, size = header.tolist()
         if kind == STOP:
             return
         if kind == DEVICE_STATS:
             dist.gather_object(worker.device_stats(), None, dst=0)
             continue
-        payload = device.broadcast(torch.empty(size, dtype=torch.long), src=0)
+        payload = device.broadcast(torch.empty(size, dtype=torch.long, device=where), src=0)
         worker.runner.run_step(ModelInput.from_tensor(payload))
 
 

@@ -129,7 +129,8 @@ class Worker:
         num_pages = cache.num_kv_pages or self.device.num_kv_pages_available(
             page_bytes, cache.gpu_memory_utilization
         )
-        num_pages = int(self.device.all_reduce(torch.tensor([num_pages]), op="min")[0])
+        pages = torch.tensor([num_pages], device=self.device.torch_device)
+        num_pages = int(self.device.all_reduce(pages, op="min")[0])
         if num_pages < 1:
             name = self.usage_context.name_of
             raise ValueError(
@@ -151,12 +152,13 @@ class Worker:
     def device_stats(self) -> dict:
         """This card's part of what ``pagedserve smi`` shows."""
         dev = self.device
-        return {
+        stats = {
             "name": dev.card_name,
             "backend": dev.backend,
             "description": dev.preset.description,
             "tiers": dev.memory_stats(),
-            "tp_rank": dev.rank,
-            "collective_bytes_sent": dev.collective_bytes_sent,
             "faults_detected": dev.num_faults_detected,
         }
+        if dev.world_size > 1:
+            stats |= {"tp_rank": dev.rank, "collective_bytes_sent": dev.collective_bytes_sent}
+        return stats
