@@ -14,6 +14,8 @@ import time
 import httpx
 import openai
 import pytest
+import torch
+import torch.multiprocessing
 from conftest import free_port, serve_subprocess
 from helpers_models import build_tiny_hf_model
 
@@ -72,6 +74,66 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks(tmp_path):
     ]
     D = config.head_dim
     assert [s.ranges for s in kv] == [((0, D),), ((0, D),), ((D, 2 * D),), ((D, 2 * D),)]
+
+
+def test_each_rank_reads_only_its_rows_and_columns(tmp_path):
+    from pagedserve.models import load_state_dict
+
+    build_tiny_hf_model(tmp_path, "glm")
+    config = load_config(tmp_path)
+    whole = load_state_dict(tmp_path, config)
+    half = load_state_dict(tmp_path, config, tp=TensorParallel(config, 1, 2))
+    p = "model.layers.0."
+    assert torch.equal(half["model.embed_tokens.weight"], whole["model.embed_tokens.weight"][160:])
+    assert torch.equal(
+        half[p + "self_attn.q_proj.weight"], whole[p + "self_attn.q_proj.weight"][32:]
+    )
+    assert torch.equal(half[p + "self_attn.k_proj.bias"], whole[p + "self_attn.k_proj.bias"][16:])
+    assert torch.equal(
+        half[p + "self_attn.o_proj.weight"], whole[p + "self_attn.o_proj.weight"][:, 32:]
+    )
+    gate_up = whole[p + "mlp.gate_up_proj.weight"]  # [gate 96 | up 96] rows
+    assert torch.equal(
+        half[p + "mlp.gate_up_proj.weight"], torch.cat([gate_up[48:96], gate_up[144:]])
+    )
+    assert torch.equal(half[p + "mlp.down_proj.weight"], whole[p + "mlp.down_proj.weight"][:, 48:])
+    assert torch.equal(half[p + "input_layernorm.weight"], whole[p + "input_layernorm.weight"])
+
+
+def _collectives(rank: int, address: str, results) -> None:
+    """One rank of the collectives test: the Device's all_reduce, all_gather and broadcast."""
+    from pagedserve.config import ParallelConfig
+    from pagedserve.engine.executor import init_distributed
+    from pagedserve.hal import get_device
+
+    init_distributed(ParallelConfig(tensor_parallel_size=2), rank, "gloo", address)
+    device = get_device("kunlun-emu")
+    device.join_group(rank, 2)
+    summed = device.all_reduce(torch.full((4,), float(rank + 1))).tolist()
+    gathered = device.all_gather(torch.full((2, 3), float(rank)), dim=-1).tolist()
+    sent = torch.arange(5) if rank == 0 else torch.zeros(5, dtype=torch.long)
+    broadcast = device.broadcast(sent, src=0).tolist()
+    results.put((rank, summed, gathered, broadcast, device.collective_bytes_sent))
+    torch.distributed.destroy_process_group()
+
+
+def test_device_collectives_combine_the_ranks_and_count_the_bytes_sent():
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    address = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_collectives, args=(r, address, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict((r[0], r[1:]) for r in (results.get(timeout=120) for _ in procs))
+    for proc in procs:
+        proc.join(30)
+    for rank in range(2):
+        summed, gathered, broadcast, sent = got[rank]
+        assert summed == [3.0] * 4
+        assert gathered == [[0.0] * 3 + [1.0] * 3] * 2
+        assert broadcast == [0, 1, 2, 3, 4]
+        # ring all-reduce: 2 (n-1)/n of 16 B; all-gather: 24 B to the other; broadcast: 40 B from 0
+        assert sent == 16 + 24 + (40 if rank == 0 else 0)
 
 
 @pytest.fixture(scope="module")
