@@ -44,6 +44,10 @@ class GlmForCausalLM:
     with each linear's input rounded to int8 per token, as W4A8 checkpoints ask); embeddings, norms and
     biases stay 16-bit. lm_head is as the checkpoint has it unless ``quantize_lm_head`` says
     ``none``, ``int8`` (per-channel) or ``int4`` (group-wise, the decoder's group size).
+
+    With ``tp`` (``tensor_parallel.py``) the model is one rank's shard: its heads, its part of the
+    MLP and of the vocabulary; the row-parallel o_proj and down_proj and the embedding all-reduce,
+    the logits are all-gathered, through the device's collectives.
     """
 
     def __init__(
