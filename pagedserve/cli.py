@@ -28,7 +28,8 @@ ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
-    "quantize_lm_head", "weight_scrub_pages",
+    "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
+    "dist_init_addr", "dist_timeout",
 )  # fmt: skip
 
 
@@ -170,7 +171,35 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
         "--tp-size",
         type=int,
         default=1,
-        help="tensor-parallel ranks; only 1 is supported for now",
+        help="tensor-parallel ranks, one card each (one process per rank): the weights and KV "
+        "heads are split Megatron-style. At most the device's cards per node (kunlun-emu: 8); "
+        "cpu allows any size",
+    )
+    a(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines the tensor-parallel ranks are spread over, as in SGLang (default 1)",
+    )
+    a(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this machine's index among --nnodes; node 0 serves HTTP, the others only compute "
+        "(default 0)",
+    )
+    a(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's rendezvous address (torch.distributed TCP store) that every node reaches; "
+        "needed with --nnodes > 1 (default: a free local port)",
+    )
+    a(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait at start-up for every rank to join the rendezvous (default 60)",
     )
     a(
         "--enforce-eager",
@@ -265,14 +294,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.tensor_parallel_size != 1:
-        print(
-            f"pagedserve serve: error: --tensor-parallel-size {args.tensor_parallel_size} is not "
-            f"supported yet (tensor parallelism is not implemented); use 1",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        if args.node_rank:
+            return _serve_node(args)
         engine = _build_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
@@ -292,6 +316,15 @@ def _build_engine(args: argparse.Namespace):
     engine = AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
     logger.info("engine ready: %s", engine.description)
     return engine
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    """A node other than 0 of a multi-node tensor-parallel server: its ranks, no HTTP."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.executor import serve_node
+
+    logger.info("node %d of %d: joining %s", args.node_rank, args.nnodes or 1, args.dist_init_addr)
+    return serve_node(EngineConfig.from_kwargs(**engine_kwargs(args)), args.log_level)
 
 
 def _serve(engine, args: argparse.Namespace) -> int:

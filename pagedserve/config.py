@@ -67,11 +67,27 @@ class DeviceConfig(_Config):
     weight_scrub_pages: int = Field(2, ge=0)  # weight pages the patrol scrub verifies per step
 
 
+class ParallelConfig(_Config):
+    """Tensor parallelism: ``tensor_parallel_size`` ranks over ``nnodes`` machines (SGLang's
+    multi-node flags); ranks ``node_rank * per_node ..`` run on this machine."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    dist_init_addr: str | None = None  # HOST:PORT of node 0's rendezvous; None: a local port
+    dist_timeout: float = Field(60.0, gt=0)  # seconds to wait for every rank at start-up
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+
 class EngineConfig(_Config):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(
@@ -84,6 +100,7 @@ class EngineConfig(_Config):
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "device": DeviceConfig,
+            "parallel": ParallelConfig,
         }
         tree: dict[str, dict] = {name: {} for name in sections}
         for key, value in kwargs.items():

@@ -24,7 +24,7 @@ def add_smi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=None,
         dest="device_index",
-        help="only device N (a server drives one device: 0)",
+        help="only card N (a tensor-parallel server has one card per rank; otherwise 0)",
     )
     a("--json", action="store_true", help="print the raw figures as JSON")
     a(
@@ -91,6 +91,10 @@ def format_summary(devices: list[dict]) -> str:
         lines.append(f"|     {load:<80} |")
         if d.get("faults"):
             lines.append(f"|     {_faults_line(d['faults']):<80} |")
+        if "tp_rank" in d:
+            sent = _mib(d.get("collective_bytes_sent", 0))
+            sent = f"tensor-parallel rank {d['tp_rank']}   collectives sent {sent}"
+            lines.append(f"|     {sent:<80} |")
         lines.append(bar)
     return "\n".join(lines)
 
@@ -139,6 +143,11 @@ def format_detail(device: dict, index: int) -> str:
             f"    Weight pages          : {scrub['total']} (patrol {scrub['scrub_pages_per_step']} "
             f"per step, {scrub['scrubbed_total']} verified so far)"
         )
+    if "tp_rank" in device:
+        lines += [
+            f"    Tensor-parallel rank  : {device['tp_rank']}",
+            f"    Collectives sent      : {_mib(device.get('collective_bytes_sent', 0))}",
+        ]
     return "\n".join(lines)
 
 

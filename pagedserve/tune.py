@@ -67,7 +67,8 @@ class ModelShape:
 class DevicePreset:
     name: str
     backend: str
-    memory_bytes: int
+    memory_bytes: int  # one card's
+    cards: int | None = 1  # per node; None: one per process (cpu)
 
 
 @dataclass(slots=True)
@@ -160,8 +161,12 @@ def load_device(spec: str) -> DevicePreset:
         )
     cfg = yaml.safe_load(preset.read_text())
     memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
+    cards = cfg.get("cards", 1)
     return DevicePreset(
-        cfg.get("name", preset.stem), cfg.get("backend", "cpu"), parse_bytes(memory)
+        cfg.get("name", preset.stem),
+        cfg.get("backend", "cpu"),
+        parse_bytes(memory),
+        None if cards == "per-process" else int(cards),
     )
 
 
@@ -261,6 +266,27 @@ def activation_reserve(model: ModelShape, tp: int, max_num_batched_tokens: int) 
 # ---- the tuner
 
 
+def _smallest_fitting_tp(
+    model: ModelShape,
+    device: DevicePreset,
+    budget: int,
+    quantization: str,
+    group_size: int,
+    batched: int,
+) -> int | None:
+    """The fewest cards (within the node) whose share of the weights and reserve fits each card."""
+    for tp in range(2, (device.cards or 64) + 1):
+        try:
+            check_tensor_parallel(model, tp)
+        except TuneError:
+            continue
+        w16, wlin = weight_bytes(model, tp, quantization, group_size, 2)
+        activations, logits = activation_reserve(model, tp, batched)
+        if w16 + wlin + activations + logits + min(WORKSPACE_CAP, budget // 16) < budget:
+            return tp
+    return None
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -280,6 +306,11 @@ def tune(
     model, device = load_model_shape(model_arg), load_device(device_arg)
     tp = tensor_parallel_size
     check_tensor_parallel(model, tp)
+    if device.cards is not None and tp > device.cards:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} asks for more cards than {device.name} has: "
+            f"{device.cards} per node; use {device.cards} or less"
+        )
     max_model_len = max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise TuneError(
@@ -303,11 +334,13 @@ def tune(
     reserve = activations + logits + workspace
     weights = w16 + wlin
     if weights + reserve >= budget:
+        fits = _smallest_fitting_tp(model, device, budget, quantization, quant_group_size, batched)
+        advice = f"use --tensor-parallel-size {fits}" if fits else "raise --tensor-parallel-size"
         raise TuneError(
             f"the weights do not fit: {model.name} needs {_gib(weights)} of weights per rank "
-            f"+ {_gib(reserve)} reserve, but {device.name} gives {_gib(budget)} "
-            f"({_gib(device.memory_bytes)} x {gpu_memory_utilization}); raise "
-            "--tensor-parallel-size, use --quantization int4, or pick a larger device"
+            f"+ {_gib(reserve)} reserve, but one card of {device.name} gives {_gib(budget)} "
+            f"({_gib(device.memory_bytes)} x {gpu_memory_utilization}); {advice}, use "
+            "--quantization int4, or pick a larger device"
         )
     per_token = kv_bytes_per_token(model, tp, dtype_bytes)
     kv_available = budget - weights - reserve
@@ -473,7 +506,12 @@ def explain(result: TuneResult) -> str:
         f"kv {r.kv_dtype}, block {r.block_size}, max_model_len {r.max_model_len}"
     )
     body = [f"{a:<{width[0]}}  {b:>{width[1]}}  {c}" for a, b, c in rows]
-    return "\n".join([head, "-" * len(head), *body])
+    cards = f"{r.tensor_parallel_size} cards" if r.tensor_parallel_size > 1 else "one card"
+    fits = (
+        f"fits on {cards} of {r.device}: {_gib(r.weight_bytes)} of weights and "
+        f"{r.num_kv_pages} KV pages on each"
+    )
+    return "\n".join([head, "-" * len(head), *body, fits])
 
 
 # ---- CLI
@@ -491,7 +529,14 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         required=True,
         help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
     )
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="cards the weights and KV heads are split over (figures are per card)",
+    )
     parser.add_argument(
         "--max-model-len",
         type=int,

@@ -459,13 +459,6 @@ def test_config_file_fills_flags_and_the_command_line_wins(tmp_path):
         apply_config_file(build_parser(), ["serve", "--config", str(cfg)])
 
 
-def test_serve_refuses_tensor_parallelism(capsys):
-    from pagedserve.cli import main
-
-    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
-    assert "tensor" in capsys.readouterr().err
-
-
 def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path):
     import json
     import signal

@@ -91,8 +91,8 @@ def test_glm4_9b_chat_on_kunlun_matches_hand_computation(capsys):
 
 
 def test_tensor_parallel_splits_weights_and_replicates_kv_heads():
-    tp2 = tune("glm-4-9b-chat", "kunlun-xpu-32g", tensor_parallel_size=2, max_model_len=32768)
-    tp4 = tune("glm-4-9b-chat", "kunlun-xpu-32g", tensor_parallel_size=4, max_model_len=32768)
+    tp2 = tune("glm-4-9b-chat", "kunlun-p800x8", tensor_parallel_size=2, max_model_len=32768)
+    tp4 = tune("glm-4-9b-chat", "kunlun-p800x8", tensor_parallel_size=4, max_model_len=32768)
     assert tp2.weight_bytes == _hand_9b_weights(tp=2, int4=True)
     assert tp4.weight_bytes == _hand_9b_weights(tp=4, int4=True)
     assert tp2.kv_bytes_per_token == 2 * L * 1 * D * 2
@@ -116,7 +116,7 @@ def test_32b_on_32g_device_refuses_bf16_weights_and_fits_int4():
 
 def test_refuses_tensor_parallel_size_that_does_not_divide_heads():
     with pytest.raises(TuneError, match="does not divide the 32 attention heads"):
-        tune("glm-4-9b-chat", "kunlun-xpu-32g", tensor_parallel_size=3)
+        tune("glm-4-9b-chat", "kunlun-p800x8", tensor_parallel_size=3)
 
 
 def test_refuses_max_model_len_beyond_context():
@@ -255,3 +255,15 @@ def test_module_entry_point_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "40960" in proc.stdout and "5.00 GiB" in proc.stdout
+
+
+def test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits(capsys):
+    from pagedserve.cli import main
+
+    flags = ["tune", "--model", "glm-4-9b-chat", "--device", "kunlun-emu", "--quantization", "none"]
+    assert main(flags) == 2
+    assert "use --tensor-parallel-size 4" in capsys.readouterr().err  # 17.5 GiB on 8 GiB cards
+    assert main([*flags, "--tp-size", "4", "--max-model-len", "32768"]) == 0
+    assert "fits on 4 cards of kunlun-emu" in capsys.readouterr().out
+    assert main([*flags, "--tp-size", "16"]) == 2
+    assert "8 per node" in capsys.readouterr().err

@@ -201,6 +201,7 @@ class EngineCore:
             "limits": engine.limits.to_dict(),
             "describe": engine.describe(),
             "tokenizer_dir": str(tokenizer_dir) if has_tokenizer else None,
+            "worker_pids": engine.executor.worker_pids,
         }
 
 
@@ -250,6 +251,7 @@ class EngineCoreProc:
         try:
             while not self.stopping:
                 self._process_input(block=not self.core.has_work())
+                self.core.engine.check_health()  # a lost tensor-parallel rank ends the loop
                 outputs = self.core.step() if self.core.has_work() else []
                 self._send_outputs(outputs)
         except BaseException as e:  # the HTTP process must hear why, then this loop is gone
@@ -345,8 +347,10 @@ def run_engine_core(
     try:
         proc.run_busy_loop()
     except BaseException:  # noqa: BLE001 - logged and reported by the loop
+        core.engine.shutdown()
         output_socket.close(linger=2000)
         sys.exit(1)
+    core.engine.shutdown()
     input_socket.close(linger=0)
     output_socket.close(linger=2000)
     ctx.term()

@@ -44,11 +44,15 @@ class CoreClient:
         self.info: dict = {}
         self.closed = False
 
-    def send(self, message: list) -> None:
+    def send(self, message: list, block: bool = True) -> None:
         data = encode(message)
         with self._send_lock:
-            if not self.closed:
-                self.input_socket.send(data, copy=False)
+            if self.closed:
+                return
+            try:
+                self.input_socket.send(data, 0 if block else zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # no engine core connected any more: nobody to tell
+                pass
 
     def async_output_socket(self) -> zmq.asyncio.Socket:
         """The output socket for the running event loop."""
@@ -92,7 +96,9 @@ class MPCoreClient(CoreClient):
             target=_run_engine_core,
             args=(config, self.input_address, self.output_address, log_level, os.getpid()),
             name="pagedserve-engine-core",
-            daemon=True,
+            # a daemonic process may not start processes: at tensor-parallel size > 1 the core
+            # starts its ranks' (it stops when this process is gone, _check_parent)
+            daemon=config.parallel.tensor_parallel_size == 1,
         )
         self.proc.start()
         try:
@@ -138,7 +144,7 @@ class MPCoreClient(CoreClient):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self.proc.is_alive():
-            self.send([SHUTDOWN])
+            self.send([SHUTDOWN], block=False)  # a core on its way out may read no more
             self.proc.join(timeout)
         if self.proc.is_alive():
             logger.warning("the engine core did not stop in %.0f s; killing it", timeout)

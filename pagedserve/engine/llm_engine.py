@@ -15,16 +15,15 @@ import torch
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.executor import create_executor
 from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa: F401 - re-exported
-from pagedserve.engine.model_runner import ModelRunner, ModelRunnerOutput
+from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.structured import StructuredOutputManager
-from pagedserve.hal import get_device
+from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
 from pagedserve.hal.faults import UnrecoverableFaultError
-from pagedserve.hal.memory import format_bytes
-from pagedserve.models import Tokenizer, load_config, load_state_dict, resolve_model_path
-from pagedserve.models.glm4 import GlmForCausalLM
+from pagedserve.models import Tokenizer, load_config, resolve_model_path
 from pagedserve.models.loader import layer_of
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -32,8 +31,6 @@ from pagedserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar, not a busy spin
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -54,14 +51,6 @@ class RequestGroup:
         return all(s.status.finished for s in self.seqs) and not self.pending_forks
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: str | None) -> torch.dtype:
-    if dtype == "auto":
-        dtype = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
-    if dtype not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -78,15 +67,18 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
-        self.dtype = resolve_dtype(config.model.dtype, self.model_config.torch_dtype)
-        self.device = get_device(config.device.device, config.device.enforce_eager)
-        self.tokenizer = self._load_tokenizer()
-        self.model = self._load_model()
-        self.device.seal_weights()  # the patrol scrub's checksums, of the weights as placed
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
         self._check_max_model_len()
+        self.tokenizer = self._load_tokenizer()
+        self.executor = create_executor(config, usage_context)
+        worker = self.executor.load()  # rank 0: this process's card, shard and KV pages
+        self.dtype, self.device, self.model = worker.dtype, worker.device, worker.model
+        self.device.seal_weights()  # the patrol scrub's checksums, of the weights as placed
         self.block_size = config.cache.block_size
-        kv_cache = self._allocate_kv_cache()
+        self.runner = worker.runner
+        if self.executor.world_size == 1:  # a restore recomputes the step on this rank alone
+            self.runner.patrol_scrub = self._patrol_scrub
+        kv_cache = self.runner.kv_cache
         self.num_kv_pages = kv_cache.shape[2]
         self.block_manager = BlockManager(
             self.num_kv_pages, self.block_size, config.cache.enable_prefix_caching
@@ -100,8 +92,6 @@ class LLMEngine:
             config.scheduler.max_num_seqs,
             usage_context,
         )
-        self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
-        self.runner.patrol_scrub = self._patrol_scrub
         self.groups: dict[str, RequestGroup] = {}
         self.eos_token_ids = frozenset(
             self.model_config.eos_token_ids
@@ -126,32 +116,6 @@ class LLMEngine:
             return None
         return Tokenizer(path)
 
-    def _load_model(self) -> GlmForCausalLM:
-        state_dict = load_state_dict(self.model_path, self.model_config, self.dtype)
-        mc = self.config.model
-        if mc.quantization not in (None, "int4", "w4a8", "awq", "gptq"):
-            raise ValueError(
-                f"--quantization {mc.quantization!r} is not supported; use int4 (load-time "
-                f"round-to-nearest, bf16 activations), w4a8 (the same weights, int8 activations), "
-                f"or point --model at an AWQ/GPTQ/pagedserve quantized directory"
-            )
-        if mc.quantization in ("awq", "gptq") and not self.model_config.quantization_config:
-            raise ValueError(
-                f"--quantization {mc.quantization} needs a quantized checkpoint, but "
-                f"{self.model_path} has no quantization_config; use --quantization int4 to "
-                f"quantize at load time, or run `pagedserve quantize` first"
-            )
-        model = GlmForCausalLM(
-            self.model_config,
-            self.device,
-            self.dtype,
-            mc.quantization,
-            mc.quant_group_size,
-            mc.quantize_lm_head,
-        )
-        model.load_weights(state_dict)
-        return model
-
     def _check_max_model_len(self) -> None:
         limit, ctx = self.model_config.max_position_embeddings, self.usage_context
         if self.max_model_len > limit:
@@ -162,36 +126,15 @@ class LLMEngine:
             )
 
     def kv_bytes_per_token(self) -> int:
-        c = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
-
-    def _allocate_kv_cache(self) -> torch.Tensor:
-        c, cache = self.model_config, self.config.cache
-        page_bytes = self.block_size * self.kv_bytes_per_token()
-        num_pages = cache.num_kv_pages or self.device.num_kv_pages_available(
-            page_bytes, cache.gpu_memory_utilization
-        )
-        if num_pages < 1:
-            name = self.usage_context.name_of
-            raise ValueError(
-                f"no room for KV pages on {self.device.name}: one page needs "
-                f"{format_bytes(page_bytes)}; raise {name('gpu_memory_utilization')} or use a "
-                f"larger {name('device')}"
-            )
-        return self.device.allocate_kv_cache(
-            c.num_hidden_layers,
-            num_pages,
-            self.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-            self.dtype,
-        )
+        """KV bytes of one token on each card (its KV heads)."""
+        return self.executor.worker.kv_bytes_per_token()
 
     def describe(self) -> str:
         max_concurrency = self.num_kv_pages * self.block_size / self.max_model_len
+        tp = self.config.parallel.tensor_parallel_size
+        cards = f" (rank 0 of tensor-parallel size {tp})" if tp > 1 else ""
         return (
-            f"device {self.device.describe()}; model {self.model_path.name} "
+            f"device {self.device.describe()}{cards}; model {self.model_path.name} "
             f"({self.model_config.architecture}, {self.dtype}); KV cache {self.num_kv_pages} pages "
             f"x {self.block_size} tokens; max_model_len {self.max_model_len}; max concurrency at "
             f"max_model_len {max_concurrency:.2f}x"
@@ -317,10 +260,12 @@ class LLMEngine:
             return []
         forks = self._forks_this_step(sched)
         try:
-            result = self.runner.execute_model(sched, forks)
+            result = self.executor.execute_model(sched, forks)
         except UnrecoverableFaultError:
             raise  # no step can be trusted any more: the engine stops
         except Exception as e:  # noqa: BLE001 - a device or kernel error ends this step only
+            if self.executor.failed is not None:
+                raise  # a tensor-parallel rank is gone: the engine stops
             self._fail_step(sched, e)
             return []
         return self._update(sched, forks, result)
@@ -589,25 +534,26 @@ class LLMEngine:
             "prefix_cache_hits_total": bm.prefix_cache_hits,
             "num_preemptions_total": self.scheduler.num_preemptions,
             "device_faults_total": dict(self.device.faults.detected),
+            "collective_bytes_sent_total": self.device.collective_bytes_sent,
             **self.stats,
         }
 
-    def get_device_stats(self) -> dict:
-        """What ``pagedserve smi`` shows: the device, its tiers and the KV page pool."""
+    def get_device_stats(self) -> dict | list[dict]:
+        """What ``pagedserve smi`` shows: the device, its tiers and the KV page pool; at
+        tensor-parallel size > 1, one such record per card (every card holds the same pages; the
+        faults and the weight patrol are rank 0's, the only card they run on)."""
         bm, dev = self.block_manager, self.device
         used = bm.num_pages - bm.num_free_pages
-        return {
-            "name": dev.name,
-            "backend": dev.backend,
-            "description": dev.preset.description,
-            "tiers": dev.memory_stats(),
+        shared = {
             "kv_pages": {
                 "total": bm.num_pages,
                 "in_use": used,
                 "cached": len(bm.page_to_cached_block),
                 "free": bm.num_free_pages,
                 "block_size": self.block_size,
-                "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
+                "memory_attr": self.device.kv_memory_attr.value
+                if self.device.kv_memory_attr
+                else None,
             },
             "requests": {
                 "running": len(self.scheduler.running),
@@ -622,6 +568,16 @@ class LLMEngine:
                 "scrub_pages_per_step": self.config.device.weight_scrub_pages,
             },
         }
+        cards = [{**card, **shared} for card in self.executor.device_stats()]
+        return cards[0] if len(cards) == 1 else cards
+
+    def check_health(self) -> None:
+        """Raise ``RuntimeError`` when a tensor-parallel rank is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
+        self.executor.shutdown()
 
     def get_page_map(self) -> dict:
         """The KV page pool frame by frame (``BlockManager.page_map``), for the web console."""

@@ -18,12 +18,44 @@ from pagedserve.hal import AttentionMetadata, Device
 from pagedserve.models.glm4 import GlmForCausalLM
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelInput:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn_metadata: AttentionMetadata
-    logits_indices: list[int]  # one row per sequence that samples this step
+    """One step's flat batch as plain integers: what rank 0 sends the other tensor-parallel ranks
+    (``to_tensor``), and all that any rank needs to run the step."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T]
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]
+    block_tables: list[list[int]]  # [B, max_blocks], padded with 0
+    logits_rows: list[int]  # rows whose logits this step needs: prompt logprobs, then samplers
+    page_copies: list[tuple[int, int]]  # copy-on-write (source page, destination page)
+
+    def to_tensor(self) -> torch.Tensor:
+        """One int64 tensor: the sizes, then every field flattened."""
+        tables = [p for row in self.block_tables for p in row]
+        copies = [p for pair in self.page_copies for p in pair]
+        max_blocks = len(self.block_tables[0]) if self.block_tables else 0
+        sizes = [len(self.input_ids), len(self.seq_lens), max_blocks]
+        sizes += [len(self.logits_rows), len(self.page_copies)]
+        fields = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc]
+        fields += [self.seq_lens, tables, self.logits_rows, copies]
+        return torch.tensor(sizes + [x for f in fields for x in f], dtype=torch.long)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> ModelInput:
+        values = t.tolist()
+        T, B, max_blocks, R, C = values[:5]
+        lengths = [T, T, T, B + 1, B, B * max_blocks, R, 2 * C]
+        fields, at = [], 5
+        for n in lengths:
+            fields.append(values[at : at + n])
+            at += n
+        ids, pos, slots, qsl, lens, tables, rows, copies = fields
+        table_rows = [tables[i * max_blocks : (i + 1) * max_blocks] for i in range(B)]
+        pairs = list(zip(copies[::2], copies[1::2]))
+        return cls(ids, pos, slots, qsl, lens, table_rows, rows, pairs)
 
 
 @dataclass
@@ -45,42 +77,65 @@ class ModelRunner:
         self.sampler = Sampler(argmax=device.argmax)
         self.generators: dict[str, torch.Generator] = {}
         self.structured_output_manager = None  # the engine's, when it serves constraints
-        # the engine's weight patrol: True when it restored a corrupted page (recompute the step)
+        # the engine's weight patrol (tp 1 only): True when it restored a corrupted page (recompute the step)
         self.patrol_scrub: Callable[[], bool] | None = None
+        # at tp > 1: sends each step's ModelInput to the other ranks before rank 0 runs it
+        self.broadcast_step: Callable[[ModelInput], None] | None = None
 
     @torch.inference_mode()
     def execute_model(
         self, sched: SchedulerOutput, forks: dict[str, list[Request]] | None = None
     ) -> ModelRunnerOutput:
         """``forks`` maps a request id to the ``n > 1`` siblings that sample from its first logits."""
-        self.device.copy_pages(sched.page_copies)
-        inp = self.prepare_inputs(sched)
-        hidden = self.model.forward(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_cache)
+        samplers: list[Request] = []
+        sample_rows: list[int] = []
+        inp, prompt_rows = self.prepare_inputs(sched)
+        completing = [s for s in sched.scheduled if s.completes_sequence]
+        for s, row in zip(completing, inp.logits_rows):
+            for r in [s.request, *(forks or {}).get(s.request.request_id, [])]:
+                samplers.append(r)
+                sample_rows.append(row)
+        inp.logits_rows = [row for rows in prompt_rows.values() for row in rows] + sample_rows
+        if self.broadcast_step is not None:
+            self.broadcast_step(inp)
+        logits = self.run_step(inp)
         if self.patrol_scrub is not None and self.patrol_scrub():
             # a weight page this pass may have read was corrupted and is now restored: the
             # step is computed again (its KV slots rewritten) before anything is sampled
-            hidden = self.model.forward(
-                inp.input_ids, inp.positions, inp.attn_metadata, self.kv_cache
-            )
+            logits = self.run_step(inp)
         out = ModelRunnerOutput()
-        self._compute_prompt_logprobs(sched, hidden, inp, out)
-        samplers = [s.request for s in sched.scheduled if s.completes_sequence]
-        if not samplers:
-            return out
-        rows, requests = [], []
-        for req, row in zip(samplers, inp.logits_indices):
-            for r in [req, *(forks or {}).get(req.request_id, [])]:
-                rows.append(row)
-                requests.append(r)
-        logits = self.model.compute_logits(hidden[rows])
-        result = self.sampler(logits, self._sampling_metadata(requests))
-        for r, token, lp in zip(requests, result.sampled_token_ids, result.logprobs):
-            out.sampled_token_ids[r.request_id] = token
-            out.logprobs[r.request_id] = lp
+        at = self._compute_prompt_logprobs(sched, prompt_rows, logits, out)
+        if samplers:
+            result = self.sampler(logits[at:], self._sampling_metadata(samplers))
+            for r, token, lp in zip(samplers, result.sampled_token_ids, result.logprobs):
+                out.sampled_token_ids[r.request_id] = token
+                out.logprobs[r.request_id] = lp
         return out
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled requests: one pass in Python, one tensor per field.
+    @torch.inference_mode()
+    def run_step(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass of one step on this rank's shard: the logits of ``inp.logits_rows``
+        (whole at every rank), None when no row needs them."""
+        self.device.copy_pages(inp.page_copies)
+        dev = self.device.torch_device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(inp.slot_mapping, device=dev),
+            query_start_loc=inp.query_start_loc,
+            seq_lens=inp.seq_lens,
+            block_tables=torch.tensor(inp.block_tables, dtype=torch.long, device=dev),
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor(inp.input_ids, device=dev)
+        positions = torch.tensor(inp.positions, device=dev)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        if not inp.logits_rows:
+            return None
+        return self.model.compute_logits(hidden[inp.logits_rows])
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[ModelInput, dict[int, list[int]]]:
+        """Flatten the scheduled requests in one pass in Python; ``logits_rows`` holds each
+        completing sequence's last row, and the second value the prompt rows whose logprobs
+        were asked for, by position in the batch.
 
         At batch 1 the step's whole budget is a few milliseconds, so this avoids per-token tensor
         ops: slots are computed with integer arithmetic, and each field becomes a tensor once.
@@ -89,11 +144,13 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        query_start_loc, seq_lens, logits_indices = [0], [], []
-        for s in sched.scheduled:
+        query_start_loc, seq_lens, logits_rows = [0], [], []
+        prompt_rows: dict[int, list[int]] = {}
+        for i, s in enumerate(sched.scheduled):
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
             table = s.block_table
+            row0 = len(input_ids)
             if end - start == 1:  # a decode row: no slices, no comprehension
                 input_ids.append(s.request.all_token_ids[start])
                 positions.append(start)
@@ -105,23 +162,30 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             if s.completes_sequence:
-                logits_indices.append(len(input_ids) - 1)
+                logits_rows.append(len(input_ids) - 1)
+            n = self._num_prompt_logprob_rows(s.request, start, end)
+            if n:
+                prompt_rows[i] = list(range(row0, row0 + n))
         max_blocks = max(len(s.block_table) for s in sched.scheduled)
         padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.scheduled]
-        dev = self.device.torch_device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, device=dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            block_size=bs,
+        inp = ModelInput(
+            input_ids,
+            positions,
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            padded,
+            logits_rows,
+            list(sched.page_copies),
         )
-        return ModelInput(
-            torch.tensor(input_ids, device=dev),
-            torch.tensor(positions, device=dev),
-            meta,
-            logits_indices,
-        )
+        return inp, prompt_rows
+
+    @staticmethod
+    def _num_prompt_logprob_rows(req: Request, start: int, end: int) -> int:
+        """Rows of this chunk that predict a following prompt token, when prompt logprobs are on."""
+        if req.sampling_params.prompt_logprobs is None:
+            return 0
+        return max(min(end, req.num_prompt_tokens - 1) - start, 0)
 
     def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
         return SamplingMetadata(
@@ -147,21 +211,26 @@ class ModelRunner:
         return self.generators[req.request_id]
 
     def _compute_prompt_logprobs(
-        self, sched: SchedulerOutput, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput
-    ) -> None:
-        for i, s in enumerate(sched.scheduled):
-            req, top_n = s.request, s.request.sampling_params.prompt_logprobs
+        self,
+        sched: SchedulerOutput,
+        prompt_rows: dict[int, list[int]],
+        logits: torch.Tensor | None,
+        out: ModelRunnerOutput,
+    ) -> int:
+        """Fill ``out.prompt_logprobs`` from the first rows of ``logits``; how many it used."""
+        at = 0
+        for i, rows in prompt_rows.items():
+            req = sched.scheduled[i].request
             start = req.num_computed_tokens
-            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if top_n is None or end <= start:
-                continue
-            row0 = inp.attn_metadata.query_start_loc[i]
-            logits = self.model.compute_logits(hidden[row0 : row0 + end - start])
-            targets = req.prompt_token_ids[start + 1 : end + 1]
+            targets = req.prompt_token_ids[start + 1 : start + 1 + len(rows)]
             out.prompt_logprobs[req.request_id] = (
                 start + 1,
-                self.sampler.compute_prompt_logprobs(logits, targets, top_n),
+                self.sampler.compute_prompt_logprobs(
+                    logits[at : at + len(rows)], targets, req.sampling_params.prompt_logprobs
+                ),
             )
+            at += len(rows)
+        return at
 
     def free_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

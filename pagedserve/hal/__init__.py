@@ -11,18 +11,27 @@ def get_device(name: str = DEFAULT_DEVICE, enforce_eager: bool = False) -> Devic
     """A device from a backend name (``kunlun-emu``, ``cpu``, ``cuda``) or a preset name / YAML path.
 
     ``enforce_eager`` keeps a backend on plain PyTorch ops (no compiled kernels)."""
+    preset = load_device_preset(name)
+    return _backend_class(preset)(preset, enforce_eager=enforce_eager)
+
+
+def distributed_backend(name: str = DEFAULT_DEVICE) -> str:
+    """The torch.distributed backend the cards of device ``name`` talk through (gloo, nccl)."""
+    return _backend_class(load_device_preset(name)).distributed_backend
+
+
+def _backend_class(preset: DevicePreset) -> type[Device]:
     from pagedserve.hal.cpu import CpuDevice
     from pagedserve.hal.cuda import CudaDevice
     from pagedserve.hal.kunlun_emu import KunlunEmuDevice
 
-    preset = load_device_preset(name)
     backends = {"kunlun-emu": KunlunEmuDevice, "cpu": CpuDevice, "cuda": CudaDevice}
     if preset.backend not in backends:
         raise ValueError(
             f"device preset {preset.name!r} names unknown backend {preset.backend!r}; "
             f"backends: {', '.join(backends)}"
         )
-    return backends[preset.backend](preset, enforce_eager=enforce_eager)
+    return backends[preset.backend]
 
 
 __all__ = [
@@ -33,6 +42,7 @@ __all__ = [
     "DevicePreset",
     "MemoryAttr",
     "available_presets",
+    "distributed_backend",
     "get_device",
     "load_device_preset",
 ]

@@ -9,6 +9,7 @@ from pagedserve.hal.device import Device, DevicePreset
 
 class CudaDevice(Device):
     backend = "cuda"
+    distributed_backend = "nccl"
 
     def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
         if not torch.cuda.is_available():
@@ -19,3 +20,10 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def join_group(self, rank: int, world_size: int) -> None:
+        """Rank ``rank`` drives the GPU of its index on its node (NCCL wants one GPU per rank)."""
+        super().join_group(rank, world_size)
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        self.torch_device = torch.device("cuda", index)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from pagedserve.hal import int4, kernels
@@ -33,13 +34,15 @@ logger = logging.getLogger(__name__)
 BUILTIN_PRESETS: dict[str, dict] = {
     "kunlun-emu": {
         "backend": "kunlun-emu",
-        "description": "CPU emulation of a Kunlun XPU: 8 GiB HBM split into KV and weight tiers",
+        "description": "CPU emulation of a Kunlun XPU node: 8 cards of 8 GiB HBM",
+        "cards": 8,
         "memory_bytes": "8GiB",
         "tiers": {"kv": "2GiB", "weight": "8GiB", "host": "8GiB"},
         "kv_memory_attr": "cached",
     },
     "cpu": {
         "backend": "cpu",
+        "cards": "per-process",
         "description": "plain PyTorch on the host CPU",
         "tiers": {"kv": "2GiB", "weight": 0, "host": 0},
         "kv_memory_attr": "cached",
@@ -61,6 +64,22 @@ class DevicePreset:
     tiers: dict[str, int] = field(default_factory=dict)
     kv_memory_attr: MemoryAttr = MemoryAttr.CACHED
     memory_bytes: int = 0  # one HBM that the kv and weight tiers share; 0: the tiers are separate
+    cards: int | None = 1  # cards in the node, each with these tiers; None: one per process
+
+    def check_tensor_parallel_size(self, tp_size: int, flag: str = "--tp-size") -> list[int]:
+        """The cards ``tp_size`` ranks leave unused (named in a warning by the caller); more ranks
+        than the node has cards is refused, as the Kunlun XPU deployment guide says."""
+        if tp_size < 1:
+            raise ValueError(f"{flag} {tp_size}: use 1 or more")
+        if self.cards is None:
+            return []
+        if tp_size > self.cards:
+            raise ValueError(
+                f"{flag} {tp_size} asks for more cards than device {self.name!r} has: "
+                f"{self.cards} card(s) per node; use {flag} {self.cards} or less, or add nodes "
+                f"with --nnodes"
+            )
+        return list(range(tp_size, self.cards))
 
     @classmethod
     def from_dict(cls, name: str, d: dict) -> DevicePreset:
@@ -74,7 +93,23 @@ class DevicePreset:
             tiers=tiers,
             kv_memory_attr=MemoryAttr(d.get("kv_memory_attr", "cached")),
             memory_bytes=parse_bytes(d.get("memory_bytes", 0)),
+            cards=_parse_cards(d.get("cards", 1)),
         )
+
+
+def _parse_cards(value: int | str) -> int | None:
+    """``cards: per-process`` (the plain CPU: as many as there are processes) or a count."""
+    if value == "per-process":
+        return None
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"device preset cards: {value!r}; write a count of 1 or more or per-process"
+        )
+    return value
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def available_presets() -> list[str]:
@@ -116,6 +151,8 @@ class Device:
         self.weight_tensors: dict[str, torch.Tensor] = {}  # by tag: what the scrub covers
         self.scrubber: WeightScrubber | None = None
         self.faults = FaultCounts()
+        self.rank, self.world_size = 0, 1  # this card's place among the tensor-parallel ranks
+        self.collective_bytes_sent = 0
 
     def twin(self) -> Device:
         """A fresh device of the same backend and preset, placing tensors as this one does (a
@@ -125,6 +162,11 @@ class Device:
     @property
     def num_faults_detected(self) -> int:
         return sum(self.faults.detected.values())
+
+    @property
+    def card_name(self) -> str:
+        """``kunlun-emu`` alone; ``kunlun-emu card 1`` among tensor-parallel ranks."""
+        return self.name if self.world_size == 1 else f"{self.name} card {self.rank}"
 
     @property
     def name(self) -> str:
@@ -377,6 +419,45 @@ class Device:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row, the index of the first largest value (greedy sampling)."""
         return logits.argmax(dim=-1)
+
+    # ---- collectives (tensor parallelism over torch.distributed) ------------------------------
+    distributed_backend = "gloo"  # the collective library this backend's cards talk through
+
+    def join_group(self, rank: int, world_size: int) -> None:
+        """Make this card rank ``rank`` of the process group the caller initialised."""
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``t`` summed (or its minimum, ``op="min"``) over every rank, in place. A ring
+        all-reduce sends ``2 (n-1)/n`` of the tensor from each card: that is what is counted."""
+        if self.world_size == 1:
+            return t
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(t, op=ops[op])
+        self._count_sent(_nbytes(t) * 2 * (self.world_size - 1) // self.world_size)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``t`` concatenated along ``dim`` in rank order; each card sends its part
+        to the ``n - 1`` others."""
+        if self.world_size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous())
+        self._count_sent(_nbytes(t) * (self.world_size - 1))
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """``src``'s ``t`` on every rank, in place (``src`` sends it to the ``n - 1`` others)."""
+        if self.world_size == 1:
+            return t
+        dist.broadcast(t, src)
+        if self.rank == src:
+            self._count_sent(_nbytes(t) * (self.world_size - 1))
+        return t
+
+    def _count_sent(self, nbytes: int) -> None:
+        self.collective_bytes_sent += nbytes
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         assert self.kv_cache is not None, "copy_pages before the KV cache was allocated"

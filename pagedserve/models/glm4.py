@@ -17,6 +17,7 @@ from pagedserve.hal.int8 import Int8Linear, quantize_int8
 from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
 from pagedserve.models.loader import layer_of, load_state_dict
+from pagedserve.models.tensor_parallel import TensorParallel
 from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 
 Linear = torch.Tensor | Int4Linear | Int8Linear
@@ -45,6 +46,10 @@ class GlmForCausalLM:
     with each linear's input rounded to int8 per token, as W4A8 checkpoints ask); embeddings, norms and
     biases stay 16-bit. lm_head is as the checkpoint has it unless ``quantize_lm_head`` says
     ``none``, ``int8`` (per-channel) or ``int4`` (group-wise, the decoder's group size).
+
+    With ``tp`` (``tensor_parallel.py``) the model is one rank's shard: its heads, its part of the
+    MLP and of the vocabulary; the row-parallel o_proj and down_proj and the embedding all-reduce,
+    the logits are all-gathered, through the device's collectives.
     """
 
     def __init__(
@@ -55,6 +60,7 @@ class GlmForCausalLM:
         quantization: str | None = None,
         quant_group_size: int = 32,
         quantize_lm_head: str | None = None,
+        tp: TensorParallel | None = None,
     ):
         if quantize_lm_head not in (None, *LM_HEAD_QUANTIZATIONS):
             raise ValueError(
@@ -70,8 +76,9 @@ class GlmForCausalLM:
         self.abits = int((config.quantization_config or {}).get("abits", 16))
         if self.quantize_at_load and quantization == "w4a8":
             self.abits = 8  # each linear's input rounded to int8 per token, on the fly
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp or TensorParallel(config)
+        self.num_heads = self.tp.num_heads  # this rank's heads
+        self.num_kv_heads = self.tp.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sandwich = config.architecture == "glm4"
@@ -88,12 +95,16 @@ class GlmForCausalLM:
         self._take_quantized(sd)
         self._load_outer(sd)
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
-        self.fused_layers = [
-            self.device.fused_decoder_layer(
-                w, self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps
-            )
-            for w in self.layers
-        ]
+        self.fused_layers = [self._fused_layer(w) for w in self.layers]
+
+    def _fused_layer(self, w: DecoderLayerWeights):
+        """The device's one-call layer kernel; none at tp > 1, whose layers all-reduce mid-way."""
+        if self.tp.size > 1:
+            return None
+        c = self.config
+        return self.device.fused_decoder_layer(
+            w, self.num_heads, self.num_kv_heads, self.head_dim, c.rms_norm_eps
+        )
 
     def rebuild_weights(self, model_dir: str | Path, layer: int | None) -> dict[str, torch.Tensor]:
         """Decoder layer ``layer`` (None: the embedding, final norm and lm_head) read again from
@@ -107,9 +118,10 @@ class GlmForCausalLM:
             self.quantization,
             self.quant_group_size,
             self.quantize_lm_head,
+            self.tp,
         )
         sd = load_state_dict(
-            model_dir, self.config, self.dtype, only=lambda n: layer_of(n) == layer
+            model_dir, self.config, self.dtype, self.tp, only=lambda n: layer_of(n) == layer
         )
         model._take_quantized(sd)
         if layer is None:
@@ -123,16 +135,21 @@ class GlmForCausalLM:
         self.int4_layers: dict[str, CanonicalInt4] = load_quantized_linears(sd, qc) if qc else {}
 
     def _load_outer(self, sd: dict[str, torch.Tensor]) -> None:
-        """The embedding, the final norm and lm_head (everything outside the decoder layers)."""
-        embed = sd.pop("model.embed_tokens.weight")
+        """The embedding, the final norm and lm_head (everything outside the decoder layers),
+        this rank's share of the vocabulary."""
+        put, take = self._place, self.tp.take
+        embed = take("model.embed_tokens.weight", sd.pop("model.embed_tokens.weight"))
         lm_head = sd.pop("lm_head.weight", None)
-        self.embed_tokens = self._place(embed, "model.embed_tokens.weight")
-        self.norm = self._place(sd.pop("model.norm.weight"), "model.norm.weight")
+        lm_head = None if lm_head is None else take("lm_head.weight", lm_head)
+        self.embed_tokens = put(embed, "model.embed_tokens.weight")
+        self.norm = put(sd.pop("model.norm.weight"), "model.norm.weight")
         self.lm_head = self._load_lm_head(sd, lm_head, embed)
 
     def _load_layer(self, sd: dict[str, torch.Tensor], i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."
-        biases = [sd.pop(f"{p}self_attn.{n}_proj.bias", None) for n in "qkv"]
+        names = [f"{p}self_attn.{n}_proj.bias" for n in "qkv"]
+        biases = [sd.pop(n, None) for n in names]
+        biases = [b if b is None else self.tp.take(n, b) for n, b in zip(names, biases)]
         qkv_bias = torch.cat(biases) if biases[0] is not None else None
         sandwich = {
             name: self._place(sd.pop(p + name + ".weight"), p + name)
@@ -184,10 +201,13 @@ class GlmForCausalLM:
         """
         tag = prefixes[0] if len(prefixes) == 1 else prefixes[0].rsplit(".", 1)[0] + ".qkv_proj"
         if all(p in self.int4_layers for p in prefixes):
-            parts = [self.int4_layers.pop(p) for p in prefixes]
+            parts = [(p, self.int4_layers.pop(p)) for p in prefixes]
+            parts = [(*self.tp.take_int4(p, *part), part[3]) for p, part in parts]
             q, s, z = (torch.cat([part[i] for part in parts]) for i in range(3))
             return self.device.prepare_int4(q, s, z, parts[0][3], tag, self.abits)
-        dense = torch.cat([self._dense_weight(sd, p) for p in prefixes])
+        dense = torch.cat(
+            [self.tp.take(p + ".weight", self._dense_weight(sd, p)) for p in prefixes]
+        )
         if self.quantize_at_load:
             q, s, z = quantize_rtn(dense, self.quant_group_size)
             return self.device.prepare_int4(q, s, z, self.quant_group_size, tag, self.abits)
@@ -219,7 +239,7 @@ class GlmForCausalLM:
         separately, and the next norm adds them (one fused op on backends that have it).
         """
         dev = self.device
-        h = self.embed_tokens[input_ids]
+        h = self._embed(input_ids)
         rope = dev.rotary_at(self.cos_sin, positions)  # the same for every layer
         residual = None
         decode_only = meta.is_decode_only
@@ -231,8 +251,19 @@ class GlmForCausalLM:
                 h, residual = self._decoder_layer(layer, h, residual, rope, meta, kv_cache[i])
         return dev.add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel: each rank looks up the ids in its part of the vocabulary (zeros for the
+        others) and one all-reduce sums the rows."""
+        if self.tp.size == 1:
+            return self.embed_tokens[input_ids]
+        start, stop = self.tp.vocab_range
+        mine = (input_ids >= start) & (input_ids < stop)
+        h = self.embed_tokens[(input_ids - start).clamp(0, stop - start - 1)]
+        return self.device.all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.device.linear(hidden, self.lm_head).float()
+        """[rows, vocab] fp32; at tp > 1 each rank's vocabulary slice, all-gathered."""
+        return self.device.all_gather(self.device.linear(hidden, self.lm_head).float(), dim=-1)
 
     def _decoder_layer(
         self,
@@ -267,9 +298,9 @@ class GlmForCausalLM:
         qkv = dev.linear(x, w.qkv_proj, w.qkv_bias).view(T, H + 2 * KV, D)
         q = dev.rotary_and_write_kv(qkv, H, rope, kv[0], kv[1], meta.slot_mapping)
         o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return dev.linear(o.reshape(T, H * D), w.o_proj)
+        return dev.all_reduce(dev.linear(o.reshape(T, H * D), w.o_proj))  # row-parallel
 
     def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
-        return self.device.linear(
-            self.device.silu_and_mul(self.device.linear(x, w.gate_up_proj)), w.down_proj
-        )
+        dev = self.device
+        down = dev.linear(dev.silu_and_mul(dev.linear(x, w.gate_up_proj)), w.down_proj)
+        return dev.all_reduce(down)  # row-parallel

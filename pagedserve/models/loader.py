@@ -12,6 +12,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.models.config import GlmConfig
+from pagedserve.models.tensor_parallel import Shard, TensorParallel
 from pagedserve.presets import DEMO_MODEL, demo_model_dir
 
 _CHATGLM_RENAMES = [
@@ -49,20 +50,25 @@ def load_state_dict(
     model_dir: str | Path,
     config: GlmConfig,
     dtype: torch.dtype | None = None,
+    tp: TensorParallel | None = None,
     only: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Floating tensors are cast to ``dtype`` (None keeps the checkpoint's); integer ones stay.
 
+    With ``tp``, each tensor is this rank's shard: read alone from a safetensors file under its
+    Hugging Face name, cut from the whole tensor otherwise (chatglm names, ``.bin`` files).
+
     ``only``: read just the checkpoint tensors whose names it accepts (a part of the model, as
     a weight page's restoration needs it); the completeness check is then skipped.
     """
+    tp = tp or TensorParallel(config)
     files = weight_files(model_dir)
     state: dict[str, torch.Tensor] = {}
     disable = True if len(files) == 1 or only is not None else None
     for path in tqdm(files, desc="Loading weight shards", unit="shard", disable=disable):
-        for name, tensor in _read_file(path, only):
+        for name, tensor in _read_file(path, tp, only):
             for hf_name, t in _to_hf_names(name, tensor, config):
-                state[hf_name] = _cast(t, dtype)
+                state[hf_name] = _cast(tp.take(hf_name, t), dtype)
     if config.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     if only is None:
@@ -107,16 +113,31 @@ def _files_from_index(index: Path) -> list[Path]:
 
 
 def _read_file(
-    path: Path, only: Callable[[str], bool] | None = None
+    path: Path, tp: TensorParallel, only: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if only is None or only(name):
+                if only is not None and not only(name):
+                    continue
+                shard = tp.shard(name)
+                if shard is None:
                     yield name, f.get_tensor(name)
+                else:
+                    yield name, _read_shard(f.get_slice(name), shard)
     else:
         tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         yield from ((n, t) for n, t in tensors.items() if only is None or only(n))
+
+
+def _read_shard(tensor_slice, shard: Shard) -> torch.Tensor:
+    """Only the rows (dim 0) or columns (dim 1) of ``shard`` from the file."""
+    if tensor_slice.get_shape()[shard.dim] != shard.full:  # not the shape the config implies
+        return tensor_slice[:]
+    pieces = [
+        tensor_slice[a:b] if shard.dim == 0 else tensor_slice[:, a:b] for a, b in shard.ranges
+    ]
+    return torch.cat(pieces, shard.dim)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

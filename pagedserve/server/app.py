@@ -702,6 +702,8 @@ def _is_public(path: str) -> bool:
     """Routes open without the API key: liveness, metrics, API docs, and the web console's page
     and files (they hold no data; the page asks for the key and sends it on every call)."""
     return path.startswith(PUBLIC_PATHS) or is_web_ui_path(path)
+
+
 def _add_device_routes(app: FastAPI, serving: OpenAIServing, enable_fault_injection: bool) -> None:
     """The operator's routes under /device (behind the API key): the weight tier's scrub on
     demand, the KV pool's consistency check, and fault injection when the server allows it."""
@@ -773,19 +775,21 @@ def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/device")
-    async def device() -> dict:
+    async def device() -> dict | list[dict]:
         try:
             stats = await serving.engine.get_device_stats()
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
-        return {
-            **stats,
+        shared = {
             "model": serving.model_name,
             "tokens_per_second": serving.engine.tokens_per_second(),
             "tokens_per_second_history": serving.engine.token_rate_history.per_second(
                 time.monotonic()
             ),
         }
+        if isinstance(stats, list):  # one record per tensor-parallel card
+            return [{**card, **shared} for card in stats]
+        return {**stats, **shared}
 
     @app.get("/device/pages")
     async def device_pages() -> dict:

@@ -25,6 +25,7 @@ COUNTERS = {
     "num_preemptions_total": "Sequences preempted for lack of KV pages.",
     "prompt_tokens_total": "Prompt tokens admitted.",
     "generation_tokens_total": "Tokens generated.",
+    "collective_bytes_sent_total": "Bytes rank 0's card sent through tensor-parallel collectives.",
 }
 LATENCY_BUCKETS = (
     0.005,
