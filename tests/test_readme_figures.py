@@ -66,6 +66,7 @@ NOT_MEASUREMENTS = [
     ("(KV tier at most 2 GiB)", "the device preset table: preset sizes"),
     ("| 512 MiB, for tests", "the device preset table: preset sizes"),
     ("a 32 GiB Kunlun XPU", "the device preset table: preset sizes"),
+    ("8 Kunlun P800-like cards of 32 GiB each", "the device preset table: preset sizes"),
     ("| 2 GiB KV cache in host memory", "the device preset table: preset sizes"),
     ("1,024 sessions, 256 KiB each", "server limits (pagedserve/server/session_state.py)"),
     ("over the last ~10 s", "the window smi's tokens/s is averaged over"),
