@@ -151,6 +151,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "/version and the API docs (default: $PAGEDSERVE_API_KEY)",
     )
     a(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs a request may ask for per token, as in vLLM",
+    )
+    a(
+        "--max-request-body",
+        type=int,
+        default=8 * 2**20,
+        metavar="BYTES",
+        help="request bodies over this many bytes get 413 before they are read",
+    )
+    a(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed by CORS, e.g. https://app.example.com, or * for any "
+        "(default: none, and no CORS headers are sent)",
+    )
+    a(
         "--max-queue-len",
         type=int,
         default=None,
@@ -246,7 +267,15 @@ def _serve(engine, args: argparse.Namespace) -> int:
     from pagedserve.server.app import build_app
 
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    app = build_app(engine, args.served_model_name or args.model, api_key, args.max_queue_len)
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key,
+        args.max_queue_len,
+        max_logprobs=args.max_logprobs,
+        max_request_body=args.max_request_body,
+        allowed_origins=args.allowed_origins,
+    )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")
     config = uvicorn.Config(
