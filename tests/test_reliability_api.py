@@ -131,6 +131,13 @@ def test_deeply_nested_json_is_a_400(server):
     assert r.status_code < 500, r.text[:300]
 
 
+def test_a_deeply_nested_session_state_is_a_400(server):
+    url, _ = server
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = httpx.put(url + "/sessions/deep/state", content=deep, headers=AUTH, timeout=60)
+    assert_client_error(r, "state")
+
+
 def test_a_1mb_prompt_is_a_400_saying_it_is_too_long(server):
     error = assert_client_error(post(server, "/v1/completions", {"prompt": "a " * 500_000}))
     assert error["code"] == "context_length_exceeded"
@@ -217,6 +224,21 @@ def test_the_api_key_is_required_and_a_near_miss_is_refused(server):
         r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
+
+
+def test_the_api_key_is_compared_in_constant_time(server, monkeypatch):
+    import hmac
+
+    compared = []
+    real = hmac.compare_digest
+
+    def recording(a, b):
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    httpx.get(server[0] + "/v1/models", headers={"Authorization": "Bearer guess"}, timeout=30)
+    assert compared == [(b"Bearer guess", f"Bearer {fuzz.API_KEY}".encode())]
 
 
 def test_no_cors_headers_unless_origins_are_allowed(server):

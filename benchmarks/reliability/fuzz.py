@@ -1,6 +1,6 @@
 """Fuzz every operation of the server's own OpenAPI schema; count the 5xx and the hangs.
 
-    python benchmarks/reliability/fuzz.py [--examples 25]
+    python benchmarks/reliability/fuzz.py [--examples 100]
 
 Serves the demo model in this process (uvicorn in a thread, 127.0.0.1, a free port, an API key),
 then, for each operation of GET /openapi.json, sends EXAMPLES bodies that fit the schema and
@@ -126,7 +126,7 @@ def completion_works(base_url: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--examples", type=int, default=25, help="cases per operation and mode")
+    parser.add_argument("--examples", type=int, default=100, help="cases per operation and mode")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a hang")
     args = parser.parse_args(argv)
     start = time.monotonic()

@@ -683,7 +683,39 @@ def build_app(
     _add_routes(app, serving)
     app.include_router(sglang_router(serving))
     app.include_router(session_router(SessionStore()))
+    _state_limits_in_openapi(app, serving)
     return app
+
+
+def _state_limits_in_openapi(app: FastAPI, serving: OpenAIServing) -> None:
+    """``/openapi.json`` states this server's own limits as each integer's ``maximum`` (``n`` up
+    to --max-num-seqs, logprobs up to --max-logprobs, output tokens up to --max-model-len), so
+    that a client or a fuzzer generating from the schema sends what this server serves."""
+    most_tokens = serving.max_model_len - 1  # a prompt has at least one token
+    limits = {
+        "n": serving.max_num_seqs,
+        "logprobs": serving.max_logprobs,
+        "top_logprobs": serving.max_logprobs,
+        "top_logprobs_num": serving.max_logprobs,
+        "max_tokens": most_tokens,
+        "max_completion_tokens": most_tokens,
+        "max_new_tokens": most_tokens,
+        "min_tokens": most_tokens,
+        "min_new_tokens": most_tokens,
+    }
+    build_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build_schema()
+            for model in schema.get("components", {}).get("schemas", {}).values():
+                for name, prop in model.get("properties", {}).items():
+                    for alternative in prop.get("anyOf", [prop]):
+                        if name in limits and alternative.get("type") == "integer":
+                            alternative["maximum"] = limits[name]
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _install_auth(app: FastAPI, api_key: str | None) -> None:
