@@ -116,6 +116,26 @@ def test_the_edges_of_the_ranges_are_served(server):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", float("nan")),
+        ("top_p", float("inf")),
+        ("repetition_penalty", float("inf")),
+        ("presence_penalty", float("-inf")),
+        ("seed", 2**64),
+        ("top_k", 2**40),
+        ("logit_bias", {5: float("nan")}),
+    ],
+)
+def test_sampling_params_refuse_what_torch_cannot_hold(field, value):
+    """The engine's own gate, for LLM() and every other caller that skips the HTTP schema."""
+    from pagedserve.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=f"^{field}="):
+        SamplingParams(**{field: value})
+
+
 # ---- bodies no client should send ------------------------------------------------------------------
 def test_malformed_utf8_is_a_400(server):
     assert_client_error(post(server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}'))
