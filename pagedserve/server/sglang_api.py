@@ -83,7 +83,7 @@ class SGLangSamplingParams(OpenAIModel):
     sampling_seed: Int64 | None = None
     logit_bias: LogitBias | None = None
     regex: str | None = None
-    json_schema: str | None = None
+    json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
     # accepted, no effect here
