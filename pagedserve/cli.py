@@ -242,6 +242,29 @@ def _add_server_args(a: Callable[..., argparse.Action]) -> None:
         help="do not serve the web console (chat playground and device monitor) at /",
     )
     a(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs a request may ask for per token, as in vLLM "
+        "(default %(default)s)",
+    )
+    a(
+        "--max-request-body",
+        type=int,
+        default=8 * 2**20,
+        metavar="BYTES",
+        help="request bodies over this many bytes get 413 before they are read "
+        "(default %(default)s: 8 MiB)",
+    )
+    a(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed by CORS, e.g. https://app.example.com, or * for any "
+        "(default: none, and no CORS headers are sent)",
+    )
+    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -341,6 +364,9 @@ def _serve(engine, args: argparse.Namespace) -> int:
         args.max_queue_len,
         web_ui=not args.disable_web_ui,
         enable_fault_injection=bool(args.enable_fault_injection),
+        max_logprobs=args.max_logprobs,
+        max_request_body=args.max_request_body,
+        allowed_origins=args.allowed_origins,
     )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")

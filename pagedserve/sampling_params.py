@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+)  # fmt: skip
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what a torch.Generator can be started from
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -89,12 +95,30 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raise ``ValueError`` naming the field, its value and the allowed range."""
+        """Raise ``ValueError`` naming the field, its value and the allowed range: no value that
+        torch cannot hold (NaN, infinity, integers past 64 bits) reaches the sampler."""
+        for name in FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number")
+        bias = self.logit_bias or {}
+        if not all(math.isfinite(v) for v in bias.values()):
+            raise ValueError(f"logit_bias={bias!r} must hold finite numbers")
         checks = [
             (self.n >= 1, "n", self.n, "must be at least 1"),
             (self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1"),
+            (
+                self.top_k == -1 or 1 <= self.top_k <= INT32_MAX,
+                "top_k",
+                self.top_k,
+                f"must be -1 (off) or in [1, {INT32_MAX}]",
+            ),
+            (
+                self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+                "seed",
+                self.seed,
+                f"must be in [{INT64_MIN}, {INT64_MAX}]",
+            ),
             (0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]"),
             (
                 -2.0 <= self.presence_penalty <= 2.0,

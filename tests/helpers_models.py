@@ -42,8 +42,10 @@ def build_tiny_tokenizer(
     chat_template: str | None = GLM4_CHAT_TEMPLATE,
     prefix_in_post_processor: bool = False,
     vocab_size: int = 300,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
 ) -> Path:
-    """Write tokenizer.json and tokenizer_config.json: byte-level BPE with GLM-4's special tokens."""
+    """Write tokenizer.json and tokenizer_config.json: byte-level BPE with GLM-4's special tokens
+    (or the ``special_tokens`` given: none, for a tokenizer that has no special tokens)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE())
@@ -51,7 +53,7 @@ def build_tiny_tokenizer(
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

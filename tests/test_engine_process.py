@@ -212,3 +212,22 @@ def test_a_killed_engine_process_fails_requests_and_the_server_exits_non_zero(ti
         assert detected < 1.0, f"/health took {detected:.2f} s to turn 503"
         assert "error" in json.loads(rest[-2][6:]) and rest[-1] == "data: [DONE]"
         assert proc.wait(30) != 0
+
+
+def test_admission_counts_a_stream_from_the_moment_it_is_handed_out():
+    """A streaming response starts reading its stream only after the headers go out; requests
+    admitted meanwhile must count, or 20x overload admits everyone (and they time out)."""
+    import gc
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", device="cpu", num_kv_pages=16))
+    async_engine = AsyncLLMEngine.from_engine(engine, max_queue_len=2)
+    streams = [async_engine.generate(f"r{i}", [1, 2], SamplingParams()) for i in range(2)]
+    assert async_engine.num_waiting == 2 and async_engine.queue_full()
+    del streams
+    gc.collect()
+    assert async_engine.num_waiting == 0 and not async_engine.queue_full()  # dropped unread

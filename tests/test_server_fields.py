@@ -544,15 +544,20 @@ BAD_FIELDS = [
         "logit_bias",
         "logit_bias key '320' is not a token id in [0, 320)",
     ),
-    ("completions", {"logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
-    ("completions", {"logprobs": -1}, "logprobs", "logprobs=-1 must be in [0, 20]"),
+    (
+        "completions",
+        {"logprobs": 21},
+        "logprobs",
+        "logprobs=21 must be in [0, 20] (this server's --max-logprobs)",
+    ),
+    ("completions", {"logprobs": -1}, "logprobs", "logprobs=-1 must be >= 0"),
     (
         "chat",
         {"logprobs": True, "top_logprobs": 21},
         "top_logprobs",
-        "top_logprobs=21 must be in [0, 20]",
+        "top_logprobs=21 must be in [0, 20] (this server's --max-logprobs)",
     ),
-    ("chat", {"temperature": -1}, "temperature", "temperature=-1.0 must be >= 0"),
+    ("chat", {"temperature": -1}, "temperature", "temperature=-1 must be >= 0"),
     ("completions", {"top_k": 0.5}, "top_k", None),
     (
         "completions",
@@ -564,9 +569,9 @@ BAD_FIELDS = [
         "chat",
         {"max_completion_tokens": 0, "max_tokens": 5},
         "max_completion_tokens",
-        "max_completion_tokens=0 must be at least 1",
+        "max_completion_tokens=0 must be >= 1",
     ),
-    ("chat", {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be at least 1"),
+    ("chat", {"max_tokens": 0}, "max_tokens", "max_tokens=0 must be >= 1"),
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from pydantic import ValidationError
 from test_server_fields import (
     BAD_FIELDS,
     CHAT_FIELDS,
@@ -15,7 +16,7 @@ from test_server_fields import (
 )
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.errors import APIError
+from pagedserve.server.errors import APIError, validation_error
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.sampling import chat_sampling_params, completion_sampling_params
 from pagedserve.server.structured import attach_structured_outputs
@@ -25,11 +26,19 @@ HAS_TOKENIZER = object()  # attach_structured_outputs only asks whether the serv
 
 
 def params_for(endpoint: str, fields: dict) -> SamplingParams:
-    if endpoint == "completions":
-        body = CompletionRequest(prompt=[1, 2], **fields)
-        return completion_sampling_params(body, MAX_NUM_SEQS, VOCAB)
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
-    return chat_sampling_params(body, MAX_NUM_SEQS, VOCAB)
+    """As the server maps a request: the schema's checks (a ValidationError becomes the server's
+    400), then the server's."""
+    try:
+        if endpoint == "completions":
+            body = CompletionRequest(prompt=[1, 2], **fields)
+            params = completion_sampling_params(body, MAX_NUM_SEQS, VOCAB)
+        else:
+            body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+            params = chat_sampling_params(body, MAX_NUM_SEQS, VOCAB)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from e
+    attach_structured_outputs(params, body, tokenizer=object())  # any tokenizer: none is read
+    return params
 
 
 def cases():

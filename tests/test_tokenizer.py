@@ -169,7 +169,7 @@ def test_chat_without_template_is_a_clear_error(tmp_path):
     build_tiny_tokenizer(tmp_path, chat_template=None)
     tokenizer = Tokenizer(tmp_path)
     assert tokenizer.encode("Hi")  # completion prompts still work
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match="no chat template"):
         tokenizer.apply_chat_template(CONVERSATIONS[0])
 
 

@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -100,6 +101,7 @@ class AsyncLLMEngine:
         self.last_message_time: float | None = None
         self._num_adds_sent = 0
         self._num_streams = 0
+        self._num_unread = 0  # streams handed out whose request is not sent yet
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._token_marks: deque[tuple[float, int]] = deque()
@@ -175,7 +177,7 @@ class AsyncLLMEngine:
         """Requests not yet running: on their way to the engine, held while paused, or waiting
         to be scheduled (as of the engine's last message)."""
         stats = self.stats
-        in_transit = self._num_adds_sent - stats.get("num_adds", 0)
+        in_transit = self._num_unread + self._num_adds_sent - stats.get("num_adds", 0)
         return in_transit + stats.get("num_held", 0) + stats.get("num_requests_waiting", 0)
 
     def queue_full(self) -> bool:
@@ -189,14 +191,39 @@ class AsyncLLMEngine:
         self.client.send([UTILITY, -1, "resume", []])
 
     # ---- requests -----------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; abort it if the consumer goes away."""
+        """The request's outputs until it finishes; aborted if the consumer goes away.
+
+        The request is sent to the engine core when the stream is first read (a stream dropped
+        unread sends nothing), but it counts as waiting from this call: admission control
+        (``queue_full``) sees every request it let in, however long a response takes to start."""
+        unread = [True]
+
+        def on_drop() -> None:
+            if unread[0]:
+                self._num_unread -= 1
+
+        self._num_unread += 1
+        stream = self._generate(request_id, prompt_token_ids, params, prompt, unread)
+        weakref.finalize(stream, on_drop)
+        return stream
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        unread: list[bool],
+    ) -> AsyncIterator[RequestOutput]:
+        unread[0] = False
+        self._num_unread -= 1
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         arrival_time = time.monotonic()

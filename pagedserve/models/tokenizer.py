@@ -76,8 +76,9 @@ class Tokenizer:
     ) -> str | list[int]:
         if self.chat_template is None:
             raise ValueError(
-                f"the tokenizer in {self.model_dir} has no chat_template (tokenizer_config.json "
-                f"or chat_template.jinja); use a completion prompt or a chat model checkpoint"
+                f"{self.model_dir} has no chat template (chat_template.jinja, or chat_template in "
+                f"tokenizer_config.json); send a completion prompt, or add the model's "
+                f"chat_template.jinja to the directory"
             )
         prompt = _compile(self.chat_template).render(
             messages=messages,

@@ -7,6 +7,7 @@ never a 500.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -24,6 +26,7 @@ from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Engi
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY, BodySizeLimit
 from pagedserve.server.errors import APIError, bad_request, error_body, install_error_handlers
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import (
@@ -54,7 +57,11 @@ from pagedserve.server.protocol import (
     VersionResponse,
     random_id,
 )
-from pagedserve.server.sampling import chat_sampling_params, completion_sampling_params
+from pagedserve.server.sampling import (
+    MAX_LOGPROBS,
+    chat_sampling_params,
+    completion_sampling_params,
+)
 from pagedserve.server.session_state import SessionStore, session_router
 from pagedserve.server.sglang_api import sglang_router
 from pagedserve.server.structured import attach_structured_outputs
@@ -80,6 +87,7 @@ class OpenAIServing:
         engine: LLMEngine | AsyncLLMEngine,
         served_model_name: str | None,
         max_queue_len: int | None,
+        max_logprobs: int = MAX_LOGPROBS,
     ):
         if isinstance(engine, AsyncLLMEngine):  # the engine core in a process of its own
             self.llm_engine, self.engine = None, engine
@@ -92,6 +100,7 @@ class OpenAIServing:
         self.max_model_len = self.engine.limits.max_model_len
         self.vocab_size = self.engine.limits.vocab_size
         self.max_num_seqs = self.engine.limits.max_num_seqs
+        self.max_logprobs = max_logprobs
         self.metrics = ServerMetrics()
         self._token_strs: dict[int, str] = {}
 
@@ -359,7 +368,9 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw
     if body.echo and body.stream and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
     prompts = serving.encode_prompts(body.prompt)
-    params = completion_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
+    params = completion_sampling_params(
+        body, serving.max_num_seqs, serving.vocab_size, serving.max_logprobs
+    )
     attach_structured_outputs(params, body, serving.tokenizer)
     serving.check_fits(prompts, params)
     serving.check_admission()
@@ -463,7 +474,9 @@ def _chat_choice(serving: OpenAIServing, body: ChatCompletionRequest, o: Complet
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, raw: Request):
     serving.check_model(body.model)
     prompt = serving.chat_prompt(body.messages, body.add_generation_prompt)
-    params = chat_sampling_params(body, serving.max_num_seqs, serving.vocab_size)
+    params = chat_sampling_params(
+        body, serving.max_num_seqs, serving.vocab_size, serving.max_logprobs
+    )
     attach_structured_outputs(params, body, serving.tokenizer)
     serving.check_fits([prompt], params)
     serving.check_admission()
@@ -648,12 +661,18 @@ def build_app(
     max_queue_len: int | None = None,
     web_ui: bool = True,
     enable_fault_injection: bool = False,
+    max_logprobs: int = MAX_LOGPROBS,
+    max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
     its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
     thread of this process. The app's lifespan starts and stops the engine core. ``web_ui``: the
-    web console at ``/`` (``pagedserve serve --disable-web-ui`` turns it off)."""
-    serving = OpenAIServing(engine, served_model_name, max_queue_len)
+    web console at ``/`` (``pagedserve serve --disable-web-ui`` turns it off).
+
+    ``allowed_origins``: the browser origins CORS admits; none (the default) sends no CORS
+    headers, so no web page of another origin can call the server."""
+    serving = OpenAIServing(engine, served_model_name, max_queue_len, max_logprobs)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -670,24 +689,65 @@ def build_app(
     app.state.serving = serving
     install_error_handlers(app)
     _install_auth(app, api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body)
+    if allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
     _add_routes(app, serving)
     _add_device_routes(app, serving, enable_fault_injection)
     app.include_router(sglang_router(serving))
     app.include_router(session_router(SessionStore()))
     if web_ui:
         install_web_ui(app)
+    _state_limits_in_openapi(app, serving)
     return app
 
 
+def _state_limits_in_openapi(app: FastAPI, serving: OpenAIServing) -> None:
+    """``/openapi.json`` states this server's own limits as each integer's ``maximum`` (``n`` up
+    to --max-num-seqs, logprobs up to --max-logprobs, output tokens up to --max-model-len), so
+    that a client or a fuzzer generating from the schema sends what this server serves."""
+    most_tokens = serving.max_model_len - 1  # a prompt has at least one token
+    limits = {
+        "n": serving.max_num_seqs,
+        "logprobs": serving.max_logprobs,
+        "top_logprobs": serving.max_logprobs,
+        "top_logprobs_num": serving.max_logprobs,
+        "max_tokens": most_tokens,
+        "max_completion_tokens": most_tokens,
+        "max_new_tokens": most_tokens,
+        "min_tokens": most_tokens,
+        "min_new_tokens": most_tokens,
+    }
+    build_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build_schema()
+            for model in schema.get("components", {}).get("schemas", {}).values():
+                for name, prop in model.get("properties", {}).items():
+                    for alternative in prop.get("anyOf", [prop]):
+                        if name in limits and alternative.get("type") == "integer":
+                            alternative["maximum"] = limits[name]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _install_auth(app: FastAPI, api_key: str | None) -> None:
+    """Every route but ``PUBLIC_PATHS`` asks for the key. Compared in constant time (the time a
+    wrong key takes says nothing about how much of it was right), and never logged."""
     if not api_key:
         return
+    expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         if _is_public(request.url.path) or request.method == "OPTIONS":
             return await call_next(request)
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
             body = error_body(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>' "

@@ -4,6 +4,7 @@ make every invalid input a 400 (never FastAPI's 422, never a 500)."""
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -56,17 +57,53 @@ def error_response(exc: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+# pydantic's error types -> what the value must be, in the words of our own checks
+_RULES = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "finite_number": "must be a finite number",
+    "too_long": "must have at most {max_length} items",
+}
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|[\w-]+\[.*\]|[A-Z]\w*)$")
+MAX_SHOWN = 80  # characters of a bad value quoted back in a message
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A 400 naming the field and what it must be, from pydantic's errors. Of the errors a union
+    field gives (one per type it could be), a range error says most: it goes first."""
     if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        return APIError(400, "invalid request")
+    first = min(errors, key=lambda e: e.get("type") not in _RULES)
     if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg')}", None
-    param = ".".join(loc) or None
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    param = _param(first.get("loc", ()))
+    shown = _shown(first.get("input"))
+    rule = _RULES.get(first.get("type"))
+    if param and rule:
+        return APIError(
+            400, f"{param}={shown} {rule.format(**_numbers(first.get('ctx', {})))}", param
+        )
     where = f"field '{param}'" if param else "the request body"
-    return f"{where}: {first.get('msg')} (got {first.get('input')!r})", param
+    return APIError(400, f"{where}: {first.get('msg')} (got {shown})", param)
+
+
+def _param(loc: tuple) -> str | None:
+    """``('body', 'prompt', 'list[constrained-int]', 3)`` -> ``prompt.3``: the field's path
+    without pydantic's union tags."""
+    parts = [str(p) for p in loc if p != "body" and not _UNION_TAG.match(str(p))]
+    return ".".join(parts) or None
+
+
+def _numbers(ctx: dict) -> dict:
+    """Limits as written: 2147483647 in full, 0.0 as 0."""
+    return {k: f"{v:g}" if isinstance(v, float) else v for k, v in ctx.items()}
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}... ({len(text)} characters)"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -76,8 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,15 +1,43 @@
 """The OpenAI-compatible wire schemas, shared by the server and the SDK (so: no torch here).
 
 Field names are OpenAI's; the extras after them are vLLM's.
+
+Every number a request carries is range-checked here, so that no value reaches torch that it
+cannot hold: integers fit where they go (an int64 generator state, int32 counts and token ids),
+floats are finite and in their sampling range, and lists are bounded. A value outside is a 400
+naming the field (``errors.py``). Limits that depend on the server (``n`` against
+``--max-num-seqs``, ``logprobs`` against ``--max-logprobs``, token ids against the vocabulary,
+``max_tokens`` against ``--max-model-len``) are checked in ``sampling.py`` and the engine's limits.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagedserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
+
+MAX_STOP = 64  # stop strings per request: each is searched for after every token
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_PROMPTS = 256  # prompts in one batched completions or /generate request
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+PositiveCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0)]
+StopStrings = str | Annotated[list[str], Field(max_length=MAX_STOP)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
 
 
 def random_id(prefix: str) -> str:
@@ -17,7 +45,9 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    """A request schema: unknown fields ignored (as OpenAI does), NaN and infinity refused."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class ResponseModel(BaseModel):
@@ -69,24 +99,24 @@ class SamplingFields(OpenAIModel):
     """Fields both completions and chat completions accept."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: PositiveCount = 1
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    stop: StopStrings | None = None
+    seed: Int64 | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: LogitBias | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
@@ -99,9 +129,14 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | list[TokenId]
+        | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
+    )
+    max_tokens: PositiveCount | None = 16
+    logprobs: Count | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -120,10 +155,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: PositiveCount | None = None
+    max_completion_tokens: PositiveCount | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
 
 
@@ -137,7 +172,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses --------------------------------------------------------------------------------

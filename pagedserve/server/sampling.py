@@ -12,14 +12,14 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def completion_sampling_params(
-    body: CompletionRequest, max_num_seqs: int, vocab_size: int
+    body: CompletionRequest, max_num_seqs: int, vocab_size: int, max_logprobs: int = MAX_LOGPROBS
 ) -> SamplingParams:
-    check_logprobs(body.logprobs, "logprobs")
+    check_logprobs(body.logprobs, "logprobs", max_logprobs)
     if body.suffix is not None:
         raise bad_request("suffix is not supported; put the whole text in the prompt", "suffix")
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
@@ -34,17 +34,15 @@ def completion_sampling_params(
 
 
 def chat_sampling_params(
-    body: ChatCompletionRequest, max_num_seqs: int, vocab_size: int
+    body: ChatCompletionRequest,
+    max_num_seqs: int,
+    vocab_size: int,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> SamplingParams:
-    check_logprobs(body.top_logprobs, "top_logprobs")
+    check_logprobs(body.top_logprobs, "top_logprobs", max_logprobs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:  # OpenAI's newer name wins
-        if body.max_completion_tokens < 1:
-            raise bad_request(
-                f"max_completion_tokens={body.max_completion_tokens} must be at least 1",
-                "max_completion_tokens",
-            )
         max_tokens = body.max_completion_tokens
     return sampling_params(body, max_num_seqs, vocab_size, max_tokens=max_tokens, logprobs=logprobs)
 
@@ -93,6 +91,8 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     return out
 
 
-def check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{param}={value} must be in [0, {MAX_LOGPROBS}]", param)
+def check_logprobs(value: int | None, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
+    if value is not None and not 0 <= value <= max_logprobs:
+        raise bad_request(
+            f"{param}={value} must be in [0, {max_logprobs}] (this server's --max-logprobs)", param
+        )

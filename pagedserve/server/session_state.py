@@ -90,7 +90,7 @@ def session_router(store: SessionStore) -> APIRouter:
         _check_id(session_id)
         try:
             state = await request.json()
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # not JSON, or nested past what Python parses
             raise bad_request("the session state must be a JSON object", "state") from e
         if not isinstance(state, dict):
             raise bad_request("the session state must be a JSON object", "state")

@@ -17,82 +17,131 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, Field
 
 import pagedserve
 from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import bad_request, error_body
-from pagedserve.server.protocol import random_id
-from pagedserve.server.sampling import check_logprobs
+from pagedserve.server.protocol import (
+    MAX_PROMPTS,
+    Count,
+    Int64,
+    LogitBias,
+    OpenAIModel,
+    Penalty,
+    PositiveCount,
+    Probability,
+    RepetitionPenalty,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+    random_id,
+)
+from pagedserve.server.sampling import check_logprobs, logit_bias
 from pagedserve.server.structured import build
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
-# SGLang's sampling_params -> ours; the ones after None are accepted and have no effect here
+# SGLang's sampling_params -> ours; the constraints become a StructuredOutputsParams
 _RENAMES = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "n": "n",
-    "seed": "seed",
     "sampling_seed": "seed",
-    "logit_bias": "logit_bias",
 }
 _CONSTRAINTS = {"regex": "regex", "json_schema": "json", "ebnf": "grammar"}
-_NO_EFFECT = {"spaces_between_special_tokens", "no_stop_trim", "stop_regex", "custom_params"}
+_NO_EFFECT = ("spaces_between_special_tokens", "no_stop_trim", "custom_params")
 
 
-class GenerateReqInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+class SGLangSamplingParams(OpenAIModel):
+    """SGLang's ``sampling_params``, with the same ranges as the OpenAI fields; an unknown name
+    is a 400 (SGLang's own server ignores it silently: a typo would go unnoticed)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_new_tokens: Count | None = None  # 0: prefill only
+    min_new_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: PositiveCount | None = None
+    seed: Int64 | None = None
+    sampling_seed: Int64 | None = None
+    logit_bias: LogitBias | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
+    # accepted, no effect here
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    custom_params: dict[str, Any] | None = None
+
+
+class GenerateReqInput(OpenAIModel):
+    text: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | None = None
+    input_ids: (
+        list[TokenId] | Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)] | None
+    ) = None
+    sampling_params: (
+        SGLangSamplingParams
+        | Annotated[list[SGLangSamplingParams], Field(max_length=MAX_PROMPTS)]
+        | None
+    ) = None
+    return_logprob: bool | Annotated[list[bool], Field(max_length=MAX_PROMPTS)] = False
+    logprob_start_len: Int64 | Annotated[list[Int64], Field(max_length=MAX_PROMPTS)] = -1
+    top_logprobs_num: Count | Annotated[list[Count], Field(max_length=MAX_PROMPTS)] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | None = None
+
+    def check_batch(self, num_prompts: int) -> None:
+        """A per-prompt list must have one entry per prompt."""
+        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != num_prompts:
+                raise bad_request(
+                    f"{name} has {len(value)} entries for {num_prompts} prompts; send one per "
+                    f"prompt or a single value for all",
+                    name,
+                )
 
 
-def sglang_sampling_params(fields: dict[str, Any]) -> SamplingParams:
-    """SGLang's sampling_params as ours; a 400 naming a field we do not know or a bad value."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    unknown = sorted(set(fields) - set(_RENAMES) - set(_CONSTRAINTS) - _NO_EFFECT)
-    if unknown:
-        raise bad_request(f"unknown sampling_params: {', '.join(unknown)}", "sampling_params")
-    if fields.get("stop_regex"):
+def sglang_sampling_params(fields: SGLangSamplingParams, vocab_size: int) -> SamplingParams:
+    """SGLang's sampling_params as ours; a 400 naming a bad value."""
+    given = fields.model_dump(exclude_none=True, exclude=set(_NO_EFFECT))
+    if given.pop("stop_regex", None):
         raise bad_request("stop_regex is not supported; use stop strings", "stop_regex")
-    ours = {_RENAMES[k]: v for k, v in fields.items() if k in _RENAMES}
+    constraints = {_CONSTRAINTS[k]: given.pop(k) for k in list(given) if k in _CONSTRAINTS}
+    ours = {_RENAMES.get(k, k): v for k, v in given.items()}
     ours.setdefault("max_tokens", DEFAULT_MAX_NEW_TOKENS)
     if ours["max_tokens"] == 0:  # prefill only: one token is computed with the prompt anyway
         ours["max_tokens"] = 1
     if "logit_bias" in ours:
-        ours["logit_bias"] = {int(k): float(v) for k, v in ours["logit_bias"].items()}
-    constraints = {_CONSTRAINTS[k]: v for k, v in fields.items() if k in _CONSTRAINTS}
+        ours["logit_bias"] = logit_bias(ours["logit_bias"], vocab_size)
     if len(constraints) > 1:
         raise bad_request("send one of regex, json_schema and ebnf", "sampling_params")
     try:
         params = SamplingParams(**ours)
-    except (TypeError, ValueError) as e:
-        raise bad_request(str(e), "sampling_params") from e
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split("=", 1)[0]) from e
     if constraints:
-        params.structured_outputs = build(constraints, next(iter(fields.keys() & _CONSTRAINTS)))
+        name = next(k for k, v in _CONSTRAINTS.items() if v in constraints)
+        params.structured_outputs = build(constraints, name)
     return params
 
 
@@ -123,14 +172,15 @@ class SGLangServing:
         batch = isinstance(ids[0], list)
         return ([(None, list(p)) for p in ids] if batch else [(None, list(ids))]), batch
 
-    def params(self, body: GenerateReqInput, i: int, num_prompt_tokens: int) -> SamplingParams:
-        fields = _per_prompt(body.sampling_params, i) or {}
-        params = sglang_sampling_params(dict(fields))
+    def params(self, body: GenerateReqInput, i: int) -> SamplingParams:
+        fields = _per_prompt(body.sampling_params, i) or SGLangSamplingParams()
+        serving = self.serving
+        params = sglang_sampling_params(fields, serving.vocab_size)
         if params.structured_outputs is not None and self.serving.tokenizer is None:
             raise bad_request("structured outputs need the model's tokenizer.json", "regex")
         if _per_prompt(body.return_logprob, i):
             top = _per_prompt(body.top_logprobs_num, i) or 0
-            check_logprobs(top, "top_logprobs_num")
+            check_logprobs(top, "top_logprobs_num", self.serving.max_logprobs)
             params.logprobs = top
             params.prompt_logprobs = top
         if params.n > self.serving.max_num_seqs:
@@ -211,12 +261,14 @@ def sglang_router(serving) -> APIRouter:
     router = APIRouter()
     sgl = SGLangServing(serving)
 
-    @router.api_route("/generate", methods=["POST", "PUT"])
+    @router.post("/generate")
+    @router.put("/generate", operation_id="generate_put")
     async def generate(body: GenerateReqInput, raw: Request):
         prompts, batch = sgl.prompts(body)
-        params = [sgl.params(body, i, len(ids)) for i, (_, ids) in enumerate(prompts)]
+        body.check_batch(len(prompts))
+        params = [sgl.params(body, i) for i in range(len(prompts))]
         prefill_only = [
-            (_per_prompt(body.sampling_params, i) or {}).get("max_new_tokens") == 0
+            getattr(_per_prompt(body.sampling_params, i), "max_new_tokens", None) == 0
             for i in range(len(prompts))
         ]
         for prompt, p in zip(prompts, params, strict=True):
@@ -275,7 +327,8 @@ def sglang_router(serving) -> APIRouter:
             "frontend": "python",
         }
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.post("/flush_cache")
+    @router.get("/flush_cache", operation_id="flush_cache_get")
     async def flush_cache() -> Response:
         stats = serving.engine.stats
         busy = stats.get("num_requests_running", 0) + serving.engine.num_waiting

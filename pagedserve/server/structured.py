@@ -16,6 +16,8 @@ from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import SamplingFields
 
+MAX_SCHEMA_DEPTH = 64
+
 
 def openai_structured_outputs(body: SamplingFields) -> tuple[str, StructuredOutputsParams] | None:
     """(the field it came from, the constraint) of an OpenAI / vLLM request, or None."""
@@ -56,11 +58,25 @@ def build(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
     try:
         if isinstance(fields.get("json"), str):
             fields = {**fields, "json": _parse_schema(fields["json"])}
+        _check_depth(fields.get("json"))
         params = StructuredOutputsParams(**fields)
         check_structured_outputs(params)
     except ValueError as e:
         raise bad_request(str(e), param, "invalid_structured_output") from e
     return params
+
+
+def _check_depth(schema: Any) -> None:
+    """Schemas are compiled by recursion: one nested past ``MAX_SCHEMA_DEPTH`` levels is refused
+    before it can exhaust the stack. Measured without recursion, for the same reason."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict | list):
+            stack.extend((child, depth + 1) for child in children)
 
 
 def _parse_schema(text: str) -> dict[str, Any]:

@@ -1,0 +1,155 @@
+"""Fuzz every operation of the server's own OpenAPI schema; count the 5xx and the hangs.
+
+    python benchmarks/reliability/fuzz.py [--examples 100]
+
+Serves the demo model in this process (uvicorn in a thread, 127.0.0.1, a free port, an API key),
+then, for each operation of GET /openapi.json, sends EXAMPLES bodies that fit the schema and
+EXAMPLES that do not (schemathesis: wrong types, out-of-range numbers, missing fields; the
+examples are the same on every run). The bar: no answer is a 5xx, none takes longer than
+--timeout, and a plain completion is still served afterwards. Prints the figures and writes
+benchmarks/results/fuzz.json. tests/test_reliability_api.py runs the same with fewer examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+API_KEY = "fuzz-key"
+SERVER_LIMITS = dict(max_model_len=64, max_num_seqs=4, num_kv_pages=64, block_size=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def demo_server(**build_app_kwargs) -> Iterator[tuple[str, object]]:
+    """(base URL, app) of the demo model served by uvicorn in a thread of this process; small
+    limits (64 tokens of context) so that any admitted request is short."""
+    import uvicorn
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", device="cpu", **SERVER_LIMITS))
+    app = build_app(engine, "demo", api_key=API_KEY, max_queue_len=16, **build_app_kwargs)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def fuzz(base_url: str, examples: int, timeout: float = 30.0) -> dict:
+    """Send ``examples`` valid and ``examples`` invalid cases per operation; the figures."""
+    import requests
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    schema = schemathesis.openapi.from_url(base_url + "/openapi.json", headers=headers)
+    statuses: Counter[int] = Counter()
+    server_errors: list[str] = []
+    hangs: list[str] = []
+    operations = 0
+
+    def send(case) -> None:
+        where = f"{case.method} {case.formatted_path} {str(case.body)[:200]}"
+        try:
+            response = case.call(base_url=base_url, headers=headers, timeout=timeout)
+        except requests.Timeout:
+            hangs.append(where)
+            return
+        statuses[response.status_code] += 1
+        if response.status_code >= 500:
+            server_errors.append(f"{response.status_code} {where}: {response.text[:300]}")
+
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        operations += 1
+        for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+            run = settings(
+                max_examples=examples,
+                derandomize=True,
+                database=None,
+                deadline=None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )(given(operation.as_strategy(generation_mode=mode))(send))
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - an operation with nothing to make invalid
+                if mode is schemathesis.GenerationMode.POSITIVE:
+                    raise
+                print(f"  {operation.label}: no invalid cases ({type(e).__name__})")
+    return {
+        "operations": operations,
+        "cases": sum(statuses.values()) + len(hangs),
+        "server_errors": len(server_errors),
+        "hangs": len(hangs),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "server_error_cases": server_errors[:20],
+        "hang_cases": hangs[:20],
+    }
+
+
+def completion_works(base_url: str) -> bool:
+    import httpx
+
+    r = httpx.post(
+        base_url + "/v1/completions",
+        json={"model": "demo", "prompt": "Hello", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    return r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=100, help="cases per operation and mode")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds before a hang")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    with demo_server() as (url, _):
+        figures = fuzz(url, args.examples, args.timeout)
+        figures["completion_after"] = completion_works(url)
+    figures["seconds"] = round(time.monotonic() - start, 1)
+    figures["examples_per_operation_and_mode"] = args.examples
+    print(
+        f"{figures['cases']} cases over {figures['operations']} operations: "
+        f"{figures['server_errors']} answered 5xx, {figures['hangs']} hung; statuses "
+        f"{figures['statuses']}; a plain completion afterwards: "
+        f"{'served' if figures['completion_after'] else 'FAILED'}"
+    )
+    for line in figures["server_error_cases"] + figures["hang_cases"]:
+        print("  ", line)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from results import write_result
+
+    write_result("fuzz", figures)
+    ok = not figures["server_errors"] and not figures["hangs"] and figures["completion_after"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
