@@ -75,6 +75,8 @@ NOT_MEASUREMENTS = [
     ("and 20% of clients that leave", "the soak's workload: a share of clients, set in soak.py"),
     ("every weight page (64 KiB)", "the weight tier's page size (pagedserve/hal/faults.py)"),
     ("(default 2, that is 128 KiB)", "the patrol's default setting, in pages of 64 KiB"),
+    ("(8 MiB)", "the --max-request-body default (pagedserve/cli.py)"),
+    ("a 1 MB prompt", "one of the hostile bodies tests/test_reliability_api.py sends"),
     ("the package's 25 MB budget", "the size bound tests/test_demo_model.py asserts"),
     ("(20x overload)", "the workload: 240 clients against 4 running + 8 queued requests"),
     ("(a 1 GiB sum, 2 threads)", "the size of profile_decode.py's bandwidth probe"),
