@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 class CoreClient:
+    """The HTTP side of the channel to an engine core. Every client shares the process's one
+    ZeroMQ context (``zmq.Context.instance()``, as zmq advises): a context of its own would be
+    terminated by the garbage collector, which blocks for as long as any of its sockets is open
+    in another thread (an engine thread that has not stopped yet)."""
+
     def __init__(self, ctx: zmq.Context, input_address: str, output_address: str):
         self.ctx = ctx
         self.input_address, self.output_address = input_address, output_address
@@ -90,7 +95,7 @@ class MPCoreClient(CoreClient):
     def __init__(self, config, log_level: str = "info"):
         self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
         super().__init__(
-            zmq.Context(), f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
+            zmq.Context.instance(), f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
         )
         self.proc = multiprocessing.get_context("spawn").Process(
             target=_run_engine_core,
@@ -151,7 +156,6 @@ class MPCoreClient(CoreClient):
             self.proc.kill()
             self.proc.join(5)
         self._close_sockets()
-        self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -163,7 +167,9 @@ class InprocCoreClient(CoreClient):
 
         name = uuid.uuid4().hex
         super().__init__(
-            zmq.Context(), f"inproc://pagedserve-{name}-input", f"inproc://pagedserve-{name}-output"
+            zmq.Context.instance(),
+            f"inproc://pagedserve-{name}-input",
+            f"inproc://pagedserve-{name}-output",
         )
         self.core = EngineCore(engine)
         self.info = self.core.info()
@@ -196,5 +202,3 @@ class InprocCoreClient(CoreClient):
             self.send([SHUTDOWN])
             self.thread.join(timeout)
         self._close_sockets()
-        if not self.thread.is_alive():
-            self.ctx.term()
