@@ -77,7 +77,8 @@ class ModelRunner:
         self.sampler = Sampler(argmax=device.argmax)
         self.generators: dict[str, torch.Generator] = {}
         self.structured_output_manager = None  # the engine's, when it serves constraints
-        # the engine's weight patrol (tp 1 only): True when it restored a corrupted page (recompute the step)
+        # the engine's weight patrol (tp 1 only): True when it restored a corrupted page, so
+        # that the step is computed again
         self.patrol_scrub: Callable[[], bool] | None = None
         # at tp > 1: sends each step's ModelInput to the other ranks before rank 0 runs it
         self.broadcast_step: Callable[[ModelInput], None] | None = None
