@@ -265,6 +265,16 @@ def _add_server_args(a: Callable[..., argparse.Action]) -> None:
         "(default: none, and no CORS headers are sent)",
     )
     a(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        metavar="SECONDS",
+        help="close a keep-alive connection after it has been idle this long (default "
+        "%(default)s). Keep it above your clients' idle expiry (httpx and the openai SDK: 5 s; "
+        "proxies and load balancers: often 60 s), or a client can send on a connection the "
+        "server is closing and get a connection reset",
+    )
+    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -371,7 +381,12 @@ def _serve(engine, args: argparse.Namespace) -> int:
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio"
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        loop="asyncio",
+        timeout_keep_alive=args.timeout_keep_alive,
     )
     logger.info(
         "serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port

@@ -194,6 +194,25 @@ def test_health_answers_under_20x_overload(server):
     wait_idle(url)
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+    """httpx (and so the openai SDK) reuses a pooled connection idle for up to 5 s. A server that
+    closed idle connections at 5 s too would close some just as a client sent on them: a
+    connection reset under load (the 20x overload test above saw one in about four runs)."""
+    import socket
+
+    _, url = server
+    host, port = url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for _ in range(2):
+            conn.sendall(request)
+            answer = conn.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+            time.sleep(httpx.Limits().keepalive_expiry + 0.5)
+        conn.sendall(request)  # a server that had closed it: b"" or a connection reset
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+
+
 def test_a_killed_engine_process_fails_requests_and_the_server_exits_non_zero(tiny_glm4):
     from conftest import serve_subprocess
 
