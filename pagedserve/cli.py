@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 import pagedserve
+from pagedserve.completion import offer
 from pagedserve.presets import preset_names
 
 logger = logging.getLogger("pagedserve.serve")
@@ -84,12 +85,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _add_model_args(a: Callable[..., argparse.Action]) -> None:
-    a(
+    model = a(
         "--model",
         default="demo",
         help="local model directory (config.json, safetensors, "
         "tokenizer.json) or 'demo' for the embedded demo model; nothing is downloaded",
     )
+    offer(model, ["demo"])
     a("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
     a("--served-model-name", default=None, help="the model name clients send (default: --model)")
     a(
@@ -160,12 +162,13 @@ def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
 
 
 def _add_device_args(a: Callable[..., argparse.Action]) -> None:
-    a(
+    device = a(
         "--device",
         default=None,
         help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
         f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
     )
+    offer(device, dict.fromkeys(["kunlun-emu", "cpu", "cuda", *preset_names("devices")]))
     a(
         "--tensor-parallel-size",
         "--tp-size",

@@ -5,8 +5,9 @@ argparse parser, so that they list every subcommand, flag and choice the install
     eval "$(pagedserve completion zsh)"         # in ~/.zshrc, after compinit
 
 A flag with ``choices`` completes to them; a flag that takes another value completes to file
-names (model directories, YAML and JSON files); a flag that takes none (``--enforce-eager``) is
-followed by more flags.
+names (model directories, YAML and JSON files), and also to the names it knows when its parser
+gave some with :func:`offer` (``--device`` to its backends and presets, ``--model`` to ``demo``);
+a flag that takes none (``--enforce-eager``) is followed by more flags.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class Flag:
     takes_value: bool
     choices: list[str] = field(default_factory=list)
     is_path: bool = False  # a string value (a directory, a file): file names complete it
+    names_offered: list[str] = field(default_factory=list)  # besides file names, from offer()
 
 
 @dataclass(slots=True)
@@ -34,6 +36,14 @@ class Command:
     help: str
     flags: list[Flag]
     positional_choices: list[str]
+
+
+def offer(action: argparse.Action, names) -> argparse.Action:
+    """Let completion offer ``names`` (besides file names) for a flag that also takes a path, as
+    ``--device`` takes a preset name or a preset file. argparse's ``choices`` would refuse the
+    path."""
+    action.completion_names = [str(n) for n in names]
+    return action
 
 
 def _short_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -60,8 +70,14 @@ def _flag(parser: argparse.ArgumentParser, action: argparse.Action) -> Flag:
     choices = [str(c) for c in action.choices] if action.choices else []
     takes_value = action.nargs != 0
     is_path = takes_value and not choices and action.type in (None, str)
+    offered = getattr(action, "completion_names", [])
     return Flag(
-        list(action.option_strings), _short_help(parser, action), takes_value, choices, is_path
+        list(action.option_strings),
+        _short_help(parser, action),
+        takes_value,
+        choices,
+        is_path,
+        offered,
     )
 
 
@@ -94,14 +110,20 @@ complete -o default -F _pagedserve pagedserve
 
 
 def _bash_command_case(command: Command) -> str:
-    """One subcommand: the choices after a flag that has them, files after another flag that
-    takes a value (the empty reply falls back to ``-o default``), its positional choices for a
-    word that is not a flag, else its flags."""
+    """One subcommand: the choices after a flag that has them, the names offered and files after
+    a flag given some, files after another flag that takes a value (the empty reply falls back to
+    ``-o default``), its positional choices for a word that is not a flag, else its flags."""
     lines = [f"        {shlex.quote(command.name)})", '            case "$prev" in']
     for flag in command.flags:
         if flag.takes_value:
             pattern = "|".join(flag.names)
-            reply = f"{_compgen(flag.choices)}; " if flag.choices else ""
+            if flag.choices:
+                reply = f"{_compgen(flag.choices)}; "
+            elif flag.names_offered:
+                names = shlex.quote(" ".join(flag.names_offered))
+                reply = f'COMPREPLY=($(compgen -W {names} -- "$cur") $(compgen -f -- "$cur")); '
+            else:
+                reply = ""
             lines.append(f"                {pattern}) {reply}return ;;")
     lines.append("            esac")
     if command.positional_choices:
@@ -137,12 +159,16 @@ def _zsh_explanation(text: str) -> str:
 
 
 def _zsh_spec(flag: Flag) -> list[str]:
-    """One ``_arguments`` spec per name: choices, file names, or no completion (a number)."""
+    """One ``_arguments`` spec per name: choices, names offered and file names, file names, or
+    no completion (a number)."""
     specs = []
     for name in flag.names:
         spec = f"{name}[{_zsh_explanation(flag.help)}]"
         if flag.choices:
             spec += f":{name.lstrip('-')}:({' '.join(_quoted(c) for c in flag.choices)})"
+        elif flag.names_offered:
+            names = " ".join(_quoted(n) for n in flag.names_offered)
+            spec += f":{name.lstrip('-')}:{{compadd -- {names}; _files}}"
         elif flag.takes_value:
             spec += f":{name.lstrip('-')}:{'_files' if flag.is_path else ' '}"
         specs.append(f"'{spec}'")

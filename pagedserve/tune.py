@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.completion import offer
 from pagedserve.hal.memory import parse_bytes
 from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
@@ -518,17 +519,19 @@ def explain(result: TuneResult) -> str:
 
 
 def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument(
+    model = parser.add_argument(
         "--model",
         required=True,
         help="checkpoint directory or model preset "
         f"({', '.join(preset_names('models'))}; demo: the embedded demo model's)",
     )
-    parser.add_argument(
+    offer(model, ["demo", *preset_names("models")])
+    device = parser.add_argument(
         "--device",
         required=True,
         help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
     )
+    offer(device, preset_names("devices"))
     parser.add_argument(
         "--tensor-parallel-size",
         "--tp-size",

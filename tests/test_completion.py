@@ -83,7 +83,20 @@ def test_bash_completes_the_choices_of_a_flag_and_of_a_positional(bash_file):
 
 def test_bash_offers_nothing_of_its_own_after_a_flag_that_takes_a_path(bash_file):
     # an empty reply: `complete -o default` falls back to file and directory names
-    assert _complete(bash_file, "pagedserve serve --model ") == []
+    assert _complete(bash_file, "pagedserve serve --tokenizer ") == []
+
+
+def test_bash_offers_device_presets_and_files_after_device(bash_file, tmp_path, monkeypatch):
+    from pagedserve.presets import preset_names
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-card.yaml").write_text("backend: cpu\n")
+    offered = _complete(bash_file, "pagedserve serve --device ")
+    assert set(offered) == {"kunlun-emu", "cpu", "cuda", *preset_names("devices"), "my-card.yaml"}
+    assert _complete(bash_file, "pagedserve serve --device kunlun-p") == ["kunlun-p800x8"]
+    assert _complete(bash_file, "pagedserve tune --device my") == ["my-card.yaml"]
+    assert "glm-4-9b-0414" in _complete(bash_file, "pagedserve tune --model ")
+    assert _complete(bash_file, "pagedserve serve --model de") == ["demo"]
 
 
 def test_completion_command_prints_the_script(capsys):
@@ -103,6 +116,7 @@ def test_zsh_script_lists_every_subcommand_and_flag(parser):
         for option in _options(parser, command):
             assert f"'{option}[" in script, (command, option)
     assert ":dtype:(auto float32 bfloat16 float16)'" in script
+    assert ":device:{compadd -- kunlun-emu cpu cuda " in script
 
 
 @pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.completion import offer
 from pagedserve.models import resolve_model_path
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
@@ -33,12 +34,15 @@ logger = logging.getLogger("pagedserve.quant")
 
 def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a = parser.add_argument
-    a(
-        "--model-path",
-        "--model",
-        dest="model_path",
-        required=True,
-        help="16-bit source model directory, or demo (the embedded demo model)",
+    offer(
+        a(
+            "--model-path",
+            "--model",
+            dest="model_path",
+            required=True,
+            help="16-bit source model directory, or demo (the embedded demo model)",
+        ),
+        ["demo"],
     )
     a("--output-path", "--output", dest="output_path", required=True, help="output directory")
     a(
