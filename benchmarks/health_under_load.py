@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,12 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 HEALTH_INTERVAL_S = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -154,30 +147,16 @@ def main() -> None:
         latencies, codes = probe(args.probe, args.duration, args.path)
         print(json.dumps({"latencies_ms": latencies, "codes": codes}))
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import httpx
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here / "reliability")]
     from results import write_result
+    from server import serve
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len)]
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *flags]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen(cmd)
-    try:
-        while True:
-            assert server.poll() is None, "the server exited"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serve(*flags) as (_, url):
         body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens, "stream": True}
         body["ignore_eos"] = True
         figures = asyncio.run(drive(url, args.clients, args.duration, body))
-    finally:
-        server.terminate()
-        server.wait(60)
     figures |= {"max_num_seqs": args.max_num_seqs, "max_queue_len": args.max_queue_len}
     print(
         f"/health under {args.clients} clients (admitting {args.max_num_seqs} running + "

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import pytest
 from hypothesis import Phase, settings
+
+# the benchmarks' server starter (benchmarks/reliability/server.py) starts the suite's servers too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "reliability"))
+from server import free_port, serve  # noqa: E402
 
 API_KEY = "test-key"
 
@@ -36,54 +38,13 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
 def serve_subprocess(
     *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 600
-) -> Iterator[tuple[subprocess.Popen, str]]:
+):
     """`pagedserve serve FLAGS` on 127.0.0.1 in a child process, once /health answers 200;
-    terminated (then killed) on exit."""
-    import httpx
-
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pagedserve.cli",
-        "serve",
-        *flags,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    out = log or subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"serve exited with {proc.returncode}"
-            assert time.monotonic() < deadline, f"serve did not answer /health in {timeout}s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    terminated (then killed) on exit. Output is dropped unless ``log`` takes it; the log level is
+    the server's default unless FLAGS set one. The benchmarks start their servers the same way."""
+    return serve(*flags, port=port, log=log or subprocess.DEVNULL, log_level=None, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ benchmarks/results/fuzz.json. tests/test_reliability_api.py runs the same with f
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import threading
 import time
@@ -22,14 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from server import free_port
+
 API_KEY = "fuzz-key"
 SERVER_LIMITS = dict(max_model_len=64, max_num_seqs=4, num_kv_pages=64, block_size=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -24,35 +24,42 @@ def free_port() -> int:
 
 @contextmanager
 def serve(
-    *flags: str, log: IO | None = None, timeout: float = 300
+    *flags: str,
+    port: int | None = None,
+    log: IO | None = None,
+    log_level: str | None = "warning",
+    timeout: float = 300,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`pagedserve serve FLAGS` on a free loopback port, once /health answers; stopped after.
-    Its output goes to ``log`` (default: this process's)."""
+    """`pagedserve serve FLAGS` on 127.0.0.1 (``port``, default a free one) once /health answers
+    200; terminated (then killed) after. Its output goes to ``log`` (default: this process's);
+    ``log_level`` None leaves the server's own. The test suite's servers start here too."""
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *flags]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--log-level", log_level] if log_level else []
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     try:
         deadline = time.monotonic() + timeout
         while True:
             assert server.poll() is None, f"the server exited with {server.returncode}"
-            assert time.monotonic() < deadline, f"the server did not start in {timeout} s"
+            assert time.monotonic() < deadline, f"the server did not answer /health in {timeout} s"
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.2)
+                time.sleep(0.1)
         yield server, url
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
 
 
 def process_tree(pid: int) -> list[int]:
