@@ -221,3 +221,20 @@ def test_a_resumed_run_has_the_model_optimizer_and_batches_it_was_saved_with(tmp
     assert torch.equal(resumed.weight, model.weight)
     assert resumed_optimizer.state_dict()["state"][0]["step"] == 1
     assert torch.equal(torch.randn(2, 4, generator=resumed_gen), expected_batch)
+
+
+def test_a_continued_run_records_every_earlier_run_in_order_writing_where_the_next_read(tmp_path):
+    train_demo = _train_demo()
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    run_1 = "python tools/train_demo.py --output pagedserve/demo_model --steps 10"
+    run_2 = f"python tools/train_demo.py --output pagedserve/demo_model --init-from {first}"
+    (first / "metrics.json").write_text(json.dumps({"command": run_1, "init_from": None}))
+    # an older model recorded the run before it as one string
+    (second / "metrics.json").write_text(json.dumps({"command": run_2, "init_from": run_1}))
+    chain = train_demo._init_commands(second)
+    assert chain == [run_1, run_2.replace("--output pagedserve/demo_model", f"--output {second}")]
+    assert train_demo._init_commands(first) == [run_1.replace("pagedserve/demo_model", str(first))]
+    lines = train_demo._init_lines({"init_from": chain})
+    assert [line.strip() for line in lines if "train_demo.py" in line] == chain
+    assert train_demo._init_lines({"init_from": []}) == []

@@ -321,11 +321,16 @@ def _record_shape(args: argparse.Namespace, config) -> None:
     args.num_key_value_heads = config.num_key_value_heads
 
 
-def _init_command(model_dir: Path | None) -> str | None:
-    """How the --init-from checkpoint was trained, as its own metrics.json records it."""
+def _init_commands(model_dir: Path | None) -> list[str]:
+    """The runs that trained the --init-from checkpoint, oldest first, as each one's metrics.json
+    records them; the last run's --output becomes ``model_dir``, where this run read it."""
     if model_dir is None:
-        return None
-    return json.loads((model_dir / "metrics.json").read_text())["command"]
+        return []
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    earlier = metrics.get("init_from") or []
+    earlier = [earlier] if isinstance(earlier, str) else earlier  # one run, as older models wrote
+    output = metrics["command"].split("--output ", 1)[1].split()[0]
+    return [*earlier, metrics["command"].replace(f"--output {output}", f"--output {model_dir}")]
 
 
 def token_stream(
@@ -553,14 +558,13 @@ def greedy_samples(model_dir: Path, prompts: list[str], max_new_tokens: int = 48
 
 
 def _init_lines(metrics: dict) -> list[str]:
-    if not metrics.get("init_from"):
+    earlier = metrics.get("init_from") or []
+    if not earlier:
         return []
-    return [
-        "That run continues (`--init-from`) the earlier demo model, itself trained from scratch by:",
-        "",
-        f"    {metrics['init_from']}",
-        "",
-    ]
+    lines = ["That run continues (`--init-from`) the model these runs trained, in this order:", ""]
+    for command in earlier:
+        lines += [f"    {command}", ""]
+    return lines
 
 
 def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
@@ -803,7 +807,7 @@ def main(argv: list[str] | None = None) -> None:
         "seq_len": args.seq_len,
         "lr": args.lr,
         "schedule": schedule.describe(),
-        "init_from": _init_command(args.init_from),
+        "init_from": _init_commands(args.init_from),
         "train_seconds": round(seconds, 1),
         "steps": steps,
         "tokens_seen": steps * args.batch * args.seq_len,
