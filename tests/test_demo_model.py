@@ -33,6 +33,7 @@ METRICS = json.loads((DEMO_DIR / "metrics.json").read_text())
 HELDOUT_SLICE_CHARS = METRICS["test_slice_chars"]
 BITS_PER_CHAR_TOLERANCE = 0.002
 PACKAGE_BUDGET_BYTES = 25 * 10**6
+HELDOUT_BITS_PER_CHAR_BOUND = 1.45  # what the demo model must beat on text it never saw
 
 
 @functools.cache
@@ -87,6 +88,7 @@ def test_demo_model_scores_the_recorded_heldout_bits_per_char(hf_model, tokenize
     recorded = METRICS["test_slice_bits_per_char"]
     assert bpc == pytest.approx(recorded, abs=BITS_PER_CHAR_TOLERANCE)
     assert METRICS["heldout_bits_per_char"] < METRICS["unigram_bits_per_char"]
+    assert METRICS["heldout_bits_per_char"] < HELDOUT_BITS_PER_CHAR_BOUND
 
 
 def test_heldout_bits_per_char_matches_a_direct_cross_entropy(hf_model, tokenizer):
@@ -238,3 +240,36 @@ def test_a_continued_run_records_every_earlier_run_in_order_writing_where_the_ne
     lines = train_demo._init_lines({"init_from": chain})
     assert [line.strip() for line in lines if "train_demo.py" in line] == chain
     assert train_demo._init_lines({"init_from": []}) == []
+
+
+def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(tokenizer):
+    """--qat: the decoder's linears compute with the weights `--quantization int4` would serve
+    (bf16, then RTN in groups of 32), gradients reach the latent weights straight through, and
+    the model written at the end carries those INT4 weights, so RTN at load gives them back."""
+    from pagedserve.quant.formats import fake_quantize
+
+    train_demo = _train_demo()
+    torch.manual_seed(0)
+    shape = train_demo.ModelShape(hidden_size=64, num_hidden_layers=1, intermediate_size=96)
+    model = train_demo.build_model(shape, tokenizer)
+    linears = train_demo.decoder_linears(model)
+    assert len(linears) == 6 and model.lm_head not in linears  # q k v o gate_up down
+    served = [fake_quantize(m.weight.detach().to(torch.bfloat16), 32) for m in linears]
+    ids = torch.randint(0, 4000, (2, 16))
+
+    train_demo.set_quantization_aware(model, 32)
+    for m, w in zip(linears, served, strict=True):
+        assert torch.equal(m.weight, w)  # what the forward pass computes with
+    model(input_ids=ids).logits.sum().backward()
+    latent = [m.parametrizations.weight.original for m in linears]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in latent)
+
+    train_demo.set_quantization_aware(model, None)
+    for m, w in zip(linears, served, strict=True):
+        assert not hasattr(m, "parametrizations") and torch.equal(m.weight, w)
+    # what --quantization int4 serves from the weights as write_model_files stores them (bf16):
+    # the trained INT4 weights within bf16's rounding, but for groups whose zero point falls on a
+    # tie, where RTN (not idempotent there) shifts the grid by up to half a step
+    back = [fake_quantize(m.weight.detach().to(torch.bfloat16), 32) for m in linears]
+    close = sum(torch.isclose(b, w, rtol=2**-7, atol=0).sum().item() for b, w in zip(back, served))
+    assert close / sum(w.numel() for w in served) > 0.98

@@ -32,6 +32,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from pagedserve.models.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
+from pagedserve.quant.formats import fake_quantize
 
 PROMPT_PREFIX = "[gMASK]<sop>"  # how every GLM-4 prompt opens
 CHAT_TEMPLATE = (
@@ -310,6 +311,43 @@ def init_model(model_dir: Path):
     from transformers import Glm4ForCausalLM
 
     return Glm4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+class Int4AtLoad(torch.nn.Module):
+    """A weight as `--quantization int4` serves it (stored in bf16, then rounded to nearest in
+    asymmetric 4-bit groups), with a straight-through gradient: quantization-aware training."""
+
+    def __init__(self, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+
+    def served(self, w: torch.Tensor) -> torch.Tensor:
+        return fake_quantize(w.detach().to(torch.bfloat16), self.group_size)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + (self.served(w) - w).detach()
+
+
+def decoder_linears(model) -> list[torch.nn.Linear]:
+    """The linears `--quantization int4` quantizes: every one in a decoder layer (not lm_head)."""
+    return [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def set_quantization_aware(model, group_size: int | None) -> None:
+    """Train the decoder's linears through Int4AtLoad (a group size); or, at the end (None), drop
+    it and put each weight on the INT4 grid it trained through. The shipped 16-bit weights are
+    then the INT4 model's, so `--quantization int4` serves the model as trained: training made the
+    grid good, and a latent weight off the grid would round to a model nobody measured."""
+    from torch.nn.utils import parametrize
+
+    for linear in decoder_linears(model):
+        if group_size:
+            parametrize.register_parametrization(linear, "weight", Int4AtLoad(group_size))
+        elif parametrize.is_parametrized(linear, "weight"):
+            int4 = linear.parametrizations.weight[0]
+            parametrize.remove_parametrizations(linear, "weight", leave_parametrized=False)
+            with torch.no_grad():
+                linear.weight.copy_(int4.served(linear.weight))
 
 
 def _record_shape(args: argparse.Namespace, config) -> None:
@@ -702,6 +740,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="bf16 autocast for training matmuls (2x faster on CPUs with AVX-512 bf16)",
     )
+    p.add_argument(
+        "--qat",
+        action="store_true",
+        help="quantization-aware training: the decoder's linears compute with the INT4 weights "
+        "that --quantization int4 serves (straight-through gradients), so that INT4 keeps the "
+        "16-bit model's quality; a short last run with --init-from",
+    )
+    p.add_argument("--qat-group-size", type=int, default=32, help="INT4 group size for --qat")
     p.add_argument("--chat-repeats", type=int, default=3)
     p.add_argument("--max-source-bytes", type=int, default=16_000_000)
     p.add_argument("--max-file-bytes", type=int, default=30_000)
@@ -775,7 +821,10 @@ def main(argv: list[str] | None = None) -> None:
     def probe(m) -> float:
         return bits_per_char(m, tokenizer, heldout, args.probe_chars)
 
+    if args.qat:
+        set_quantization_aware(model, args.qat_group_size)
     progress = train(model, stream, args, schedule, tokenizer, probe)
+    set_quantization_aware(model, None)
     steps, seconds = progress.step, progress.seconds
     write_tokenizer_files(tokenizer, out)
     write_model_files(model, tokenizer, out)
@@ -795,6 +844,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--intermediate-size {args.intermediate_size} --batch {args.batch} --lr {args.lr} "
         f"--warmup {args.warmup} --max-file-bytes {args.max_file_bytes} "
         f"--max-source-bytes {args.max_source_bytes} --schedule {args.schedule}"
+        + (f" --qat --qat-group-size {args.qat_group_size}" if args.qat else "")
         + (f" --init-from {args.init_from.as_posix()}" if args.init_from else ""),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
