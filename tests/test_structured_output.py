@@ -13,6 +13,7 @@ import pytest
 
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
+# every string bounded, so that any answer fits in max_tokens and finishes by its own closing brace
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -22,7 +23,10 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "string"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city"],
         },
     },
