@@ -9,8 +9,8 @@ Steps: corpus (held-out 5% by document) -> byte-level BPE tokenizer (GLM-4 speci
 of the vocabulary, as in GLM-4) -> Glm4ForCausalLM trained with AdamW and a warmup-stable-decay
 schedule (checkpointed every --checkpoint-every steps; --resume continues a stopped run; --init-from
 continues a trained model; --qat trains through the INT4 weights that --quantization int4 serves and
-ships those) -> a Hugging Face directory (bf16 safetensors, tokenizer.json, chat template) plus TRAINING.md and
-metrics.json with held-out bits per character next to a unigram baseline.
+ships those) -> a Hugging Face directory (bf16 safetensors, tokenizer.json, chat template) plus
+TRAINING.md and metrics.json with held-out bits per character next to a unigram baseline.
 """
 
 from __future__ import annotations
