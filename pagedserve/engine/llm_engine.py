@@ -551,9 +551,7 @@ class LLMEngine:
                 "cached": len(bm.page_to_cached_block),
                 "free": bm.num_free_pages,
                 "block_size": self.block_size,
-                "memory_attr": self.device.kv_memory_attr.value
-                if self.device.kv_memory_attr
-                else None,
+                "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
             },
             "requests": {
                 "running": len(self.scheduler.running),

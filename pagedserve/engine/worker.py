@@ -150,14 +150,14 @@ class Worker:
         return self.runner
 
     def device_stats(self) -> dict:
-        """This card's part of what ``pagedserve smi`` shows."""
+        """This card's part of what ``pagedserve smi`` shows (the engine adds the KV pool, the
+        requests and rank 0's faults and weight patrol, the same for every card)."""
         dev = self.device
         stats = {
             "name": dev.card_name,
             "backend": dev.backend,
             "description": dev.preset.description,
             "tiers": dev.memory_stats(),
-            "faults_detected": dev.num_faults_detected,
         }
         if dev.world_size > 1:
             stats |= {"tp_rank": dev.rank, "collective_bytes_sent": dev.collective_bytes_sent}
