@@ -14,11 +14,9 @@ prompt tokens' logprobs, summed, give the bits per character.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-import socket
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -63,26 +61,6 @@ def server_bits_per_char(url: str, text: str, concurrency: int = 4) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_demo() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--num-kv-pages", "512"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    server, url = subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
-    while True:
-        assert server.poll() is None, "the server exited"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,15 +70,12 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results import write_result
+    from servers import demo_server
 
     text = HELDOUT_FILE.read_text(encoding="utf-8")[: args.chars]
-    server, url = (None, args.base_url) if args.base_url else _serve_demo()
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.base_url or stack.enter_context(demo_server(["--num-kv-pages", "512"]))[1]
         figures = server_bits_per_char(url, text)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(60)
     print(
         f"held-out bits/char through the server: {figures['heldout_bits_per_char']:.4f} "
         f"({figures['heldout_chars']} chars, {figures['heldout_tokens']} tokens)"

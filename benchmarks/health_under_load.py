@@ -147,10 +147,9 @@ def main() -> None:
         latencies, codes = probe(args.probe, args.duration, args.path)
         print(json.dumps({"latencies_ms": latencies, "codes": codes}))
         return
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here), str(here / "reliability")]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reliability.server import serve
     from results import write_result
-    from server import serve
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len)]
     with serve(*flags) as (_, url):
