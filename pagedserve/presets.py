@@ -48,3 +48,15 @@ def _preset_dir(kind: str):
     if kind not in PRESET_KINDS:
         raise ValueError(f"preset kind {kind!r}: use one of {', '.join(PRESET_KINDS)}")
     return files("pagedserve") / "configs" / kind
+
+
+def parse_cards(value: int | str) -> int | None:
+    """A device preset's ``cards``: a count, or ``per-process`` (the plain CPU: as many as there
+    are processes), which is None."""
+    if value == "per-process":
+        return None
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"device preset cards: {value!r}; write a count of 1 or more or per-process"
+        )
+    return value

@@ -34,7 +34,13 @@ import yaml
 
 from pagedserve.completion import offer
 from pagedserve.hal.memory import parse_bytes
-from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
+from pagedserve.presets import (
+    DEMO_MODEL,
+    DEMO_MODEL_PRESET,
+    find_preset,
+    parse_cards,
+    preset_names,
+)
 
 MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -162,12 +168,11 @@ def load_device(spec: str) -> DevicePreset:
         )
     cfg = yaml.safe_load(preset.read_text())
     memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
-    cards = cfg.get("cards", 1)
     return DevicePreset(
         cfg.get("name", preset.stem),
         cfg.get("backend", "cpu"),
         parse_bytes(memory),
-        None if cards == "per-process" else int(cards),
+        parse_cards(cfg.get("cards", 1)),
     )
 
 

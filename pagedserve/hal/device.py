@@ -25,7 +25,7 @@ from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
 from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
-from pagedserve.presets import find_preset, preset_names
+from pagedserve.presets import find_preset, parse_cards, preset_names
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +93,8 @@ class DevicePreset:
             tiers=tiers,
             kv_memory_attr=MemoryAttr(d.get("kv_memory_attr", "cached")),
             memory_bytes=parse_bytes(d.get("memory_bytes", 0)),
-            cards=_parse_cards(d.get("cards", 1)),
+            cards=parse_cards(d.get("cards", 1)),
         )
-
-
-def _parse_cards(value: int | str) -> int | None:
-    """``cards: per-process`` (the plain CPU: as many as there are processes) or a count."""
-    if value == "per-process":
-        return None
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"device preset cards: {value!r}; write a count of 1 or more or per-process"
-        )
-    return value
 
 
 def _nbytes(t: torch.Tensor) -> int:
