@@ -63,7 +63,13 @@ class SchedulerConfig(_Config):
 
 class DeviceConfig(_Config):
     device: str = "kunlun-emu"
-    enforce_eager: bool = False  # plain PyTorch ops instead of the compiled (native) kernels
+    kernels: str = "auto"  # native.KERNEL_CHOICES: the CPU kernels' target, or eager
+    enforce_eager: bool = False  # vLLM's flag: the same as kernels="eager"
+
+    @property
+    def kernel_choice(self) -> str:
+        return "eager" if self.enforce_eager else self.kernels
+
     weight_scrub_pages: int = Field(2, ge=0)  # weight pages the patrol scrub verifies per step
 
 

@@ -11,7 +11,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device
 from pagedserve.hal.device import Device
 from pagedserve.hal.int4 import dequantize, quantize_activations_int8
-from pagedserve.hal.native import load_native_kernels
+from pagedserve.hal.native import choose_kernels
 from pagedserve.quant.formats import dequantize as dequantize_canonical
 from pagedserve.quant.formats import quantize_rtn
 
@@ -68,7 +68,8 @@ def _dequantized_copy(hf, group_size: int):
             False,
             0.01,
             marks=pytest.mark.skipif(
-                load_native_kernels() is None, reason="native CPU kernels unavailable here"
+                not hasattr(choose_kernels().module, "int4_linear"),
+                reason="no native INT4 kernel on this CPU",
             ),
         ),
     ],

@@ -1,16 +1,45 @@
-"""The native kernels' build: a machine without a compiler runs eager after one warning; an
-interrupted build does not hang the next start."""
+"""The native kernels' build and choice: each target is built only on a CPU that can run it, the
+best one is chosen and the log says why a better one was not; a machine without a compiler runs
+eager after one warning; an interrupted build does not hang the next start."""
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
 
+import pytest
+
 from pagedserve.hal import native
 
-NATIVE = native.load_native_kernels() is not None
+BEST = native.choose_kernels("auto").name
+AVX2_FLAGS = " ".join(native.TARGETS["avx2"].cpu_flags)
+ON_X86 = platform.machine().lower() in native.TARGETS["avx2"].machines
+
+
+def _run(code: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _cached_builds(tmp_path, *targets: str) -> None:
+    """This machine's finished builds (of ``targets`` only, if named), so that a test compiles
+    nothing it need not."""
+    (tmp_path / "kernels").mkdir()
+    for build in native.cache_dir().glob("*-*") if native.cache_dir().is_dir() else []:
+        if not targets or build.name.split("-")[0] in targets:
+            shutil.copytree(build, tmp_path / "kernels" / build.name)
+
+
+def _builds(tmp_path) -> set[str]:
+    return {p.name.split("-")[0] for p in (tmp_path / "kernels").glob("*-*")}
 
 
 def test_without_a_compiler_the_engine_runs_eager_after_one_warning(tmp_path):
@@ -22,14 +51,8 @@ def test_without_a_compiler_the_engine_runs_eager_after_one_warning(tmp_path):
         "out = llm.generate(['import os'], SamplingParams(max_tokens=4), use_tqdm=False)\n"
         "print('tokens:', len(out[0].outputs[0].token_ids))\n"
     )
-    env = {
-        **os.environ,
-        "CXX": str(tmp_path / "no-such-compiler"),
-        "PAGEDSERVE_CACHE_DIR": str(tmp_path),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    env = {"CXX": str(tmp_path / "no-such-compiler"), "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    proc = _run(code, env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "kernels: eager" in proc.stdout and "tokens: 4" in proc.stdout
     assert proc.stderr.count("native CPU kernels unavailable") == 1
@@ -39,17 +62,75 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     # a first start killed while compiling leaves torch's lock file behind
     code = (
         "from pagedserve.hal import native\n"
-        "d = native.cache_dir() / native._build_key()\n"
+        f"target = native.TARGETS[{BEST!r}]\n"
+        "d = native.cache_dir() / native.build_key(target)\n"
         "d.mkdir(parents=True, exist_ok=True)\n"
         "(d / 'lock').write_text('')\n"
-        "print('loaded:', native.load_native_kernels() is not None)\n"
+        "print('loaded:', native.choose_kernels('auto').name)\n"
     )
-    if NATIVE:  # start from this machine's finished build, so that nothing compiles again
-        shutil.copytree(native.cache_dir(), tmp_path / "kernels")
-    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
-    )
+    _cached_builds(tmp_path)
+    proc = _run(code, {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"loaded: {NATIVE}" in proc.stdout
-    assert NATIVE is False or "stale build lock" in proc.stderr
+    assert f"loaded: {BEST}" in proc.stdout
+    assert BEST == "eager" or "stale build lock" in proc.stderr
+
+
+@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
+def test_an_avx2_cpu_builds_no_avx512_kernels_and_says_why_it_runs_avx2(tmp_path):
+    # the flags of an AVX2-only CPU (Zen 3, say): auto takes avx2, and nothing is compiled for
+    # avx512, which that CPU could not execute
+    if "avx2" not in native.executable_targets():
+        pytest.skip("this CPU cannot execute the avx2 kernels itself")
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from pagedserve.hal import get_device\n"
+        "print('kernels:', get_device('cpu').kernel_set)\n"
+    )
+    _cached_builds(tmp_path, "avx2")
+    env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "PAGEDSERVE_CPU_FLAGS": AVX2_FLAGS}
+    proc = _run(code, env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kernels: avx2" in proc.stdout
+    assert "(not avx512: this CPU lacks avx512f avx512bw" in proc.stderr
+    assert "avx512_bf16 avx512_vnni)" in proc.stderr
+    assert _builds(tmp_path) == {"avx2"}, "a build for a target this CPU cannot run was made"
+
+
+@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
+def test_a_cpu_without_avx2_builds_only_the_portable_kernels(tmp_path):
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from pagedserve.hal import get_device\n"
+        "print('kernels:', get_device('cpu').kernel_set)\n"
+    )
+    _cached_builds(tmp_path, "portable")
+    env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "PAGEDSERVE_CPU_FLAGS": "sse2 sse4_1 sse4_2"}
+    proc = _run(code, env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kernels: portable" in proc.stdout
+    assert "avx2: this CPU lacks avx avx2 fma f16c" in proc.stderr
+    assert _builds(tmp_path) == {"portable"}, "a build for a target this CPU cannot run was made"
+
+
+@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
+def test_asking_for_kernels_the_cpu_cannot_execute_names_what_it_lacks(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", AVX2_FLAGS)
+    lacks = r"--kernels avx512: this CPU cannot execute them \(it lacks avx512f"
+    with pytest.raises(ValueError, match=lacks):
+        native.choose_kernels("avx512")
+    with pytest.raises(ValueError, match="--kernels 'avx1024': choose one of auto, avx512"):
+        native.choose_kernels("avx1024")
+
+
+def test_a_build_is_keyed_by_its_target_and_flags_not_by_the_machine_it_was_made_on(monkeypatch):
+    # a cache shared by two machines of the same instruction set reuses the build; a different
+    # target, or AVX-VNNI on an AVX2 CPU (its own -m flag), is a different build directory
+    avx2 = native.TARGETS["avx2"]
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", AVX2_FLAGS + " some_other_flag")
+    key = native.build_key(avx2)
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", AVX2_FLAGS)
+    assert native.build_key(avx2) == key
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", AVX2_FLAGS + " avx_vnni")
+    assert native.build_key(avx2) != key and "-mavxvnni" in native.target_cflags(avx2)
+    assert native.build_key(native.TARGETS["portable"]).startswith("portable-")
+    assert all("-march=native" not in native.target_cflags(t) for t in native.TARGETS.values())

@@ -1,5 +1,6 @@
-"""Both CPU kernel sets (native C++ and eager PyTorch) equal the plain-PyTorch references, over the
-shapes and dtypes the models use; the whole engine gives the same greedy tokens with either."""
+"""Every CPU kernel set (each native target this machine can execute, and eager PyTorch) equals the
+plain-PyTorch references, over the shapes and dtypes the models use; the whole engine gives the
+same greedy tokens with each. A target the CPU cannot execute is skipped, naming what it lacks."""
 
 from __future__ import annotations
 
@@ -9,15 +10,26 @@ import torch.nn.functional as F
 from helpers_kernels import paged_batch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.hal import get_device, kernels
+from pagedserve.hal import get_device, kernels, native
 from pagedserve.hal.int4 import Int4Linear, dequantize, quantize_activations_int8
-from pagedserve.hal.native import load_native_kernels
 from pagedserve.quant.formats import quantize_rtn
 
-NATIVE = load_native_kernels() is not None
-needs_native = pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable here")
-KERNEL_SETS = [pytest.param("native", marks=needs_native), "eager"]
+
+def _target_param(name: str):
+    missing = native.missing_flags(native.TARGETS[name])
+    reason = f"this CPU cannot execute the {name} kernels: it lacks {' '.join(missing)}"
+    return pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason))
+
+
+TARGETS = [_target_param(name) for name in native.TARGETS]
+KERNEL_SETS = [*TARGETS, "eager"]
 DTYPES = [torch.float32, torch.bfloat16]
+INT4_LAYOUTS = {  # each target's own packed INT4 layouts (portable: PyTorch's)
+    "avx512": {16: "tiles16", 8: "tiles16_a8"},
+    "avx2": {16: "tiles8", 8: "tiles8_a8"},
+    "portable": {16: "aten", 8: "aten"},
+    "eager": {16: "aten", 8: "aten"},
+}
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"], autouse=True)
@@ -30,7 +42,7 @@ def threads(request):
 
 
 def _device(kernel_set: str):
-    dev = get_device("cpu", enforce_eager=kernel_set == "eager")
+    dev = get_device("cpu", kernels=kernel_set)
     assert dev.kernel_set == kernel_set
     return dev
 
@@ -134,8 +146,7 @@ def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size,
     q, s, z = quantize_rtn(w, group_size)
     dev = _device(kernel_set)
     layer = dev.prepare_int4(q, s, z, group_size, "w", abits)
-    native_layout = "tiles16" if abits == 16 else "tiles16_a8"
-    assert layer.layout == (native_layout if kernel_set == "native" else "aten")
+    assert layer.layout == INT4_LAYOUTS[kernel_set][abits]
     reference = Int4Linear(48, 256, group_size, abits, qcodes=q, scales=s, zeros=z)
     # W4A16: the activations enter as bf16; W4A8: as int8 per row, in fp32
     xr = x.to(torch.bfloat16).float() if abits == 16 else quantize_activations_int8(x.float())
@@ -146,29 +157,33 @@ def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size,
     torch.testing.assert_close(got.float(), expected, atol=0.01 * scale, rtol=0.01)
 
 
-@needs_native
-def test_native_w4a8_equals_its_fp32_emulation_to_rounding():
+INT4_TARGETS = [p for p in TARGETS if p.values[0] in ("avx512", "avx2")]
+
+
+@pytest.mark.parametrize("kernel_set", INT4_TARGETS)
+def test_native_w4a8_equals_its_fp32_emulation_to_rounding(kernel_set):
     # integer products are exact: in fp32 the kernel equals the emulation up to summation order
     g = torch.Generator().manual_seed(11)
     q, s, z = quantize_rtn(torch.randn(32, 256, generator=g), 32)
     x = torch.randn(5, 256, generator=g) * 3
-    dev = _device("native")
+    dev = _device(kernel_set)
     layer = dev.prepare_int4(q, s, z, 32, "w", abits=8)
     reference = Int4Linear(32, 256, 32, 8, qcodes=q, scales=s, zeros=z)
     expected = quantize_activations_int8(x) @ dequantize(reference).T
     torch.testing.assert_close(dev.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
-@needs_native
-def test_native_int4_keeps_fp16_scales_exactly():
-    # AWQ/GPTQ checkpoints store fp16 scales: the native layout keeps them, so in fp32 the kernel
+@pytest.mark.parametrize("kernel_set", INT4_TARGETS)
+def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
+    # AWQ/GPTQ checkpoints store fp16 scales: the native layouts keep them, so in fp32 the kernel
     # equals the dequantized weights up to summation order
     g = torch.Generator().manual_seed(5)
     q, s, z = quantize_rtn(torch.randn(32, 128, generator=g), 32)
     x = torch.randn(2, 128, generator=g).to(torch.bfloat16).float()
-    layer = _device("native").prepare_int4(q, s, z, 32, "w")
+    dev = _device(kernel_set)
+    layer = dev.prepare_int4(q, s, z, 32, "w")
     expected = x @ dequantize(Int4Linear(32, 128, 32, qcodes=q, scales=s, zeros=z)).T
-    torch.testing.assert_close(_device("native").linear(x, layer), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dev.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
@@ -201,26 +216,26 @@ def test_argmax_takes_the_first_maximum_as_torch_does(kernel_set):
     )
 
 
-@needs_native
-def test_native_and_eager_engines_give_the_same_greedy_tokens(tiny_glm4):
+@pytest.mark.parametrize("kernel_set", TARGETS)
+def test_native_and_eager_engines_give_the_same_greedy_tokens(tiny_glm4, kernel_set):
     # (INT4 differs by design: PyTorch's kernel rounds scales to bf16; see test_int4.py)
     model_dir, _ = tiny_glm4
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 19, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = {}
-    for eager in (False, True):
+    for kernel_choice in (kernel_set, "eager"):
         llm = LLM(
             model=str(model_dir),
             dtype="float32",
             device="cpu",
-            enforce_eager=eager,
+            kernels=kernel_choice,
             num_kv_pages=64,
         )
-        assert llm.llm_engine.device.kernel_set == ("eager" if eager else "native")
-        outs[eager] = [
+        assert llm.llm_engine.device.kernel_set == kernel_choice
+        outs[kernel_choice] = [
             o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
         ]
-    assert outs[False] == outs[True]
+    assert outs[kernel_set] == outs["eager"]
 
 
 def _counted(fn, calls: list):
@@ -231,13 +246,14 @@ def _counted(fn, calls: list):
     return counted
 
 
-@needs_native
+@pytest.mark.parametrize("kernel_set", TARGETS)
 @pytest.mark.parametrize("arch", ["glm", "glm4"])
 @pytest.mark.parametrize(
-    "dtype,quantization", [("float32", None), ("bfloat16", None), ("bfloat16", "int4")]
+    "dtype,quantization",
+    [("float32", None), ("bfloat16", None), ("bfloat16", "int4"), ("float32", "w4a8")],
 )
 def test_fused_decoder_layer_equals_the_op_by_op_layer_bit_for_bit(
-    tmp_path, arch, dtype, quantization
+    tmp_path, kernel_set, arch, dtype, quantization
 ):
     from helpers_models import build_tiny_hf_model
 
@@ -250,6 +266,7 @@ def test_fused_decoder_layer_equals_the_op_by_op_layer_bit_for_bit(
             model=str(tmp_path),
             dtype=dtype,
             device="cpu",
+            kernels=kernel_set,
             quantization=quantization,
             num_kv_pages=64,
         )

@@ -13,7 +13,7 @@ from conftest import serve_subprocess
 from helpers_models import build_tiny_model_dir, prompt_logprobs
 
 from pagedserve import LLM
-from pagedserve.hal.native import load_native_kernels
+from pagedserve.hal.native import choose_kernels
 from pagedserve.quant.cli import add_quantize_args, run_quantize
 from pagedserve.quant.evaluate import load_reference_model
 
@@ -89,7 +89,9 @@ def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 5
 
 
-@pytest.mark.skipif(load_native_kernels() is None, reason="native CPU kernels unavailable here")
+@pytest.mark.skipif(
+    not hasattr(choose_kernels().module, "int4_linear"), reason="no native INT4 kernel on this CPU"
+)
 @pytest.mark.parametrize("lm_head", ["none", "int4"])
 def test_load_time_w4a8_equals_an_rtn_w4a8_directory(source, tmp_path, lm_head):
     # --quantization w4a8 is RTN at load with int8 activations: the same numbers as quantizing the

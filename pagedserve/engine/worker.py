@@ -50,7 +50,7 @@ class Worker:
         self.model_path = resolve_model_path(config.model.model)
         self.model_config = load_config(self.model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.model_config.torch_dtype)
-        self.device = get_device(config.device.device, config.device.enforce_eager)
+        self.device = get_device(config.device.device, config.device.kernel_choice)
         self.device.join_group(rank, world_size)
         self.tp = TensorParallel(self.model_config, rank, world_size)
         self.tp.check(self._int4_group_size(), usage_context.name_of("tensor_parallel_size"))

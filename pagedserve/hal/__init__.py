@@ -7,12 +7,13 @@ from pagedserve.hal.memory import DeviceOutOfMemoryError, MemoryAttr
 DEFAULT_DEVICE = "kunlun-emu"
 
 
-def get_device(name: str = DEFAULT_DEVICE, enforce_eager: bool = False) -> Device:
+def get_device(name: str = DEFAULT_DEVICE, kernels: str = "auto") -> Device:
     """A device from a backend name (``kunlun-emu``, ``cpu``, ``cuda``) or a preset name / YAML path.
 
-    ``enforce_eager`` keeps a backend on plain PyTorch ops (no compiled kernels)."""
+    ``kernels`` picks a CPU backend's native kernels (``native.KERNEL_CHOICES``: ``auto``, a
+    target, or ``eager`` for plain PyTorch ops); other backends ignore it."""
     preset = load_device_preset(name)
-    return _backend_class(preset)(preset, enforce_eager=enforce_eager)
+    return _backend_class(preset)(preset, kernels=kernels)
 
 
 def distributed_backend(name: str = DEFAULT_DEVICE) -> str:

@@ -1,16 +1,18 @@
 """Plain PyTorch on the host CPU, with native kernels for what a decode step spends its time on.
 
-Two kernel sets, chosen at start-up:
-- **native** (default where it builds): ``csrc/`` through ``native.py``: an int4 GEMM that
-  unpacks each packed weight once for up to 8 rows (bf16 activations, or int8 ones for W4A8), a
-  bf16 GEMV for a few rows, fused residual-add + RMSNorm, SiLU-and-mul, rotary + KV-cache write,
-  paged decode attention that reads keys and values straight from their pages, and all of a
-  decoder layer in one call for decode steps.
-- **eager** (``--enforce-eager``, or where the native kernels cannot be built): PyTorch ops only,
-  PyTorch's own int4 kernel (``_weight_int4pack_mm_for_cpu``) and SDPA over gathered pages.
+The kernels, chosen at start-up (``--kernels``, ``native.py``):
+- **a native target** (``avx512``, ``avx2`` or ``portable``; ``auto`` takes the best this CPU
+  executes): ``csrc/``: the target's INT4 GEMMs, each with its own packed layout, that unpack each
+  packed weight once for several rows (W4A16, or int8 activations for W4A8); a bf16 GEMV for a
+  few rows; fused residual-add + RMSNorm, SiLU-and-mul, rotary + KV-cache write, paged decode
+  attention that reads keys and values straight from their pages, and all of a decoder layer in
+  one call for decode steps. An op a target lacks runs PyTorch's (the portable target's INT4
+  layers: ``_weight_int4pack_mm_for_cpu``), the rest stays native.
+- **eager** (``--kernels eager`` or ``--enforce-eager``, or where nothing can be built): PyTorch
+  ops only, PyTorch's own int4 kernel and SDPA over gathered pages.
 
-benchmarks/linear_paths.py and benchmarks/compare.py measure both; the tests hold both to the
-references in ``kernels.py`` and ``int4.py``.
+benchmarks/linear_paths.py and benchmarks/compare.py measure them; the tests hold every target
+the machine can execute to the references in ``kernels.py`` and ``int4.py``.
 """
 
 from __future__ import annotations
@@ -25,15 +27,14 @@ import torch.nn.functional as F
 
 from pagedserve.hal.device import Device, DevicePreset
 from pagedserve.hal.int4 import (
+    PACKERS,
     Int4Linear,
     cpu_int4_scales_and_zeros,
-    pack_tiles16,
-    pack_tiles16_a8,
     quantize_activations_int8,
 )
 from pagedserve.hal.int8 import Int8Linear
 from pagedserve.hal.kernels import AttentionMetadata, gather_context
-from pagedserve.hal.native import load_native_kernels
+from pagedserve.hal.native import KernelChoice, choose_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +42,23 @@ logger = logging.getLogger(__name__)
 class CpuDevice(Device):
     backend = "cpu"
 
-    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
+    def __init__(self, preset: DevicePreset, kernels: str = "auto"):
         super().__init__(preset, "cpu")
-        self.native = None if enforce_eager else load_native_kernels()
+        self.kernels: KernelChoice = choose_kernels(kernels)
+        self.native = self.kernels.module  # None: eager
 
     def twin(self) -> CpuDevice:
-        return type(self)(self.preset, enforce_eager=self.native is None)
+        return type(self)(self.preset, kernels=self.kernels.name)
 
     @property
     def kernel_set(self) -> str:
-        return "native" if self.native is not None else "eager"
+        """The kernels in use: avx512, avx2, portable or eager."""
+        return self.kernels.name
+
+    def _native_int4_layout(self, abits: int) -> str | None:
+        """This target's own INT4 layout for ``abits`` activations; None: PyTorch's kernel."""
+        name = "INT4_A8_LAYOUT" if abits == 8 else "INT4_LAYOUT"
+        return getattr(self.native, name, None) or None
 
     def host_memory_limit(self) -> float:
         """Half of the host's free RAM: a preset larger than this machine must not swap it to death."""
@@ -70,17 +78,16 @@ class CpuDevice(Device):
         tag: str,
         abits: int = 16,
     ) -> Int4Linear:
-        """Pack for the native int4 kernel, else for PyTorch's (``_weight_int4pack_mm_for_cpu``)."""
+        """Pack for the target's own int4 kernel, else for PyTorch's
+        (``_weight_int4pack_mm_for_cpu``)."""
         n, k = qcodes.shape
         if n % 16 or group_size not in (32, 64, 128, 256):
             return super().prepare_int4(qcodes, scales, zeros, group_size, tag, abits)
         w = Int4Linear(n, k, group_size, abits)
-        if self.native is not None and abits == 8:
-            w.layout = "tiles16_a8"
-            packed, scales_and_zeros = pack_tiles16_a8(qcodes, scales, zeros, group_size)
-        elif self.native is not None:
-            w.layout = "tiles16"
-            packed, scales_and_zeros = pack_tiles16(qcodes, scales, zeros, group_size)
+        layout = self._native_int4_layout(abits)
+        if layout is not None:
+            w.layout = layout
+            packed, scales_and_zeros = PACKERS[layout](qcodes, scales, zeros, group_size)
         else:
             w.layout = "aten"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qcodes.to(torch.int32), 1)
@@ -92,13 +99,13 @@ class CpuDevice(Device):
     def int4_linear(
         self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Native: bf16 activation pairs (W4A16) or int8 activations with integer products
-        (W4A8). PyTorch's kernel: bf16 activations always (20-60x slower with fp32 or fp16 ones,
-        GLM4.md); W4A8 rounds them to int8 first."""
+        """Native: the target's W4A16 (bf16 activation pairs on avx512, fp32 FMAs on avx2) or
+        W4A8 (int8 activations, integer products). PyTorch's kernel: bf16 activations always
+        (20-60x slower with fp32 or fp16 ones, GLM4.md); W4A8 rounds them to int8 first."""
         if w.layout == "reference":
             return super().int4_linear(x, w, b)
         rows = x.reshape(-1, w.in_features)
-        if w.layout in ("tiles16", "tiles16_a8"):
+        if w.layout in PACKERS:
             kernel = self.native.int4_int8_linear if w.abits == 8 else self.native.int4_linear
             bias = None if b is None else b.to(x.dtype)
             out = kernel(rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias)
@@ -127,7 +134,7 @@ class CpuDevice(Device):
     ) -> torch.Tensor:
         """A few bf16 rows through a dense bf16 matrix stream it with the native GEMV."""
         if (
-            self.native is not None
+            hasattr(self.native, "bf16_linear_few_rows")
             and isinstance(w, torch.Tensor)
             and w.dtype == torch.bfloat16
             and x.dtype == torch.bfloat16
@@ -210,7 +217,7 @@ class CpuDevice(Device):
         self, weights: object, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
     ) -> Callable | None:
         """Native: the layer's kernels in one call for decode-only steps (``decoder_layer.h``), where
-        every linear is a native INT4 or a dense one (PyTorch's int4 layout runs op by op)."""
+        every linear is INT4 (the target's layout or PyTorch's) or dense."""
         linears = [weights.qkv_proj, weights.o_proj, weights.gate_up_proj, weights.down_proj]
         if self.native is None or not all(map(self._native_linear_ok, linears)):
             return None
@@ -250,18 +257,17 @@ class CpuDevice(Device):
 
         return decoder_layer
 
-    @staticmethod
-    def _native_linear_ok(w: torch.Tensor | Int4Linear) -> bool:
+    def _native_linear_ok(self, w: torch.Tensor | Int4Linear) -> bool:
         if isinstance(w, Int4Linear):
-            return w.layout in ("tiles16", "tiles16_a8")
+            return w.layout in (self._native_int4_layout(w.abits), "aten")
         return isinstance(w, torch.Tensor) and w.dim() == 2
 
     def _native_linear(self, w: torch.Tensor | Int4Linear, bias: torch.Tensor | None = None):
         if isinstance(w, Int4Linear):
             return self.native.NativeLinear(
-                w.packed, w.scales_and_zeros, w.group_size, w.abits == 8, None, bias
+                w.layout, w.packed, w.scales_and_zeros, w.group_size, w.abits == 8, None, bias
             )
-        return self.native.NativeLinear(None, None, 0, False, w, bias)
+        return self.native.NativeLinear("dense", None, None, 0, False, w, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Native: one vectorised pass per row (torch.argmax is scalar here: 28 us for 32000)."""

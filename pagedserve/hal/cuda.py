@@ -11,7 +11,7 @@ class CudaDevice(Device):
     backend = "cuda"
     distributed_backend = "nccl"
 
-    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
+    def __init__(self, preset: DevicePreset, kernels: str = "auto"):
         if not torch.cuda.is_available():
             raise ValueError(
                 "--device cuda needs a GPU that torch can see; use --device kunlun-emu or cpu"

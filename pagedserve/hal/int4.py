@@ -25,11 +25,11 @@ class Int4Linear:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     # a backend kernel's packed form: which kernel, its codes, and its scales and zeros
-    # "aten": _weight_int4pack_mm_for_cpu; "tiles16": native, bf16 activations; "tiles16_a8":
-    # native, int8 activations (W4A8)
+    # "aten": _weight_int4pack_mm_for_cpu; one of PACKERS: a native target's (tiles16* for
+    # avx512, tiles8* for avx2; *_a8: int8 activations, W4A8)
     layout: str = "reference"
-    packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles16*: [N/16, K/8, 64]
-    scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles16: pack_tiles16
+    packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles<R>*: [N/R, K/8, 4R]
+    scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles: fp16 (below)
 
     @property
     def nbytes(self) -> int:
@@ -79,15 +79,13 @@ def cpu_int4_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torc
 def pack_tiles16(
     qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native kernels' layout (see ``csrc/cpu_kernels.cpp``): tiles of 16 output rows.
+    """The avx512 target's W4A16 layout (``csrc/int4_avx512.h``): tiles of 16 output rows.
 
     codes: uint8 [N/16, K/8, 64]; chunk c holds k = 8c .. 8c+7 of the tile's rows as four k-pairs
     (pair p: k = 8c + 2p + e, e in {0, 1}). Byte b, with lane = b // 16 and i = b % 16, holds
     row 4 * lane + (i % 8) // 2, element e = i % 2: bytes with i < 8 carry pair 0 in the low nibble
     and pair 2 in the high one; bytes with i >= 8, pairs 1 and 3. (Unpacking the low and high
     nibbles of a chunk with the kernel's byte interleave yields each pair for all 16 rows.)
-    scales and zeros: fp16 [N/16, K/G, 2, 16], the tile's 16 scales, then its 16 zero points plus
-    128 (integers up to 143, exact). fp16 keeps the scales of AWQ and GPTQ checkpoints exactly.
     """
     n, k = qcodes.shape
     codes = qcodes.to(torch.uint8).view(n // 16, 16, k // 8, 4, 2)  # tile, row, chunk, pair, e
@@ -98,31 +96,75 @@ def pack_tiles16(
     low = codes[:, row, :, low_pair, e]  # [64, tiles, chunks]: advanced indices come first
     high = codes[:, row, :, low_pair + 2, e]
     packed = (low | (high << 4)).permute(1, 2, 0).contiguous()
-    return packed, _tile_scales_and_zeros(scales, zeros, group_size)
+    return packed, _tile_scales_and_zeros(scales, zeros, group_size, 16)
 
 
-def pack_tiles16_a8(
+def pack_tiles8(
     qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native W4A8 kernel's layout: as ``pack_tiles16`` but byte 4r + j of chunk c holds row r,
-    k = 8c + j in the low nibble and k = 8c + 4 + j in the high one, so that each 32-bit lane of
-    vpdpbusd sums four products of one row."""
+    """The avx2 target's W4A16 layout (``csrc/int4_avx2.h``): tiles of 8 output rows.
+
+    codes: uint8 [N/8, K/8, 32]; chunk c holds k = 8c .. 8c+7 of the tile's 8 rows. Byte b of the
+    chunk, with half = b // 16, e = (b % 16) // 8, w = b % 8, holds row 4 * half + w // 2 and
+    k = 8c + 2e + w % 2 in its low nibble, k + 4 in its high one: the kernel's byte interleave with
+    zeros (per 128-bit half, bytes 8e .. 8e+7 into int16 words) leaves 32-bit lane r of each vector
+    holding row r at two adjacent k, one vpmaddwd operand.
+    """
     n, k = qcodes.shape
-    codes = qcodes.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)  # tile, row, chunk, half, j
+    codes = qcodes.to(torch.uint8).view(n // 8, 8, k // 8, 2, 2, 2)  # tile, row, chunk, nib, e, par
+    b = torch.arange(32)
+    half, e, w = b // 16, (b % 16) // 8, b % 8
+    row, par = 4 * half + w // 2, w % 2
+    low = codes[:, row, :, 0, e, par]  # [32, tiles, chunks]
+    high = codes[:, row, :, 1, e, par]
+    packed = (low | (high << 4)).permute(1, 2, 0).contiguous()
+    return packed, _tile_scales_and_zeros(scales, zeros, group_size, 8)
+
+
+def _pack_tiles_a8(
+    qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 layouts: as the W4A16 ones but byte 4r + j of chunk c holds row r of the tile,
+    k = 8c + j in the low nibble and k = 8c + 4 + j in the high one, so that each 32-bit lane of
+    an integer dot product (vpdpbusd, vpmaddubsw + vpmaddwd) sums four products of one row."""
+    n, k = qcodes.shape
+    codes = qcodes.to(torch.uint8).view(n // rows, rows, k // 8, 2, 4)  # tile, row, chunk, half, j
     packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).transpose(1, 2)  # tile, chunk, row, j
-    return packed.reshape(n // 16, k // 8, 64).contiguous(), _tile_scales_and_zeros(
-        scales, zeros, group_size
+    return packed.reshape(n // rows, k // 8, 4 * rows).contiguous(), _tile_scales_and_zeros(
+        scales, zeros, group_size, rows
     )
 
 
+def pack_tiles16_a8(qcodes, scales, zeros, group_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The avx512 target's W4A8 layout (``_pack_tiles_a8``, tiles of 16 rows)."""
+    return _pack_tiles_a8(qcodes, scales, zeros, group_size, 16)
+
+
+def pack_tiles8_a8(qcodes, scales, zeros, group_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The avx2 target's W4A8 layout (``_pack_tiles_a8``, tiles of 8 rows)."""
+    return _pack_tiles_a8(qcodes, scales, zeros, group_size, 8)
+
+
 def _tile_scales_and_zeros(
-    scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    scales: torch.Tensor, zeros: torch.Tensor, group_size: int, rows: int
 ) -> torch.Tensor:
-    """fp16 [N/16, K/G, 2, 16]: per tile and group, 16 scales then 16 zero points plus 128."""
+    """fp16 [N/rows, K/G, 2, rows]: per tile and group, the tile's scales, then its zero points
+    plus 128 (integers up to 143, exact). fp16 keeps the scales of AWQ and GPTQ checkpoints
+    exactly."""
     n, num_groups = scales.shape
 
-    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
-        return t.float().view(n // 16, 16, num_groups).transpose(1, 2)
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/rows, K/G, rows]
+        return t.float().view(n // rows, rows, num_groups).transpose(1, 2)
 
     sz = torch.stack([per_tile(scales), per_tile(zeros) + 128], dim=2)
     return sz.to(torch.float16).contiguous()
+
+
+# The native targets' INT4 layouts and their packers, by Int4Linear.layout (the targets name
+# theirs in csrc/int4_<target>.h).
+PACKERS = {
+    "tiles16": pack_tiles16,
+    "tiles16_a8": pack_tiles16_a8,
+    "tiles8": pack_tiles8,
+    "tiles8_a8": pack_tiles8_a8,
+}

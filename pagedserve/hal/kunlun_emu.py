@@ -22,8 +22,8 @@ from pagedserve.hal.faults import WEIGHT_PAGE_BYTES, DeviceKernelError, WeightPa
 class KunlunEmuDevice(CpuDevice):
     backend = "kunlun-emu"
 
-    def __init__(self, preset: DevicePreset, enforce_eager: bool = False):
-        super().__init__(preset, enforce_eager)
+    def __init__(self, preset: DevicePreset, kernels: str = "auto"):
+        super().__init__(preset, kernels)
         self._faulted_pages: set[int] = set()
         self._kernel_fault_armed = False
 

@@ -1,10 +1,22 @@
-"""The native CPU kernels (``csrc/cpu_kernels.cpp``): built once per machine, cached on disk.
+"""The native CPU kernels (``csrc/``): one library per instruction-set target, built once per
+machine and cached on disk.
 
-The first start on a machine compiles them with the C++ compiler PyTorch's extensions use (about 30 s
-on 2 cores) into ``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``); later starts load the
-cached library in well under a second. Where they cannot be built (no compiler, no AVX-512
-BF16 and VNNI) the
-CPU backends run eager PyTorch and say so once; ``--enforce-eager`` asks for eager explicitly.
+Targets, best first (``csrc/vec/<target>.h``):
+
+- ``avx512``: AVX-512 F/BW/CD/DQ/VL with BF16 and VNNI (Zen 4 and 5, Sapphire Rapids, Cooper
+  Lake);
+- ``avx2``: AVX2 with FMA and F16C, the x86-64-v3 level (Zen 1-3, Haswell and later), with
+  AVX-VNNI's dot products where the CPU has them;
+- ``portable``: plain C++ for any CPU (ARM included); its INT4 layers use PyTorch's kernel.
+
+``choose_kernels("auto")`` takes the best target this CPU can execute and says, once, why a better
+one was not taken; ``--kernels NAME`` asks for one (``eager``: no native kernels at all). A target
+is built only on a CPU that can run it, with that target's flags alone (never ``-march=native``),
+so a cache directory shared by several machines (a container moved to another host) never hands a
+CPU code it cannot execute: the flags are checked again at every load. The first build of a
+target takes about 40 s on 2 cores, into ``$PAGEDSERVE_CACHE_DIR`` (default
+``~/.cache/pagedserve``); later starts load the cached library in well under a second.
+``$PAGEDSERVE_CPU_FLAGS`` replaces the CPU flags read from ``/proc/cpuinfo`` (for tests).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -27,8 +40,80 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "cpu_kernels.cpp"  # includes the headers beside it
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # built on the machine it runs on
+SOURCE = CSRC / "bindings.cpp"  # includes the headers beside it
+KERNEL_CHOICES = ("auto", "avx512", "avx2", "portable", "eager")
+
+# What x86-64-v3 lets a compiler emit (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE, and v2's SSE4.2,
+# POPCNT, CMPXCHG16B, LAHF), by their /proc/cpuinfo names.
+_X86_64_V3 = (
+    "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave",
+    "sse4_1", "sse4_2", "ssse3", "pni", "popcnt", "cx16", "lahf_lm",
+)  # fmt: skip
+_X86_64_V4 = (*_X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    macro: int  # PAGEDSERVE_TARGET in csrc/vec.h
+    cpu_flags: tuple[str, ...]  # what the CPU must have
+    cflags: tuple[str, ...]  # what the compiler may use
+    machines: tuple[str, ...] = ("x86_64", "amd64")  # empty: any
+
+
+TARGETS = {
+    "avx512": Target(
+        "avx512",
+        1,
+        (*_X86_64_V4, "avx512_bf16", "avx512_vnni"),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    ),
+    "avx2": Target("avx2", 2, _X86_64_V3, ("-march=x86-64-v3",)),
+    "portable": Target("portable", 3, (), (), machines=()),
+}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels a CPU backend runs: a target's library, or None (eager PyTorch)."""
+
+    name: str  # avx512, avx2, portable or eager
+    module: ModuleType | None
+    reason: str = ""  # why a better target was not taken ("" when none was passed over)
+
+
+def cpu_flags() -> frozenset[str]:
+    override = os.environ.get("PAGEDSERVE_CPU_FLAGS")
+    if override is not None:
+        return frozenset(override.split())
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def missing_flags(target: Target, flags: frozenset[str] | None = None) -> list[str]:
+    """What this CPU lacks for ``target`` (its architecture, or CPU flags); [] if it can run it."""
+    if target.machines and platform.machine().lower() not in target.machines:
+        return [f"an x86-64 CPU (this is {platform.machine()})"]
+    flags = cpu_flags() if flags is None else flags
+    return [f for f in target.cpu_flags if f not in flags]
+
+
+def executable_targets() -> list[str]:
+    """The targets this CPU can execute, best first."""
+    return [name for name, t in TARGETS.items() if not missing_flags(t)]
+
+
+def target_cflags(target: Target) -> list[str]:
+    extra = ["-mavxvnni"] if target.name == "avx2" and "avx_vnni" in cpu_flags() else []
+    return [
+        "-O3", "-fopenmp", "-fvisibility=hidden", f"-DPAGEDSERVE_TARGET={target.macro}",
+        *target.cflags, *extra,
+    ]  # fmt: skip
 
 
 def cache_dir() -> Path:
@@ -36,25 +121,17 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _build_key() -> str:
-    """Source (and where it is installed), torch version, flags and CPU: a change of any of them
-    means a new build directory. Two installs never share one: torch rebuilds in place when the
-    source path changes, and the two would keep rebuilding each other's library."""
+def build_key(target: Target) -> str:
+    """Source (and where it is installed), torch version, the target's flags and the machine
+    architecture: a change of any of them means a new build directory. Two installs never share
+    one: torch rebuilds in place when the source path changes, and the two would keep rebuilding
+    each other's library."""
     h = hashlib.sha256(str(CSRC.resolve()).encode())
-    for path in sorted(CSRC.iterdir()):
-        h.update(path.name.encode() + path.read_bytes())
-    h.update(f"{torch.__version__} {CFLAGS} {platform.machine()} {_cpu_flags()}".encode())
-    return h.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    for path in sorted(CSRC.rglob("*")):
+        if path.is_file():
+            h.update(str(path.relative_to(CSRC)).encode() + path.read_bytes())
+    h.update(f"{torch.__version__} {target_cflags(target)} {platform.machine()}".encode())
+    return f"{target.name}-{h.hexdigest()[:16]}"
 
 
 def _missing_tool() -> str | None:
@@ -66,14 +143,6 @@ def _missing_tool() -> str | None:
     if shutil.which("ninja") is None:
         return "ninja is not installed"
     return None
-
-
-def _warn_eager(reason: str) -> None:
-    logger.warning(
-        "native CPU kernels unavailable (%s); running eager PyTorch kernels, which are several "
-        "times slower at small batches. Install a C++ compiler (g++) and ninja to enable them.",
-        reason,
-    )
 
 
 @contextmanager
@@ -94,42 +163,99 @@ def _exclusive(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class KernelBuildError(RuntimeError):
+    """A target's kernels could not be had here (no compiler, a failed build)."""
+
+
 @cache
-def load_native_kernels() -> ModuleType | None:
-    """The compiled kernels, or None (with one warning saying why) where they cannot be had."""
+def load_target(name: str) -> ModuleType:
+    """The compiled kernels of target ``name``, built on first use; raises if this CPU cannot
+    execute them or they cannot be built."""
     from torch.utils import cpp_extension
 
-    missing = _missing_tool()
+    target = TARGETS[name]
+    missing = missing_flags(target)
     if missing:
-        _warn_eager(missing)
-        return None
-    build_dir = cache_dir() / _build_key()
+        raise KernelBuildError(
+            f"this CPU cannot run the {name} kernels: it lacks {' '.join(missing)}"
+        )
+    tool = _missing_tool()
+    if tool:
+        raise KernelBuildError(tool)
+    build_dir = cache_dir() / build_key(target)
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
-        logger.info("building the native CPU kernels for this machine (once; about 30 s) ...")
+        logger.info("building the %s CPU kernels for this machine (once; about 40 s) ...", name)
     start = time.monotonic()
     try:
         with _exclusive(build_dir):
             module = cpp_extension.load(
-                name="pagedserve_cpu_kernels",
+                name=f"pagedserve_kernels_{name}",
                 sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
+                extra_cflags=target_cflags(target),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
             )
-    except (OSError, RuntimeError, ImportError, FileNotFoundError) as e:
-        _warn_eager(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        return None
-    if not module.available:
-        logger.warning(
-            "this CPU lacks AVX-512 BF16 and VNNI, which the native kernels need; running eager "
-            "PyTorch"
-        )
-        return None
+    except (OSError, RuntimeError, ImportError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise KernelBuildError(f"building the {name} kernels failed: {first_line}") from e
     if fresh:
         logger.info(
-            "native CPU kernels built in %.0f s (cached in %s)", time.monotonic() - start, build_dir
+            "%s CPU kernels built in %.0f s (cached in %s)",
+            name,
+            time.monotonic() - start,
+            build_dir,
         )
     return module
+
+
+def choose_kernels(kernels: str = "auto") -> KernelChoice:
+    """The kernels for ``--kernels``: ``auto`` takes the best target this CPU executes (falling
+    back, with one warning, to the next where a build fails, and to eager PyTorch at the end);
+    a named target the CPU cannot execute is an error naming the missing flags."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"--kernels {kernels!r}: choose one of {', '.join(KERNEL_CHOICES)}")
+    if kernels == "eager":
+        return KernelChoice("eager", None)
+    if kernels != "auto":
+        missing = missing_flags(TARGETS[kernels])
+        if missing:
+            raise ValueError(
+                f"--kernels {kernels}: this CPU cannot execute them (it lacks {' '.join(missing)}); "
+                f"it can run {', '.join(executable_targets())}; use --kernels auto"
+            )
+        return KernelChoice(kernels, load_target(kernels))
+    return _choose_auto()
+
+
+@cache
+def _choose_auto() -> KernelChoice:
+    passed_over = []
+    for name, target in TARGETS.items():
+        missing = missing_flags(target)
+        if missing:
+            passed_over.append(f"{name}: this CPU lacks {' '.join(missing)}")
+            continue
+        try:
+            module = load_target(name)
+        except KernelBuildError as e:
+            passed_over.append(f"{name}: {e}")
+            continue
+        return _announce(KernelChoice(name, module, "; ".join(passed_over)))
+    return _announce(KernelChoice("eager", None, "; ".join(passed_over)))
+
+
+def _announce(choice: KernelChoice) -> KernelChoice:
+    if choice.name == "eager":
+        logger.warning(
+            "native CPU kernels unavailable (%s); running eager PyTorch kernels, which are several "
+            "times slower at small batches. Install a C++ compiler (g++) and ninja to enable them.",
+            choice.reason,
+        )
+    elif choice.reason:
+        logger.info("CPU kernels: %s (not %s)", choice.name, choice.reason)
+    else:
+        logger.info("CPU kernels: %s", choice.name)
+    return choice

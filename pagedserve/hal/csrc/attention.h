@@ -1,4 +1,5 @@
-// Paged attention for decoding rows (one query per sequence), straight from the pages.
+// Paged attention for decoding rows (one query per sequence), straight from the pages; written
+// once against the vector API.
 #pragma once
 
 #include "vec.h"
@@ -16,47 +17,61 @@ inline void token_offsets(const int64_t* pages, int64_t seq_len, int64_t block_s
       offsets[t] = (slot * num_kv_heads + kv_head) * D;
 }
 
-// q . k for 16 tokens at once (fewer at the end of the context: n). bf16: 32 exact products per
-// vdpbf16ps, summed in fp32 (q comes out of a bf16 layer, so it is already bf16). fp32 and fp16:
-// fp32 FMAs. D is a compile-time head dim so that the loops unroll into registers.
+// q . k for kLanes tokens at once (fewer at the end of the context: n). bf16: exact products of
+// pairs (vdpbf16ps where the target has it), summed in fp32 (q comes out of a bf16 layer, so it
+// is already bf16). fp32 and fp16: fp32 FMAs. D is a compile-time head dim so that the loops
+// unroll into registers.
 template <typename T, int D>
-inline __m512 scores16(const T* q, const T* k_cache, const int64_t* offsets, int64_t n) {
-  constexpr bool kPairs = std::is_same_v<T, BFloat16> && D % 32 == 0;
-  constexpr int kVecs = kPairs ? D / 32 : D / 16;
-  __m512i qv[kVecs];
-  for (int d = 0; d < kVecs; ++d)
-    qv[d] = kPairs ? _mm512_loadu_si512(q + d * 32) : _mm512_castps_si512(load16(q + d * 16));
-  __m512 partial[16];
-  for (int j = 0; j < 16; ++j) {
-    partial[j] = _mm512_setzero_ps();
-    if (j >= n) continue;
-    const T* k = k_cache + offsets[j];
-    for (int d = 0; d < kVecs; ++d) {
-      if constexpr (kPairs)
-        partial[j] = _mm512_dpbf16_ps(partial[j], (__m512bh)qv[d],
-                                      (__m512bh)_mm512_loadu_si512(k + d * 32));
-      else
-        partial[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(qv[d]), load16(k + d * 16), partial[j]);
+inline Vec score_block(const T* q, const T* k_cache, const int64_t* offsets, int64_t n) {
+  constexpr bool kPairs = std::is_same_v<T, BFloat16> && D % (2 * kLanes) == 0;
+  Vec partial[kLanes];
+  if constexpr (kPairs) {
+    constexpr int kVecs = D / (2 * kLanes);
+    vec::Bf16Pairs qv[kVecs];
+    for (int d = 0; d < kVecs; ++d) qv[d] = vec::load_pairs(q + d * 2 * kLanes);
+    for (int j = 0; j < kLanes; ++j) {
+      partial[j] = vec::zero();
+      if (j >= n) continue;
+      const T* k = k_cache + offsets[j];
+      for (int d = 0; d < kVecs; ++d)
+        partial[j] = vec::dot_pairs(partial[j], qv[d], vec::load_pairs(k + d * 2 * kLanes));
+    }
+  } else {
+    constexpr int kVecs = D / kLanes;
+    Vec qv[kVecs];
+    for (int d = 0; d < kVecs; ++d) qv[d] = vec::load(q + d * kLanes);
+    for (int j = 0; j < kLanes; ++j) {
+      partial[j] = vec::zero();
+      if (j >= n) continue;
+      const T* k = k_cache + offsets[j];
+      for (int d = 0; d < kVecs; ++d) partial[j] = vec::fmadd(qv[d], vec::load(k + d * kLanes), partial[j]);
     }
   }
-  return sum_lanes16(partial);
+  return vec::sum_lanes(partial);
 }
 
 inline void softmax_inplace(float* s, int64_t n) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), _mm512_set1_ps(mx)));
-    _mm512_mask_storeu_ps(s + t, m, e);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+  Vec sum = vec::zero();
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int left = int(std::min<int64_t>(kLanes, n - t));
+    const Vec e = vec::exp(vec::sub(vec::load_first(s + t, left), vec::set1(mx)));
+    vec::store_first(s + t, e, left);
+    sum = vec::add(sum, vec::keep_first(e, left));
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1);
-    _mm512_mask_storeu_ps(s + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + t), inv));
+  const Vec inv = vec::set1(1.f / vec::reduce_add(sum));
+  for (int64_t t = 0; t < n; t += kLanes) {
+    const int left = int(std::min<int64_t>(kLanes, n - t));
+    vec::store_first(s + t, vec::mul(vec::load_first(s + t, left), inv), left);
   }
+}
+
+// The largest divisor of n that is at most limit (at least 1).
+constexpr int largest_divisor_at_most(int n, int limit) {
+  for (int d = limit < n ? limit : n; d > 1; --d)
+    if (n % d == 0) return d;
+  return 1;
 }
 
 // One (sequence, KV head): its `group` query heads read each key and value of the sequence once,
@@ -66,35 +81,42 @@ void decode_attention_task(const T* q, const T* k_cache, const T* v_cache, const
                            int64_t seq_len, int64_t block_size, int64_t num_kv_heads,
                            int64_t kv_head, int64_t group, float scale, T* out,
                            std::vector<float>& scores, std::vector<int64_t>& offsets) {
-  const int64_t stride = (seq_len + 15) / 16 * 16;
+  const int64_t stride = (seq_len + kLanes - 1) / kLanes * kLanes;
   scores.resize(group * stride);
   token_offsets(pages, seq_len, block_size, num_kv_heads, kv_head, D, offsets);
   for (int64_t h = 0; h < group; ++h) {
-    for (int64_t t0 = 0; t0 < seq_len; t0 += 16) {
-      const __m512 s = scores16<T, D>(q + h * D, k_cache, offsets.data() + t0,
-                                      std::min<int64_t>(16, seq_len - t0));
-      _mm512_storeu_ps(scores.data() + h * stride + t0, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+    for (int64_t t0 = 0; t0 < seq_len; t0 += kLanes) {
+      const Vec s = score_block<T, D>(q + h * D, k_cache, offsets.data() + t0,
+                                      std::min<int64_t>(kLanes, seq_len - t0));
+      vec::store(scores.data() + h * stride + t0, vec::mul(s, vec::set1(scale)));
     }
     softmax_inplace(scores.data() + h * stride, seq_len);
   }
-  constexpr int DV = D / 16, kHeadsPerPass = DV >= 24 ? 1 : 24 / DV;
-  for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {  // accumulators stay in registers
-    const int64_t hn = std::min<int64_t>(kHeadsPerPass, group - h0);
-    __m512 acc[kHeadsPerPass][DV];
-    for (int h = 0; h < kHeadsPerPass; ++h)
-      for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const T* v = v_cache + offsets[t];
-      __m512 vv[DV];
-      for (int d = 0; d < DV; ++d) vv[d] = load16(v + d * 16);
-      for (int h = 0; h < kHeadsPerPass; ++h) {
-        if (h >= hn) break;
-        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * stride + t]);
-        for (int d = 0; d < DV; ++d) acc[h][d] = _mm512_fmadd_ps(p, vv[d], acc[h][d]);
+  // softmax(scores) . V with the accumulators in registers: a pass covers kDims vectors of the
+  // head dim for kHeads query heads, within three quarters of the target's registers.
+  constexpr int kBudget = vec::kRegisters * 3 / 4, DV = D / kLanes;
+  constexpr int kDims = largest_divisor_at_most(DV, kBudget);
+  constexpr int kHeads = kDims >= kBudget ? 1 : kBudget / kDims;
+  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+    const int64_t hn = std::min<int64_t>(kHeads, group - h0);
+    for (int d0 = 0; d0 < DV; d0 += kDims) {
+      Vec acc[kHeads][kDims];
+      for (int h = 0; h < kHeads; ++h)
+        for (int d = 0; d < kDims; ++d) acc[h][d] = vec::zero();
+      for (int64_t t = 0; t < seq_len; ++t) {
+        const T* v = v_cache + offsets[t] + d0 * kLanes;
+        Vec vv[kDims];
+        for (int d = 0; d < kDims; ++d) vv[d] = vec::load(v + d * kLanes);
+        for (int h = 0; h < kHeads; ++h) {
+          if (h >= hn) break;
+          const Vec p = vec::set1(scores[(h0 + h) * stride + t]);
+          for (int d = 0; d < kDims; ++d) acc[h][d] = vec::fmadd(p, vv[d], acc[h][d]);
+        }
       }
+      for (int64_t h = 0; h < hn; ++h)
+        for (int d = 0; d < kDims; ++d)
+          vec::store(out + (h0 + h) * D + (d0 + d) * kLanes, acc[h][d]);
     }
-    for (int64_t h = 0; h < hn; ++h)
-      for (int d = 0; d < DV; ++d) store16(out + (h0 + h) * D + d * 16, acc[h][d]);
   }
 }
 
@@ -117,10 +139,9 @@ DecodeTaskFn<T> decode_task_for(int64_t D) {
   }
 }
 
-torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& seq_lens, double scale) {
+inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                         const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens, double scale) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
   TORCH_CHECK(D % 16 == 0 && D <= 128, "paged_attention_decode: head_dim must be 16..128, x16");
@@ -129,7 +150,7 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && q.scalar_type() == k_cache.scalar_type(),
               "paged_attention_decode: q rows of contiguous heads, in the cache's dtype");
   const int64_t q_stride = q.stride(0);
-  auto out = torch::empty({B, H, D}, q.options());
+  auto out = at::empty({B, H, D}, q.options());
   const auto* tables = block_tables.data_ptr<int64_t>();
   const auto* lens = seq_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
@@ -152,6 +173,5 @@ torch::Tensor paged_attention_decode(const torch::Tensor& q, const torch::Tensor
   });
   return out;
 }
-
 
 }  // namespace pagedserve

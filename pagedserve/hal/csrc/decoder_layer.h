@@ -11,26 +11,6 @@
 
 namespace pagedserve {
 
-// A linear layer as the native kernels hold it: INT4 tiles of 16 rows, or a dense weight, chosen
-// as CpuDevice.linear chooses.
-struct NativeLinear {
-  at::Tensor packed, scales_zeros;  // INT4 (tiles16 or tiles16_a8 layout); undefined when dense
-  int64_t group_size = 0;
-  bool int8_activations = false;  // W4A8
-  at::Tensor weight;  // dense [N, K]; undefined for an INT4 layer
-  c10::optional<at::Tensor> bias;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (packed.defined() && int8_activations)
-      return int4_int8_linear(x, packed, scales_zeros, group_size, bias);
-    if (packed.defined()) return int4_linear(x, packed, scales_zeros, group_size, bias);
-    if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
-        x.size(0) <= kFewRows && x.size(1) % 32 == 0)
-      return bf16_linear_few_rows(x, weight, bias);
-    return at::linear(x, weight, bias);
-  }
-};
-
 struct GlmDecoderLayer {
   NativeLinear qkv_proj, o_proj, gate_up_proj, down_proj;
   at::Tensor input_layernorm, post_attention_layernorm;

@@ -1,5 +1,5 @@
-// Row-wise kernels: RMSNorm (with the residual add fused), SiLU-and-mul, rotary + KV-cache
-// write, and the greedy argmax.
+// Row-wise kernels, written once against the vector API: RMSNorm (with the residual add fused),
+// SiLU-and-mul, rotary + KV-cache write, and the greedy argmax.
 #pragma once
 
 #include "vec.h"
@@ -11,20 +11,20 @@ namespace pagedserve {
 // y = w * (x * rsqrt(mean(x^2) + eps)) with HF's rounding: normalise in fp32, round, then scale.
 template <typename T>
 void rms_norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
-  __m512 ss = _mm512_setzero_ps();
-  for (int64_t i = 0; i < H; i += 16) {
-    const __m512 v = load16(x + i);
-    ss = _mm512_fmadd_ps(v, v, ss);
+  Vec ss = vec::zero();
+  for (int64_t i = 0; i < H; i += kLanes) {
+    const Vec v = vec::load(x + i);
+    ss = vec::fmadd(v, v, ss);
   }
-  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
-  for (int64_t i = 0; i < H; i += 16)
-    store16(y + i, _mm512_mul_ps(load16(w + i), round_to<T>(_mm512_mul_ps(load16(x + i), r))));
+  const Vec r = vec::set1(1.f / std::sqrt(vec::reduce_add(ss) / H + eps));
+  for (int64_t i = 0; i < H; i += kLanes)
+    vec::store(y + i, vec::mul(vec::load(w + i), round_to<T>(vec::mul(vec::load(x + i), r))));
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(-1), T_ = x.numel() / H;
   TORCH_CHECK(H % 16 == 0 && x.is_contiguous(), "rms_norm: contiguous rows of a multiple of 16");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rms_norm", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     const auto* wp = weight.data_ptr<scalar_t>();
@@ -37,12 +37,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // residual += x (rounded to the dtype, as a PyTorch add is); returns rms_norm(residual).
-torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual,
-                           const torch::Tensor& weight, double eps) {
+inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                               double eps) {
   const int64_t H = x.size(-1), T_ = x.numel() / H;
   TORCH_CHECK(H % 16 == 0 && x.is_contiguous() && residual.is_contiguous(),
               "add_rms_norm: contiguous rows of a multiple of 16");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "add_rms_norm", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
     auto* rp = residual.data_ptr<scalar_t>();
@@ -50,8 +50,8 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual,
     auto* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t i = 0; i < H; i += 16)
-          store16(rp + t * H + i, _mm512_add_ps(load16(xp + t * H + i), load16(rp + t * H + i)));
+        for (int64_t i = 0; i < H; i += kLanes)
+          vec::store(rp + t * H + i, vec::add(vec::load(xp + t * H + i), vec::load(rp + t * H + i)));
         rms_norm_row(rp + t * H, wp, H, float(eps), yp + t * H);
       }
     });
@@ -62,20 +62,21 @@ torch::Tensor add_rms_norm(const torch::Tensor& x, torch::Tensor& residual,
 // ---- SiLU and multiply --------------------------------------------------------------------------
 
 // [T, 2I] -> [T, I]: silu(gate) * up, each op rounded to the dtype as PyTorch's two ops are.
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);
   TORCH_CHECK(I % 16 == 0 && gate_up.is_contiguous(), "silu_and_mul: contiguous, I % 16 == 0");
-  auto out = torch::empty({T_, I}, gate_up.options());
+  auto out = at::empty({T_, I}, gate_up.options());
   DISPATCH_ACTIVATION_TYPES(gate_up.scalar_type(), "silu", [&] {
     const auto* gp = gate_up.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+      const Vec one = vec::set1(1.f);
       for (int64_t t = t0; t < t1; ++t)
-        for (int64_t i = 0; i < I; i += 16) {
-          const __m512 g = load16(gp + t * 2 * I + i);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                             exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          store16(op + t * I + i, _mm512_mul_ps(round_to<scalar_t>(silu), load16(gp + t * 2 * I + I + i)));
+        for (int64_t i = 0; i < I; i += kLanes) {
+          const Vec g = vec::load(gp + t * 2 * I + i);
+          const Vec silu = vec::div(g, vec::add(one, vec::exp(vec::sub(vec::zero(), g))));
+          vec::store(op + t * I + i,
+                     vec::mul(round_to<scalar_t>(silu), vec::load(gp + t * 2 * I + I + i)));
         }
     });
   });
@@ -87,10 +88,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 // qkv [T, (H + 2 KV) * D]: rotates the first `rot` dims of every q and k head in place (GPT-J
 // style, adjacent pairs, fp32 math as the reference), then stores k and v at their slots of the
 // [pages, block_size, KV, D] caches.
-void rotary_and_write_kv(torch::Tensor& qkv, const torch::Tensor& positions,
-                         const torch::Tensor& cos_sin, torch::Tensor& k_cache,
-                         torch::Tensor& v_cache, const torch::Tensor& slot_mapping,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
+                                const at::Tensor& cos_sin, at::Tensor& k_cache,
+                                at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t T_ = qkv.size(0), rot = cos_sin.size(1), half = rot / 2;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   TORCH_CHECK(qkv.is_contiguous() && qkv.numel() == T_ * row, "rotary_and_write_kv: qkv shape");
@@ -125,29 +126,27 @@ void rotary_and_write_kv(torch::Tensor& qkv, const torch::Tensor& positions,
   });
 }
 
-
 // ---- greedy sampling ----------------------------------------------------------------------------
 
 // The first index of each row's largest value (of its first NaN, if any), as torch.argmax.
-int64_t argmax_row(const float* x, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  __mmask16 nan = 0;
+inline int64_t argmax_row(const float* x, int64_t n) {
+  Vec mx = vec::set1(-INFINITY);
+  uint32_t nan = 0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mx = _mm512_max_ps(mx, v);
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = vec::load(x + i);
+    nan |= vec::nan_lanes(v);
+    mx = vec::max(mx, v);
   }
-  float best = _mm512_reduce_max_ps(mx);
+  float best = vec::reduce_max(mx);
   for (int64_t j = i; j < n; ++j) {
     if (std::isnan(x[j])) nan = 1;
     best = std::max(best, x[j]);
   }
-  const __m512 target = _mm512_set1_ps(best);
-  for (int64_t j = 0; j + 16 <= n; j += 16) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
-                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+  const Vec target = vec::set1(best);
+  for (int64_t j = 0; j + kLanes <= n; j += kLanes) {
+    const Vec v = vec::load(x + j);
+    const uint32_t hit = nan ? vec::nan_lanes(v) : vec::equal_lanes(v, target);
     if (hit) return j + __builtin_ctz(hit);
   }
   for (int64_t j = i; j < n; ++j)
@@ -155,11 +154,11 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;
 }
 
-torch::Tensor argmax_rows(const torch::Tensor& logits) {
+inline at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "argmax_rows: float32 [rows, vocab] with contiguous rows");
   const int64_t B = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({B}, logits.options().dtype(at::kLong));
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -167,6 +166,5 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   });
   return out;
 }
-
 
 }  // namespace pagedserve

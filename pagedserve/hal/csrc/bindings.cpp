@@ -1,0 +1,76 @@
+// Native CPU kernels for the `cpu` and `kunlun-emu` backends: the PyTorch binding of one target.
+// pagedserve/hal/native.py compiles this file once per instruction-set target the CPU can run,
+// with PAGEDSERVE_TARGET naming it and only that target's compiler flags:
+//
+//   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
+//   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax
+//   attention.h             paged attention for decoding rows, straight from the pages
+//   dense.h                 a bf16 GEMV for a few rows
+//     (these are written once against the vector API)
+//   int4_avx512.h           INT4 GEMMs per target, each with its own packed layout (int4.py)
+//   int4_avx2.h
+//   linear.h                one linear layer: the target's INT4 kernel, PyTorch's, or dense
+//   decoder_layer.h         one GLM-4 decoder layer for a decode step, in one call
+//
+// Each kernel has a plain-PyTorch reference (pagedserve/hal/kernels.py, int4.py) and the tests hold
+// every target the machine can run to it. An op a target lacks (no INT4 kernel on portable) is not
+// bound here, and the backend runs PyTorch's for it.
+
+#include <torch/extension.h>
+
+#include "decoder_layer.h"
+
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+#define PAGEDSERVE_TARGET_NAME "avx512"
+#elif PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
+#define PAGEDSERVE_TARGET_NAME "avx2"
+#else
+#define PAGEDSERVE_TARGET_NAME "portable"
+#endif
+
+// Every target's library defines the same C++ names: each keeps its own (they are built with
+// hidden visibility, and the classes are local to their module).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pagedserve;
+  m.attr("TARGET") = PAGEDSERVE_TARGET_NAME;
+#if defined(__AVXVNNI__)
+  m.attr("AVX_VNNI") = true;
+#else
+  m.attr("AVX_VNNI") = false;
+#endif
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("rotary_and_write_kv", &rotary_and_write_kv);
+  m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("argmax_rows", &argmax_rows);
+#if PAGEDSERVE_HAS_INT4
+  m.attr("INT4_LAYOUT") = kInt4Layout;
+  m.attr("INT4_A8_LAYOUT") = kInt4A8Layout;
+  m.attr("INT4_TILE_ROWS") = kTileRows;
+  m.def("int4_linear", &int4_linear);
+  m.def("int4_int8_linear", &int4_int8_linear);
+#endif
+  if constexpr (kHasFewRowsGemv) {
+    m.attr("FEW_ROWS") = kFewRows;
+    m.def("bf16_linear_few_rows", &bf16_linear_few_rows);
+  }
+
+  pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local())
+      .def(pybind11::init<const std::string&, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          int64_t, bool, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
+           pybind11::arg("layout"), pybind11::arg("packed"), pybind11::arg("scales_zeros"),
+           pybind11::arg("group_size"), pybind11::arg("int8_activations"),
+           pybind11::arg("weight"), pybind11::arg("bias"));
+  pybind11::class_<GlmDecoderLayer>(m, "GlmDecoderLayer", pybind11::module_local())
+      .def(pybind11::init<NativeLinear, NativeLinear, NativeLinear, NativeLinear, at::Tensor,
+                          at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          int64_t, int64_t, int64_t, double, double>(),
+           pybind11::arg("qkv_proj"), pybind11::arg("o_proj"), pybind11::arg("gate_up_proj"),
+           pybind11::arg("down_proj"), pybind11::arg("input_layernorm"),
+           pybind11::arg("post_attention_layernorm"), pybind11::arg("post_self_attn_layernorm"),
+           pybind11::arg("post_mlp_layernorm"), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
+           pybind11::arg("scale"))
+      .def("forward", &GlmDecoderLayer::forward);
+}

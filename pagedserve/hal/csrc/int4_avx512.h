@@ -1,0 +1,258 @@
+// The AVX-512 target's INT4 GEMMs over tiles of 16 rows: W4A16 through vdpbf16ps, W4A8 through
+// VNNI's vpdpbusd.
+//
+// The INT4 layout, "tiles of 16": an [N, K] layer is N/16 tiles of 16 output rows. A tile stores
+// K/8 chunks of 64 bytes, each holding k = 8c .. 8c+7 of its 16 rows as four k-pairs (see
+// pack_tiles16 in int4.py for the byte order). Splitting a chunk's nibbles and interleaving each
+// byte with 0x43 (vpunpck{l,h}bw) gives four vectors of 32 bf16 words in which word j is the pair
+// element (row j/2, j%2) that one vdpbf16ps lane multiplies with a broadcast activation pair: the
+// 16 lanes of the accumulator are the tile's 16 output rows, with no horizontal sum. Per tile and
+// group: 16 fp16 scales then 16 fp16 (zero + 128).
+#pragma once
+
+#include "vec.h"
+
+namespace pagedserve {
+
+// The INT4 layouts this target packs (int4.py): W4A16 and W4A8.
+constexpr const char* kInt4Layout = "tiles16";
+constexpr const char* kInt4A8Layout = "tiles16_a8";
+constexpr int kTileRows = 16;
+
+
+// One tile of 16 output rows for MB activation rows. x holds bf16 pairs as uint32; xsum the sum of
+// each activation row's bf16 values per group. A code q becomes the bf16 number 128 + q when its
+// byte gets 0x43 as the high byte (exact: bf16 steps by 1 in [128, 256)), so the products are
+// exact and the kernel subtracts (zero + 128) * sum(x) per group instead of converting each code.
+template <int MB, typename T>
+inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
+                      const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
+                      T* out, int64_t out_stride) {
+  // A vdpbf16ps takes several cycles to finish: with few rows, each row sums into independent
+  // chains (one per k-pair slot) so that the next product need not wait for the last.
+  constexpr int kChains = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const __m512i bf16_128 = _mm512_set1_epi8(0x43);
+  const int64_t chunks_per_group = group_size / 8;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 dot[MB][kChains];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < kChains; ++c) dot[m][c] = _mm512_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const __m512i codes = _mm512_loadu_si512(w + c * 64);
+      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+      const __m512bh pairs[4] = {(__m512bh)_mm512_unpacklo_epi8(lo, bf16_128),
+                                 (__m512bh)_mm512_unpackhi_epi8(lo, bf16_128),
+                                 (__m512bh)_mm512_unpacklo_epi8(hi, bf16_128),
+                                 (__m512bh)_mm512_unpackhi_epi8(hi, bf16_128)};
+      for (int m = 0; m < MB; ++m) {
+        const uint32_t* xm = x + m * x_stride + 4 * c;
+        for (int p = 0; p < 4; ++p)
+          dot[m][p % kChains] = _mm512_dpbf16_ps(dot[m][p % kChains], pairs[p],
+                                                 (__m512bh)_mm512_set1_epi32(xm[p]));
+      }
+    }
+    const __m512 scale = vec::load(sz + g * 32).v;
+    const __m512 zero128 = vec::load(sz + g * 32 + 16).v;
+    for (int m = 0; m < MB; ++m) {
+      __m512 d = dot[m][0];
+      for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[m][c]);
+      const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, d), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, Vec{acc[m]}, bias);
+}
+
+// Pointers to int4_tile<1..8, T>: one pass over a tile serves up to 8 activation rows (2 x 8
+// accumulators and the unpacked codes stay in the 32 zmm registers).
+constexpr int kMaxRowsPerPass = 8;
+template <typename T>
+struct Int4Tiles {
+  using Fn = void (*)(const uint8_t*, const at::Half*, const uint32_t*, int64_t, const float*,
+                      int64_t, int64_t, const T*, T*, int64_t);
+  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
+      nullptr,           int4_tile<1, T>, int4_tile<2, T>, int4_tile<3, T>, int4_tile<4, T>,
+      int4_tile<5, T>, int4_tile<6, T>, int4_tile<7, T>, int4_tile<8, T>};
+};
+
+// Every (tile of 16 output rows, pass of up to kMaxRowsPerPass activation rows) of an [M, N]
+// product; the tiles are split between the threads.
+template <typename Pass>
+void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
+  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m = 0; m < M; m += kMaxRowsPerPass)
+        pass(t, m, std::min<int64_t>(kMaxRowsPerPass, M - m));
+  });
+}
+
+// x [M, K] -> bf16 pairs and per-group sums of the rounded values (group_size % 16 == 0).
+template <typename T>
+void prepare_activations(const T* x, int64_t M, int64_t K, int64_t group_size, BFloat16* xb,
+                         float* xsum) {
+  const int64_t num_groups = K / group_size;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 16) {
+        const Vec rounded = round_to<BFloat16>(vec::load(x + k));
+        vec::store(xb + k, rounded);
+        sum = _mm512_add_ps(sum, rounded.v);
+      }
+      xsum[m * num_groups + g] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                          const at::Tensor& scales_zeros, int64_t group_size,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 8 == K, "int4_linear: packed weight is for K=", packed.size(1) * 8,
+              ", x has K=", K);
+  const int64_t num_groups = K / group_size;
+  thread_local std::vector<BFloat16> xb;
+  thread_local std::vector<float> xsum;
+  xb.resize(M * K);
+  xsum.resize(M * num_groups);
+  auto out = at::empty({M, N}, x.options());
+  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_linear", [&] {
+    prepare_activations(x.data_ptr<scalar_t>(), M, K, group_size, xb.data(), xsum.data());
+    const auto* w = packed.data_ptr<uint8_t>();
+    const auto* sz = scales_zeros.data_ptr<at::Half>();
+    // (the buffers are this thread's: the workers get plain pointers)
+    const auto* xp = reinterpret_cast<const uint32_t*>(xb.data());
+    const float* xs = xsum.data();
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    auto* o = out.data_ptr<scalar_t>();
+    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+      Int4Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
+                                         xp + m * K / 2, K / 2, xs + m * num_groups, num_groups,
+                                         group_size, b ? b + t * 16 : nullptr, o + m * N + t * 16,
+                                         N);
+    });
+  });
+  return out;
+}
+
+// ---- W4A8: INT4 weights x int8 activations (VNNI) ------------------------------------------------
+//
+// The W4A8 mode quantizes each activation row to int8 on the fly (symmetric, one scale per row:
+// amax / 127), so the products can be integer: vpdpbusd multiplies 64 unsigned codes with 64
+// signed activation bytes per instruction, twice the multiply-adds of vdpbf16ps, and needs no
+// conversion of the codes beyond splitting the nibbles. Layout "tiles16_a8" (pack_tiles16_a8 in
+// int4.py): byte 4r + j of chunk c holds row r of the tile, k = 8c + j in its low nibble and
+// k = 8c + 4 + j in its high one, so each 32-bit lane sums four products of one row.
+
+template <int MB, typename T>
+inline void int4_int8_tile(const uint8_t* w, const at::Half* sz, const int32_t* xq,
+                           int64_t x_stride, const float* xqsum, const float* row_scale,
+                           int64_t num_groups, int64_t group_size, const T* bias, T* out,
+                           int64_t out_stride) {
+  constexpr int kChains = MB == 1 ? 2 : 1;  // independent sums while a vpdpbusd finishes
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int64_t chunks_per_group = group_size / 8;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512i dot[MB][2];
+    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const __m512i codes = _mm512_loadu_si512(w + c * 64);
+      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+      for (int m = 0; m < MB; ++m) {
+        const int32_t* xm = xq + m * x_stride + 2 * c;
+        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
+        dot[m][kChains - 1] =
+            _mm512_dpbusd_epi32(dot[m][kChains - 1], hi, _mm512_set1_epi32(xm[1]));
+      }
+    }
+    const __m512 scale = vec::load(sz + g * 32).v;
+    const __m512 zero = _mm512_sub_ps(vec::load(sz + g * 32 + 16).v, _mm512_set1_ps(128.f));
+    for (int m = 0; m < MB; ++m) {
+      const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
+      const __m512 xs = _mm512_set1_ps(xqsum[m * num_groups + g]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, _mm512_cvtepi32_ps(d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    store_output(out + m * out_stride, Vec{_mm512_mul_ps(acc[m], _mm512_set1_ps(row_scale[m]))}, bias);
+}
+
+template <typename T>
+struct Int4Int8Tiles {
+  using Fn = void (*)(const uint8_t*, const at::Half*, const int32_t*, int64_t, const float*,
+                      const float*, int64_t, int64_t, const T*, T*, int64_t);
+  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
+      nullptr,
+      int4_int8_tile<1, T>, int4_int8_tile<2, T>, int4_int8_tile<3, T>, int4_int8_tile<4, T>,
+      int4_int8_tile<5, T>, int4_int8_tile<6, T>, int4_int8_tile<7, T>, int4_int8_tile<8, T>};
+};
+
+// x [M, K] -> int8 per row (round(x / scale), scale = max(amax, 1e-8) / 127, as
+// quantize_activations_int8), the scales, and per-group sums of the int8 values.
+template <typename T>
+void quantize_rows_int8(const T* x, int64_t M, int64_t K, int64_t group_size, int8_t* xq,
+                        float* row_scale, float* xqsum) {
+  const int64_t num_groups = K / group_size;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(vec::load(x + m * K + k).v));
+    const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.f;
+    row_scale[m] = scale;
+    const __m512 s = _mm512_set1_ps(scale), lim = _mm512_set1_ps(127.f);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(vec::load(x + k).v, s), _MM_FROUND_TO_NEAREST_INT);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(qi));
+        sum = _mm512_add_epi32(sum, qi);
+      }
+      xqsum[m * num_groups + g] = float(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scales_zeros, int64_t group_size,
+                               const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_int8_linear: x must be a contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  TORCH_CHECK(packed.size(1) * 8 == K, "int4_int8_linear: packed weight is for K=",
+              packed.size(1) * 8, ", x has K=", K);
+  const int64_t num_groups = K / group_size;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> row_scale, xqsum;
+  xq.resize(M * K);
+  row_scale.resize(M);
+  xqsum.resize(M * num_groups);
+  auto out = at::empty({M, N}, x.options());
+  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_int8_linear", [&] {
+    quantize_rows_int8(x.data_ptr<scalar_t>(), M, K, group_size, xq.data(), row_scale.data(),
+                       xqsum.data());
+    const auto* w = packed.data_ptr<uint8_t>();
+    const auto* sz = scales_zeros.data_ptr<at::Half>();
+    // (the buffers are this thread's: the workers get plain pointers)
+    const auto* xp = reinterpret_cast<const int32_t*>(xq.data());
+    const float* xs = xqsum.data();
+    const float* rs = row_scale.data();
+    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+    auto* o = out.data_ptr<scalar_t>();
+    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+      Int4Int8Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
+                                             xp + m * K / 4, K / 4, xs + m * num_groups, rs + m,
+                                             num_groups, group_size, b ? b + t * 16 : nullptr,
+                                             o + m * N + t * 16, N);
+    });
+  });
+  return out;
+}
+
+}  // namespace pagedserve
