@@ -33,7 +33,7 @@ def agent_bench(url: str, num_prompts: int, max_concurrency: int) -> dict:
     """``pagedserve bench --dataset agent`` against url: its --output-file report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "agent.json"
-        cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "--dataset", "agent"]
+        cmd = [sys.executable, "-m", "pagedserve", "bench", "--dataset", "agent"]
         cmd += ["--base-url", url, "--num-prompts", str(num_prompts)]
         cmd += ["--max-concurrency", str(max_concurrency), "--output-file", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

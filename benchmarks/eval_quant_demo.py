@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from results import write_result  # noqa: E402
 
-from pagedserve.quant.cli import (  # noqa: E402
+from pagedserve.entrypoints.cli.quantize import (  # noqa: E402
     add_eval_quant_args,
     add_quantize_args,
     run_eval_quant,

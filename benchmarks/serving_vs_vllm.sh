@@ -79,7 +79,7 @@ start_server() {  # label port -> starts it in the background, sets $pid
   case $label in
     pagedserve-int4 | pagedserve-bf16)
       local quant=(); [[ $label == pagedserve-int4 ]] && quant=(--quantization int4)
-      "$PYTHON" -m pagedserve.cli serve --model "$MODEL" --served-model-name "$NAME" \
+      "$PYTHON" -m pagedserve serve --model "$MODEL" --served-model-name "$NAME" \
         --dtype bfloat16 "${quant[@]}" --max-model-len 2048 --host 127.0.0.1 --port "$port" \
         --log-level warning >"$OUT/server-$label.log" 2>&1 &
       ;;

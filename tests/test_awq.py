@@ -13,11 +13,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_models import build_tiny_hf_model, build_tiny_tokenizer  # noqa: E402
 
+from pagedserve.entrypoints.cli.quantize import add_quantize_args, glm4_quantize_main, run_quantize  # noqa: E402
 from pagedserve.models.config import load_config  # noqa: E402
 from pagedserve.models.loader import load_state_dict  # noqa: E402
 from pagedserve.quant.awq import LayerQuantizer, QuantizeSettings, resolve_skip_layers  # noqa: E402
 from pagedserve.quant.calib import random_blocks  # noqa: E402
-from pagedserve.quant.cli import add_quantize_args, glm4_quantize_main, run_quantize  # noqa: E402
 from pagedserve.quant.evaluate import distribution_metrics, load_reference_model, sample_blocks  # noqa: E402
 from pagedserve.quant.forward import ReferenceGlm, layer_weights, quantize_activation_int8  # noqa: E402
 

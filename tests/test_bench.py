@@ -441,7 +441,7 @@ def test_base_url_alone_benchmarks_a_live_server_and_writes_its_json(
 ):
     """`pagedserve bench --base-url URL` (the API key from $OPENAI_API_KEY, as vLLM reads it):
     the model from /v1/models, lengths fitted to its max_model_len, JSON under vLLM's name."""
-    from pagedserve.cli import main
+    from pagedserve.entrypoints.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OPENAI_API_KEY", live_server.api_key)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pagedserve
-from pagedserve.cli import _subparser, build_parser
+from pagedserve.entrypoints.cli.main import _subparser, build_parser
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant"]  # completion: no defaults
 
@@ -67,7 +67,7 @@ def test_serve_help_groups_every_flag_as_vllm_does():
 
 
 def test_serve_config_file_still_reaches_flags_inside_groups(tmp_path):
-    from pagedserve.cli import apply_config_file
+    from pagedserve.entrypoints.cli.main import apply_config_file
 
     config = tmp_path / "serve.yaml"
     config.write_text("max_num_seqs: 3\nblock-size: 32\nport: 9001\ndevice: cpu\n")
@@ -79,7 +79,7 @@ def test_version_prints_the_installed_version_without_loading_torch():
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert f'\nversion = "{pagedserve.__version__}"\n' in pyproject
     program = (
-        "import sys; from pagedserve.cli import main\n"
+        "import sys; from pagedserve.entrypoints.cli.main import main\n"
         "try:\n    main(['--version'])\nexcept SystemExit as e:\n    code = e.code\n"
         "print('torch' in sys.modules, code)"
     )

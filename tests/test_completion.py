@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from pagedserve.cli import _subparser, build_parser, main
-from pagedserve.completion import bash_script, zsh_script
+from pagedserve.entrypoints.cli.completion import bash_script, zsh_script
+from pagedserve.entrypoints.cli.main import _subparser, build_parser, main
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant", "completion"]
 

@@ -160,7 +160,7 @@ def test_the_int4_variant_passes_the_golden_standard_against_the_demo_model(tmp_
     """`--quantization int4` rounds every linear to nearest in groups of 32 at load;
     `pagedserve quantize --quant-method rtn` writes those weights, and eval-quant compares them with
     the 16-bit model on the held-out text: PASS is a perplexity at most 0.5 % higher."""
-    from pagedserve.quant.cli import (
+    from pagedserve.entrypoints.cli.quantize import (
         add_eval_quant_args,
         add_quantize_args,
         run_eval_quant,

@@ -6,9 +6,9 @@ import json
 from dataclasses import asdict
 
 from pagedserve import bench
-from pagedserve.cli import main
+from pagedserve.engine.memory_plan import tune
+from pagedserve.entrypoints.cli.main import main
 from pagedserve.presets import demo_model_dir
-from pagedserve.tune import tune
 
 
 def test_tune_model_demo_is_the_demo_models_preset_and_launches_it(capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedserve.tune import tune
+from pagedserve.engine.memory_plan import tune
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -60,14 +60,17 @@ def _flags(argv: list[str]) -> set[str]:
 
 
 def _serve_parser():
-    cli = pytest.importorskip("pagedserve.cli", reason="pagedserve/cli.py is not written yet")
+    cli = pytest.importorskip(
+        "pagedserve.entrypoints.cli.main",
+        reason="pagedserve/entrypoints/cli/main.py is not written yet",
+    )
     if not hasattr(cli, "build_parser"):
-        pytest.skip("pagedserve.cli.build_parser() does not exist yet")
+        pytest.skip("pagedserve.entrypoints.cli.main.build_parser() does not exist yet")
     return cli.build_parser()
 
 
 def _subparser_default(command: str, dest: str):
-    from pagedserve.cli import _subparser
+    from pagedserve.entrypoints.cli.main import _subparser
 
     return _subparser(_serve_parser(), command).get_default(dest)
 

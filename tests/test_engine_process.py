@@ -148,7 +148,7 @@ def test_a_disconnected_stream_is_aborted_in_the_engine_process(server):
 
 
 def test_device_smi_and_health_read_the_engine_process(server, capsys):
-    from pagedserve.smi import main as smi
+    from pagedserve.entrypoints.cli.smi import main as smi
 
     proc, url = server
     device = httpx.get(url + "/device", timeout=10).json()
@@ -163,8 +163,8 @@ def test_device_smi_and_health_read_the_engine_process(server, capsys):
 
 def test_the_http_process_does_not_load_torch():
     code = (
-        "import sys, pagedserve.cli, pagedserve.server.app, pagedserve.engine.async_engine;"
-        "pagedserve.cli.build_parser(['serve']); print('torch' in sys.modules)"
+        "import sys, pagedserve.entrypoints.cli.main, pagedserve.server.app, pagedserve.engine.async_engine;"
+        "pagedserve.entrypoints.cli.main.build_parser(['serve']); print('torch' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = __import__("subprocess").run(

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers_models import build_tiny_hf_model, build_tiny_tokenizer  # noqa: E402
 
-from pagedserve.quant.cli import (
+from pagedserve.entrypoints.cli.quantize import (
     add_eval_quant_args,
     add_quantize_args,
     run_eval_quant,

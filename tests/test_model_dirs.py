@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from helpers_models import build_tiny_hf_model, build_tiny_model_dir, build_tiny_tokenizer
 
-from pagedserve.cli import main
+from pagedserve.entrypoints.cli.main import main
 from pagedserve.entrypoints.llm import LLM
 from pagedserve.sampling_params import SamplingParams
 

@@ -66,7 +66,7 @@ def test_wheel_ships_every_preset(wheel_venv):
 
 
 def test_installed_tune_finds_the_model_and_device_presets(wheel_venv):
-    from pagedserve.tune import tune
+    from pagedserve.engine.memory_plan import tune
 
     bin_dir, env, workdir = wheel_venv
     cmd = [str(bin_dir / "pagedserve"), "tune", "--model", "glm-4-9b-chat"]

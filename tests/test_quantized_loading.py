@@ -13,8 +13,8 @@ from conftest import serve_subprocess
 from helpers_models import build_tiny_model_dir, prompt_logprobs
 
 from pagedserve import LLM
+from pagedserve.entrypoints.cli.quantize import add_quantize_args, run_quantize
 from pagedserve.hal.native import load_native_kernels
-from pagedserve.quant.cli import add_quantize_args, run_quantize
 from pagedserve.quant.evaluate import load_reference_model
 
 PROMPT = [(5 * i) % 300 + 10 for i in range(20)]

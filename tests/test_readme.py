@@ -205,6 +205,6 @@ def test_readme_lists_exactly_the_presets_that_ship():
 
 
 def test_the_readmes_port_is_the_servers_default():
-    from pagedserve.cli import build_parser
+    from pagedserve.entrypoints.cli.main import build_parser
 
     assert build_parser(["serve"]).parse_args(["serve"]).port == README_PORT

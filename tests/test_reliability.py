@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.smi import main as smi_main
+from pagedserve.entrypoints.cli.smi import main as smi_main
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks" / "reliability"

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from pagedserve.cli import apply_config_file, build_parser
+from pagedserve.entrypoints.cli.main import apply_config_file, build_parser
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Hello world!"}]

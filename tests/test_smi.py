@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from pagedserve.smi import main
+from pagedserve.entrypoints.cli.smi import main
 
 
 def _smi(capsys, live_server, *extra: str) -> str:

@@ -50,7 +50,7 @@ def test_fewer_ranks_than_cards_names_the_unused_cards(caplog):
 
 
 def test_serve_refuses_more_ranks_than_the_node_has_cards(capsys):
-    from pagedserve.cli import main
+    from pagedserve.entrypoints.cli.main import main
 
     assert main(["serve", "--tensor-parallel-size", "9"]) == 2
     assert "8 card(s) per node" in capsys.readouterr().err
@@ -180,7 +180,7 @@ def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(models, arch, tp, 
 def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(models, tmp_path):
     import argparse
 
-    from pagedserve.quant.cli import add_quantize_args, run_quantize
+    from pagedserve.entrypoints.cli.quantize import add_quantize_args, run_quantize
 
     argv = ["--model-path", str(models["glm"]), "--output-path", str(tmp_path / "awq")]
     argv += ["--format", "autoawq", "--calib-samples", "2", "--calib-seq-len", "16"]
@@ -238,7 +238,7 @@ def small_cards(tmp_path_factory, tiny_glm4):
 def test_a_model_larger_than_a_card_is_refused_at_tp_1_suggesting_tp_2(tiny_glm4, small_cards):
     flags = ["--model", str(tiny_glm4[0]), "--device", str(small_cards[0]), *SERVE_FLAGS]
     run = subprocess.run(
-        [sys.executable, "-m", "pagedserve.cli", "serve", *flags, "--port", str(free_port())],
+        [sys.executable, "-m", "pagedserve", "serve", *flags, "--port", str(free_port())],
         capture_output=True,
         text=True,
         timeout=300,
@@ -248,7 +248,7 @@ def test_a_model_larger_than_a_card_is_refused_at_tp_1_suggesting_tp_2(tiny_glm4
 
 
 def test_tp_2_serves_it_with_half_the_weights_on_each_card(tiny_glm4, small_cards, capsys):
-    from pagedserve.smi import main as smi
+    from pagedserve.entrypoints.cli.smi import main as smi
 
     preset, checkpoint = small_cards
     flags = ["--model", str(tiny_glm4[0]), "--device", str(preset), *SERVE_FLAGS, "--tp-size", "2"]
@@ -280,7 +280,7 @@ def test_two_machines_on_loopback_serve_what_one_card_serves(tiny_glm4, live_ser
     multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address]
     log = (tmp_path / "node1.log").open("w+")
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "serve", *common, *multi, "--node-rank", "1"],
+        [sys.executable, "-m", "pagedserve", "serve", *common, *multi, "--node-rank", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -300,7 +300,7 @@ def test_an_unreachable_rendezvous_times_out_naming_the_address(tiny_glm4):
     flags += ["--node-rank", "1", "--dist-init-addr", address, "--dist-timeout", "2"]
     start = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "pagedserve.cli", "serve", *flags],
+        [sys.executable, "-m", "pagedserve", "serve", *flags],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pagedserve import tune as tune_mod
-from pagedserve.tune import TuneError, add_tune_args, run_tune, tune
+from pagedserve.engine import memory_plan as tune_mod
+from pagedserve.engine.memory_plan import TuneError, add_tune_args, run_tune, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -240,7 +240,8 @@ def test_module_entry_point_runs():
         [
             sys.executable,
             "-m",
-            "pagedserve.tune",
+            "pagedserve",
+            "tune",
             "--model",
             "glm-4-9b-chat",
             "--device",
@@ -258,7 +259,7 @@ def test_module_entry_point_runs():
 
 
 def test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits(capsys):
-    from pagedserve.cli import main
+    from pagedserve.entrypoints.cli.main import main
 
     flags = ["tune", "--model", "glm-4-9b-chat", "--device", "kunlun-emu", "--quantization", "none"]
     assert main(flags) == 2

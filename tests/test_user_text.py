@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cli import _subparser, build_parser
-from pagedserve.quant.cli import glm4_quantize_main
+from pagedserve.entrypoints.cli.main import _subparser, build_parser
+from pagedserve.entrypoints.cli.quantize import glm4_quantize_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # "the seed" / "seed's" name the port; random-number seeds are "--seed", "a seed", "seed=0"

@@ -37,7 +37,7 @@ def serve(
 
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", *flags]
+    cmd = [sys.executable, "-m", "pagedserve", "serve", *flags]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--log-level", log_level] if log_level else []
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 import pagedserve
-from pagedserve.completion import offer
+from pagedserve.entrypoints.cli.completion import offer
 from pagedserve.presets import preset_names
 
 logger = logging.getLogger("pagedserve.serve")
@@ -476,7 +476,7 @@ def _unavailable(name: str, module: str, error: Exception) -> Callable[[argparse
 
 
 def _run_smi(args: argparse.Namespace) -> int:
-    from pagedserve.smi import run_smi
+    from pagedserve.entrypoints.cli.smi import run_smi
 
     return run_smi(args)
 
@@ -484,7 +484,7 @@ def _run_smi(args: argparse.Namespace) -> int:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``argv``, only the subcommand it names is imported in full,
     so that ``serve``'s HTTP process does not load torch for ``tune`` or ``quantize``."""
-    from pagedserve.smi import add_smi_args
+    from pagedserve.entrypoints.cli.smi import add_smi_args
 
     if argv is None:
         chosen = None  # every subcommand loaded
@@ -516,7 +516,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         subparsers,
         "tune",
         "size KV cache and batch limits for a model on a device",
-        "pagedserve.tune",
+        "pagedserve.engine.memory_plan",
         "add_tune_args",
         "run_tune",
         load=chosen in (None, "tune"),
@@ -534,7 +534,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         subparsers,
         "quantize",
         "quantize a checkpoint to int4",
-        "pagedserve.quant.cli",
+        "pagedserve.entrypoints.cli.quantize",
         "add_quantize_args",
         "run_quantize",
         load=chosen in (None, "quantize"),
@@ -543,7 +543,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         subparsers,
         "eval-quant",
         "compare a quantized model with its 16-bit source",
-        "pagedserve.quant.cli",
+        "pagedserve.entrypoints.cli.quantize",
         "add_eval_quant_args",
         "run_eval_quant",
         load=chosen in (None, "eval-quant"),
@@ -552,7 +552,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         subparsers,
         "completion",
         'print a bash or zsh completion script: eval "$(pagedserve completion bash)"',
-        "pagedserve.completion",
+        "pagedserve.entrypoints.cli.completion",
         "add_completion_args",
         "run_completion",
         load=chosen in (None, "completion"),

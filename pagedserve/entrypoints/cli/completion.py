@@ -222,7 +222,7 @@ def add_completion_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def run_completion(args: argparse.Namespace) -> int:
-    from pagedserve.cli import build_parser
+    from pagedserve.entrypoints.cli.main import build_parser
 
     parser = build_parser()  # every subcommand loaded, so that every flag is listed
     script = bash_script(parser) if args.shell == "bash" else zsh_script(parser)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.completion import offer
+from pagedserve.entrypoints.cli.completion import offer
 from pagedserve.hal.memory import parse_bytes
 from pagedserve.presets import (
     DEMO_MODEL,
