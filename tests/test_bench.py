@@ -20,8 +20,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve import bench
-from pagedserve.bench import add_bench_args, run_bench
+from pagedserve.benchmarks import serve as bench
+from pagedserve.benchmarks.serve import add_bench_args, run_bench
 
 TTFT_S = 0.20
 ITL_S = 0.04
@@ -491,7 +491,7 @@ def test_plot_draws_a_png_of_the_runs_latencies_and_throughput(tmp_path):
 
 
 def test_plot_series_follow_vllm_definitions():
-    from pagedserve.bench_plot import in_flight_series, latency_series
+    from pagedserve.benchmarks.plot import in_flight_series, latency_series
 
     outs = [
         bench.RequestOutput(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from pagedserve import bench
+from pagedserve.benchmarks import serve as bench
 from pagedserve.engine.memory_plan import tune
 from pagedserve.entrypoints.cli.main import main
 from pagedserve.presets import demo_model_dir

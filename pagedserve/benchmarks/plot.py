@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedserve.bench import RequestOutput
+    from pagedserve.benchmarks.serve import RequestOutput
 
 EXTRA = "pagedserve[plot]"
 
@@ -64,7 +64,7 @@ def plot(outputs: list[RequestOutput], path: str, title: str = "") -> None:
     matplotlib.use("Agg")  # no display: the figure only goes to a file
     import matplotlib.pyplot as plt
 
-    from pagedserve.bench import _percentile, throughput_series
+    from pagedserve.benchmarks.serve import _percentile, throughput_series
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, values) in zip(axes.flat, latency_series(outputs).items()):

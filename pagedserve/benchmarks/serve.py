@@ -39,7 +39,7 @@ from typing import Protocol
 import httpx
 from tqdm import tqdm
 
-from pagedserve.bench_plot import require_matplotlib
+from pagedserve.benchmarks.plot import require_matplotlib
 from pagedserve.presets import DEMO_MODEL, demo_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -704,7 +704,7 @@ def default_output_file(args: argparse.Namespace, date: str) -> str:
 def run_bench(args: argparse.Namespace) -> int:
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     if args.dataset == "agent":
-        from pagedserve.bench_agent import run_agent_bench
+        from pagedserve.benchmarks.agent import run_agent_bench
 
         if args.plot:
             _note("error: --plot draws single requests; --dataset agent times programs: drop it")
@@ -753,7 +753,7 @@ def run_bench(args: argparse.Namespace) -> int:
     Path(output_file).write_text(json.dumps(result, indent=2))
     _note(f"result written to {output_file}")
     if args.plot:
-        from pagedserve.bench_plot import plot
+        from pagedserve.benchmarks.plot import plot
 
         plot(outputs, args.plot, title=f"{args.model}, {args.num_prompts} requests")
         _note(f"plot drawn to {args.plot}")
