@@ -33,7 +33,7 @@ from results import write_result  # noqa: E402
 
 from pagedserve.hal import get_device  # noqa: E402
 from pagedserve.hal.int4 import cpu_int4_scales_and_zeros  # noqa: E402
-from pagedserve.quant.formats import quantize_rtn  # noqa: E402
+from pagedserve.models.quant_formats import quantize_rtn  # noqa: E402
 
 GROUP = 32
 PATHS = [

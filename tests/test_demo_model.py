@@ -246,7 +246,7 @@ def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(
     """--qat: the decoder's linears compute with the weights `--quantization int4` would serve
     (bf16, then RTN in groups of 32), gradients reach the latent weights straight through, and
     the model written at the end carries those INT4 weights, so RTN at load gives them back."""
-    from pagedserve.quant.formats import fake_quantize
+    from pagedserve.models.quant_formats import fake_quantize
 
     train_demo = _train_demo()
     torch.manual_seed(0)

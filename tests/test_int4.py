@@ -12,8 +12,8 @@ from pagedserve.hal import get_device
 from pagedserve.hal.device import Device
 from pagedserve.hal.int4 import dequantize, quantize_activations_int8
 from pagedserve.hal.native import load_native_kernels
-from pagedserve.quant.formats import dequantize as dequantize_canonical
-from pagedserve.quant.formats import quantize_rtn
+from pagedserve.models.quant_formats import dequantize as dequantize_canonical
+from pagedserve.models.quant_formats import quantize_rtn
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

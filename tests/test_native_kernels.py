@@ -12,7 +12,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device, kernels
 from pagedserve.hal.int4 import Int4Linear, dequantize, quantize_activations_int8
 from pagedserve.hal.native import load_native_kernels
-from pagedserve.quant.formats import quantize_rtn
+from pagedserve.models.quant_formats import quantize_rtn
 
 NATIVE = load_native_kernels() is not None
 needs_native = pytest.mark.skipif(not NATIVE, reason="native CPU kernels unavailable here")

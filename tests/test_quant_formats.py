@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
-from pagedserve.quant.formats import (
+from pagedserve.models.quant_formats import (
     dequantize,
     load_quantized_linears,
     quantization_config_for,

@@ -18,6 +18,7 @@ from pagedserve.entrypoints.cli.completion import offer
 from pagedserve.models import resolve_model_path
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
+from pagedserve.models.quant_formats import quantization_config_for, save_quantized
 from pagedserve.quant.awq import QuantizeSettings, quantize_model
 from pagedserve.quant.calib import DEFAULT_CORPUS, load_blocks
 from pagedserve.quant.evaluate import (
@@ -27,7 +28,6 @@ from pagedserve.quant.evaluate import (
     load_reference_model,
     sample_blocks,
 )
-from pagedserve.quant.formats import quantization_config_for, save_quantized
 
 logger = logging.getLogger("pagedserve.quant")
 
