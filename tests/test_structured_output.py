@@ -128,7 +128,7 @@ def test_json_whitespace_is_bounded():
     """At most one space between JSON tokens: a run of spaces or newlines is not in the grammar."""
     import llguidance
 
-    from pagedserve.engine.structured import JSON_OPTIONS, strict_schema
+    from pagedserve.engine.structured_output.manager import JSON_OPTIONS, strict_schema
 
     schema = strict_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
@@ -174,7 +174,7 @@ def test_preempted_constrained_requests_rebuild_their_grammar_state():
 
 def test_replayed_matcher_allows_the_same_tokens_as_the_live_one():
     from pagedserve.engine.request import Request
-    from pagedserve.engine.structured import StructuredOutputManager
+    from pagedserve.engine.structured_output.manager import StructuredOutputManager
     from pagedserve.models import Tokenizer
 
     tok = Tokenizer(DEMO_DIR())
@@ -202,7 +202,7 @@ def test_other_requests_keep_stepping_while_a_grammar_compiles(llm, monkeypatch)
     """A slow compile holds back only its own request."""
     import threading
 
-    from pagedserve.engine import structured
+    from pagedserve.engine.structured_output import manager as structured
 
     engine = llm.llm_engine
     release = threading.Event()

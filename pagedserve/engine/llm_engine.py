@@ -20,7 +20,7 @@ from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa:
 from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
-from pagedserve.engine.structured import StructuredOutputManager
+from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
 from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.models import Tokenizer, load_config, resolve_model_path
