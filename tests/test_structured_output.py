@@ -128,7 +128,7 @@ def test_json_whitespace_is_bounded():
     """At most one space between JSON tokens: a run of spaces or newlines is not in the grammar."""
     import llguidance
 
-    from pagedserve.engine.structured_output.manager import JSON_OPTIONS, strict_schema
+    from pagedserve.engine.structured_output.backend_guidance import JSON_OPTIONS, strict_schema
 
     schema = strict_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)

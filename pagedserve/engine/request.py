@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.engine.structured_output.manager import StructuredOutputRequest
+    from pagedserve.engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):

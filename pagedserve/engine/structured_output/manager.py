@@ -1,14 +1,11 @@
 """Structured output, as vLLM v1's StructuredOutputManager: grammars compiled off the engine loop
 and cached by key, one matcher per constrained sequence, one token bitmask row per sampled row.
 
-The grammar engine is llguidance (benchmarks/grammar_engines.py and the README say why). A
-request's constraint (``StructuredOutputsParams``) becomes an llguidance grammar here; the HTTP
-process calls ``check_structured_outputs`` to turn a bad schema into a 400 before the request is
-queued. In the engine core, ``StructuredOutputManager`` compiles on a worker thread: a request
-waits in the scheduler's queue until its grammar is ready while the others keep stepping. A
-compiled grammar is a matcher in its start state, which every sequence with the same constraint
-copies. A sequence's matcher follows its output tokens; a preempted sequence drops it and
-rebuilds it by replaying its output tokens when it runs again.
+A request's constraint (``StructuredOutputsParams``) becomes an llguidance grammar
+(``backend_guidance.py``). ``StructuredOutputManager`` compiles on a worker thread: a request waits
+in the scheduler's queue until its grammar is ready while the others keep stepping. A compiled
+grammar is a matcher in its start state, which every sequence with the same constraint copies
+(``request.py``).
 
 No torch here: the bitmask is a numpy int32 array [rows, ceil(vocab / 32)], bit ``t`` of a row set
 when token ``t`` is allowed; the sampler applies it.
@@ -17,17 +14,21 @@ when token ``t`` is allowed; the sampler applies it.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import threading
 from collections import OrderedDict
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
 
+from pagedserve.engine.structured_output.backend_guidance import (
+    GRAMMAR_CACHE_SIZE,
+    check_structured_outputs,
+    grammar_for,
+)
+from pagedserve.engine.structured_output.request import StructuredOutputRequest
 from pagedserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -35,105 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Between JSON tokens at most one space: a weak model cannot spend its max_tokens on whitespace,
-# and ", " / ": " (json.dumps' own separators) stay possible.
-JSON_WHITESPACE = r"[ ]?"
-JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
-GRAMMAR_CACHE_SIZE = 256
-_OPEN_OBJECT_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
-
-
-def strict_schema(schema):
-    """Objects that list their properties take no others unless the schema says so (xgrammar's
-    strict mode, which vLLM and SGLang use by default): what is generated still validates against
-    the schema as written, and a model cannot wander off into made-up keys."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
-    if "properties" in out and not any(k in out for k in _OPEN_OBJECT_KEYS):
-        out["additionalProperties"] = False
-    return out
-
-
-def grammar_for(kind: str, spec: str) -> str:
-    """The llguidance grammar of a constraint's ``key`` (not yet checked)."""
-    if kind == "json":
-        schema = strict_schema(json.loads(spec))
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, overrides=JSON_OPTIONS
-        )
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec)
-    if kind == "choice":
-        alternatives = " | ".join(json.dumps(c) for c in json.loads(spec))
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-    return llguidance.grammar_from("grammar", spec)  # Lark, or GBNF/EBNF (``root ::= ...``)
-
-
-@lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _check(kind: str, spec: str) -> str:
-    try:
-        grammar = grammar_for(kind, spec)
-    except ValueError as e:
-        return str(e)
-    return llguidance.LLMatcher.validate_grammar(grammar)
-
-
-def check_structured_outputs(params: StructuredOutputsParams) -> None:
-    """Raise ``ValueError`` saying what is wrong with the constraint (unsupported keywords by
-    name, regex syntax errors with their position, unknown grammar rules)."""
-    kind, spec = params.key
-    error = _check(kind, spec)
-    if error:
-        what = {"json": "JSON schema", "json_object": "JSON object", "choice": "choice list"}
-        raise ValueError(f"the {what.get(kind, kind)} cannot be used for decoding: {error}")
-
 
 def allocate_token_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
     """All tokens allowed in every row."""
     return np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
-
-
-class StructuredOutputRequest:
-    """One sequence's constraint: the compiled grammar (a future while it compiles) and the
-    matcher that follows the sequence's output tokens."""
-
-    def __init__(self, params: StructuredOutputsParams, grammar: concurrent.futures.Future):
-        self.params = params
-        self.grammar = grammar
-        self.matcher: llguidance.LLMatcher | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.grammar.done()
-
-    @property
-    def error(self) -> str | None:
-        if not self.grammar.done():
-            return None
-        error = self.grammar.exception()
-        return None if error is None else str(error)
-
-    def matcher_for(self, output_token_ids: list[int]) -> llguidance.LLMatcher:
-        """The matcher, rebuilt by replaying the output tokens if it was released."""
-        if self.matcher is None:
-            matcher = self.grammar.result().deep_copy()
-            if output_token_ids and not matcher.consume_tokens(output_token_ids):
-                logger.warning("replaying a constrained sequence failed: %s", matcher.get_error())
-            self.matcher = matcher
-        return self.matcher
-
-    def fork(self, parent: StructuredOutputRequest) -> None:
-        """A sibling of an ``n > 1`` request starts from its parent's matcher."""
-        if parent.matcher is not None:
-            self.matcher = parent.matcher.deep_copy()
-
-    def release(self) -> None:
-        self.matcher = None
 
 
 class StructuredOutputManager:
