@@ -51,7 +51,8 @@ def serve_subprocess(
 def tiny_glm4(tmp_path_factory):
     """(model directory, HF reference model) of a random tiny Glm4ForCausalLM with a tokenizer."""
     import torch
-    from helpers_models import build_tiny_model_dir
+
+    from tests.helpers.models import build_tiny_model_dir
 
     torch.set_num_threads(1)
     model_dir = tmp_path_factory.mktemp("tiny-glm4")

@@ -7,7 +7,7 @@ then, for each operation of GET /openapi.json, sends EXAMPLES bodies that fit th
 EXAMPLES that do not (schemathesis: wrong types, out-of-range numbers, missing fields; the
 examples are the same on every run). The bar: no answer is a 5xx, none takes longer than
 --timeout, and a plain completion is still served afterwards. Prints the figures and writes
-benchmarks/results/fuzz.json. tests/test_reliability_api.py runs the same with fewer examples.
+benchmarks/results/fuzz.json. tests/server/test_reliability_api.py runs the same with fewer examples.
 """
 
 from __future__ import annotations
