@@ -44,7 +44,7 @@ if [[ ! -x $VPY ]]; then
   exit 2
 fi
 
-MODEL=$("$PYTHON" benchmarks/bench_models.py 122m)
+MODEL=$("$PYTHON" -m benchmarks.bench_models 122m)
 NAME=$(basename "$MODEL")
 OUT=bench_out
 mkdir -p "$OUT" "$VLLM_CACHE"
@@ -136,8 +136,7 @@ done
 
 "$PYTHON" - "$NUM_PROMPTS" "$REPEATS" $SERVERS <<'PY'
 import json, statistics, sys
-sys.path.insert(0, "benchmarks")
-from results import spread, write_result
+from benchmarks.results import spread, write_result  # run from the repository root
 num_prompts, repeats, labels = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 keys = {"output_throughput": "output tok/s", "request_throughput": "req/s",
         "median_ttft_ms": "TTFT ms", "median_tpot_ms": "TPOT ms"}

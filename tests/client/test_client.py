@@ -17,7 +17,7 @@ CHAT = [{"role": "user", "content": "Hello world!"}]
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
+def sdk_client(live_server):
     with Client(live_server.url, api_key=live_server.api_key, timeout=60) as c:
         yield c
 
@@ -27,33 +27,33 @@ def test_importing_the_client_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_sync_completion_chat_models_and_health(client, live_server):
-    assert client.health()
-    assert [m.id for m in client.models.list().data] == [live_server.model]
-    out = client.completions.create(
+def test_sync_completion_chat_models_and_health(sdk_client, live_server):
+    assert sdk_client.health()
+    assert [m.id for m in sdk_client.models.list().data] == [live_server.model]
+    out = sdk_client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, ignore_eos=True
     )
     assert isinstance(out, CompletionResponse) and out.usage.completion_tokens == 5
-    chat = client.chat.completions.create(
+    chat = sdk_client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=3, temperature=0, ignore_eos=True
     )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
 
 
-def test_sync_streaming_yields_typed_chunks_that_add_up(client):
+def test_sync_streaming_yields_typed_chunks_that_add_up(sdk_client):
     kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, ignore_eos=True)
-    whole = client.completions.create(**kwargs).choices[0].text
-    chunks = list(client.completions.create(stream=True, **kwargs))
+    whole = sdk_client.completions.create(**kwargs).choices[0].text
+    chunks = list(sdk_client.completions.create(stream=True, **kwargs))
     assert all(isinstance(c, CompletionChunk) for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == whole
 
 
-def test_errors_carry_the_server_message(client, live_server):
+def test_errors_carry_the_server_message(sdk_client, live_server):
     with pytest.raises(APIError) as e:
-        client.completions.create(model="nope", prompt=PROMPT)
+        sdk_client.completions.create(model="nope", prompt=PROMPT)
     assert e.value.status_code == 404 and "nope" in e.value.message
     with pytest.raises(APIError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, stream=True, max_tokens=0)
+        sdk_client.completions.create(model="tiny", prompt=PROMPT, stream=True, max_tokens=0)
     assert e.value.status_code == 400 and e.value.param == "max_tokens"
     with (
         Client(live_server.url, api_key="wrong", max_retries=0) as bad,
@@ -63,13 +63,13 @@ def test_errors_carry_the_server_message(client, live_server):
     assert e.value.status_code == 401
 
 
-def test_503_is_retried_until_the_server_admits(client, live_server):
+def test_503_is_retried_until_the_server_admits(sdk_client, live_server):
     engine = live_server.serving.engine
     engine.max_queue_len = 0  # every request is refused with 503 ...
     timer = threading.Timer(0.4, lambda: setattr(engine, "max_queue_len", 64))  # ... for 0.4 s
     timer.start()
     try:
-        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        out = sdk_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     finally:
         timer.join()
         engine.max_queue_len = 64
@@ -77,7 +77,7 @@ def test_503_is_retried_until_the_server_admits(client, live_server):
 
 
 def test_unreachable_server_raises_a_connection_error():
-    from tests.conftest import free_port
+    from pagedserve.testing import free_port
 
     with Client(f"http://127.0.0.1:{free_port()}", max_retries=1) as c:
         with pytest.raises(APIConnectionError):

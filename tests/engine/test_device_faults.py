@@ -19,7 +19,7 @@ NORM = "model.norm.weight"  # read by every forward pass: a flipped exponent sho
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def kunlun_llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     build_tiny_model_dir(path, "glm4", max_position_embeddings=128)
     return LLM(
@@ -63,28 +63,30 @@ def _clean(llm: LLM, params: SamplingParams) -> list[int]:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_corrupted_weight_page_is_restored_and_its_step_recomputed(llm, params):
-    faults = llm.llm_engine.device.faults
+def test_a_corrupted_weight_page_is_restored_and_its_step_recomputed(kunlun_llm, params):
+    faults = kunlun_llm.llm_engine.device.faults
     before = dict(faults.detected), dict(faults.recovered)
-    assert _generate_with_weight_fault(llm, params) == _clean(llm, params)
+    assert _generate_with_weight_fault(kunlun_llm, params) == _clean(kunlun_llm, params)
     assert faults.detected["weight_page"] == before[0]["weight_page"] + 1
     assert faults.recovered["weight_page"] == before[1]["weight_page"] + 1
-    scrubber = llm.llm_engine.device.scrubber
+    scrubber = kunlun_llm.llm_engine.device.scrubber
     assert all(scrubber.verified(p) for p in scrubber.pages)
-    assert _drained(llm)
+    assert _drained(kunlun_llm)
 
 
-def test_without_the_patrol_the_same_fault_corrupts_the_output(llm, monkeypatch):
-    clean = _clean(llm, GREEDY)
-    monkeypatch.setattr(llm.llm_engine.config.device, "weight_scrub_pages", 0)
-    assert _generate_with_weight_fault(llm, GREEDY) != clean
-    assert llm.llm_engine.scrub_weights() == 1  # found on demand, and restored
-    assert _clean(llm, GREEDY) == clean
-    assert _drained(llm)
+def test_without_the_patrol_the_same_fault_corrupts_the_output(kunlun_llm, monkeypatch):
+    clean = _clean(kunlun_llm, GREEDY)
+    monkeypatch.setattr(kunlun_llm.llm_engine.config.device, "weight_scrub_pages", 0)
+    assert _generate_with_weight_fault(kunlun_llm, GREEDY) != clean
+    assert kunlun_llm.llm_engine.scrub_weights() == 1  # found on demand, and restored
+    assert _clean(kunlun_llm, GREEDY) == clean
+    assert _drained(kunlun_llm)
 
 
-def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint(llm, monkeypatch):
-    engine = llm.llm_engine
+def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint(
+    kunlun_llm, monkeypatch
+):
+    engine = kunlun_llm.llm_engine
     monkeypatch.setattr(engine.config.device, "weight_scrub_pages", 0)
     tag = next(t for t in engine.device.weight_tensors if t.startswith("model.layers.1."))
     pristine = page_bytes(engine.device.weight_tensors[tag], 0).clone()
@@ -94,8 +96,8 @@ def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint
     assert torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
 
 
-def test_a_weight_page_that_cannot_be_restored_stops_the_engine(llm, monkeypatch):
-    engine = llm.llm_engine
+def test_a_weight_page_that_cannot_be_restored_stops_the_engine(kunlun_llm, monkeypatch):
+    engine = kunlun_llm.llm_engine
 
     def gone(*_):
         raise FileNotFoundError("model.safetensors")
@@ -108,12 +110,12 @@ def test_a_weight_page_that_cannot_be_restored_stops_the_engine(llm, monkeypatch
     monkeypatch.undo()
     assert engine.scrub_weights() == 1
     engine.abort_request("doomed")
-    assert _drained(llm)
+    assert _drained(kunlun_llm)
 
 
-def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(llm):
-    engine = llm.llm_engine
-    clean = _clean(llm, GREEDY)
+def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(kunlun_llm):
+    engine = kunlun_llm.llm_engine
+    clean = _clean(kunlun_llm, GREEDY)
     faults = engine.device.faults
     detected = faults.detected["step"]
     engine.add_request("running", PROMPT, GREEDY)
@@ -130,22 +132,22 @@ def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(llm):
     (done,) = [o for o in outputs if o.finished]
     assert done.request_id == "waiting" and done.outputs[0].token_ids == clean
     assert faults.detected["step"] == faults.recovered["step"] == detected + 1
-    assert _drained(llm)
+    assert _drained(kunlun_llm)
 
 
-def test_offline_generate_reports_a_failed_step_as_an_error_output(llm):
-    llm.llm_engine.inject_fault("step")
-    out, after = llm.generate(
+def test_offline_generate_reports_a_failed_step_as_an_error_output(kunlun_llm):
+    kunlun_llm.llm_engine.inject_fault("step")
+    out, after = kunlun_llm.generate(
         [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False
     )
     assert out.outputs[0].finish_reason == "error" and "kernel fault" in out.error
-    assert after.outputs[0].token_ids == _clean(llm, GREEDY)
-    assert _drained(llm)
+    assert after.outputs[0].token_ids == _clean(kunlun_llm, GREEDY)
+    assert _drained(kunlun_llm)
 
 
-def test_a_kv_page_fault_is_counted_detected_and_recovered(llm):
-    engine = llm.llm_engine
-    clean = _clean(llm, GREEDY)
+def test_a_kv_page_fault_is_counted_detected_and_recovered(kunlun_llm):
+    engine = kunlun_llm.llm_engine
+    clean = _clean(kunlun_llm, GREEDY)
     faults = engine.device.faults
     before = faults.to_dict()["kv_page"]
     engine.block_manager.reset_prefix_cache()
@@ -165,11 +167,11 @@ def test_a_kv_page_fault_is_counted_detected_and_recovered(llm):
         "recovered": 1,
     }
     assert engine.get_stats()["device_faults_total"]["kv_page"] == after["detected"]
-    assert _drained(llm)
+    assert _drained(kunlun_llm)
 
 
-def test_fault_injection_names_what_it_cannot_do(llm):
-    engine = llm.llm_engine
+def test_fault_injection_names_what_it_cannot_do(kunlun_llm):
+    engine = kunlun_llm.llm_engine
     with pytest.raises(ValueError, match="unknown fault kind 'disk'"):
         engine.inject_fault("disk")
     with pytest.raises(ValueError, match="no weight tensor 'nope'"):

@@ -30,13 +30,13 @@ def serve_flags(model_dir, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_glm4, tmp_path_factory):
-    from tests.conftest import serve_subprocess
+def engine_process_server(tiny_glm4, tmp_path_factory):
+    from pagedserve.testing import serve
 
     # admits 4 running + 8 queued: the overload test drives it at 20x that
     flags = serve_flags(tiny_glm4[0], "--max-num-seqs", "4", "--max-queue-len", "8")
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w+")
-    with serve_subprocess(*flags, "--log-level", "warning", log=log) as (proc, url):
+    with serve(*flags, "--log-level", "warning", log=log) as (proc, url):
         yield proc, url
 
 
@@ -77,8 +77,8 @@ def engine_pid(url: str) -> int:
 
 
 # ---- the same answers as the offline engine -----------------------------------------------------
-def test_greedy_tokens_and_logprobs_cross_the_process_boundary(server, offline):
-    _, url = server
+def test_greedy_tokens_and_logprobs_cross_the_process_boundary(engine_process_server, offline):
+    _, url = engine_process_server
     out = complete(url, max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)["choices"][0]
     ref = run_offline(offline, max_tokens=8, temperature=0, logprobs=2, ignore_eos=True).outputs[0]
     assert out["text"] == ref.text and out["finish_reason"] == "length"
@@ -87,8 +87,10 @@ def test_greedy_tokens_and_logprobs_cross_the_process_boundary(server, offline):
     assert all(len(top) <= 2 for top in out["logprobs"]["top_logprobs"])
 
 
-def test_a_stop_string_matched_in_the_http_process_ends_the_text_as_offline(server, offline):
-    _, url = server
+def test_a_stop_string_matched_in_the_http_process_ends_the_text_as_offline(
+    engine_process_server, offline
+):
+    _, url = engine_process_server
     full = run_offline(offline, max_tokens=12, temperature=0, ignore_eos=True).outputs[0].text
     stop = full[4:6]
     assert stop
@@ -116,8 +118,8 @@ def _stream_text(url: str, **body) -> str:
     return text
 
 
-def test_n_2_with_a_seed_and_echoed_prompt_logprobs_match_offline(server, offline):
-    _, url = server
+def test_n_2_with_a_seed_and_echoed_prompt_logprobs_match_offline(engine_process_server, offline):
+    _, url = engine_process_server
     body = dict(max_tokens=8, n=2, seed=3, temperature=1.0, ignore_eos=True)
     out = complete(url, **body)
     ref = run_offline(offline, **body)
@@ -132,8 +134,8 @@ def test_n_2_with_a_seed_and_echoed_prompt_logprobs_match_offline(server, offlin
 
 
 # ---- aborts, metrics, /device, smi --------------------------------------------------------------
-def test_a_disconnected_stream_is_aborted_in_the_engine_process(server):
-    _, url = server
+def test_a_disconnected_stream_is_aborted_in_the_engine_process(engine_process_server):
+    _, url = engine_process_server
     aborted = 'pagedserve:request_success_total{finished_reason="abort"}'
     before = metrics(url).get(aborted, 0)
     body = {"prompt": PROMPT_IDS, "max_tokens": 240, "stream": True, "ignore_eos": True}
@@ -147,10 +149,10 @@ def test_a_disconnected_stream_is_aborted_in_the_engine_process(server):
     assert after["pagedserve:generation_tokens_total"] < before + 240 + 1000
 
 
-def test_device_smi_and_health_read_the_engine_process(server, capsys):
+def test_device_smi_and_health_read_the_engine_process(engine_process_server, capsys):
     from pagedserve.entrypoints.cli.smi import main as smi
 
-    proc, url = server
+    proc, url = engine_process_server
     device = httpx.get(url + "/device", timeout=10).json()
     assert device["kv_pages"]["total"] == 256 and device["model"] == "tiny"
     assert smi(["--url", url, "--json"]) == 0
@@ -174,13 +176,12 @@ def test_the_http_process_does_not_load_torch():
 
 
 # ---- liveness -----------------------------------------------------------------------------------
-def test_health_answers_under_20x_overload(server):
+def test_health_answers_under_20x_overload(engine_process_server):
     """240 clients against 4 running + 8 queued: every request ends 200 or 503 with Retry-After
     and /health keeps answering (the strict figures: benchmarks/health_under_load.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from health_under_load import drive
+    from benchmarks.health_under_load import drive
 
-    _, url = server
+    _, url = engine_process_server
     body = {"prompt": PROMPT_IDS, "max_tokens": 16, "stream": True, "ignore_eos": True}
     figures = asyncio.run(drive(url, clients=240, duration=4.0, body=body))
     print(
@@ -194,13 +195,13 @@ def test_health_answers_under_20x_overload(server):
     wait_idle(url)
 
 
-def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
+def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(engine_process_server):
     """httpx (and so the openai SDK) reuses a pooled connection idle for up to 5 s. A server that
     closed idle connections at 5 s too would close some just as a client sent on them: a
     connection reset under load (the 20x overload test above saw one in about four runs)."""
     import socket
 
-    _, url = server
+    _, url = engine_process_server
     host, port = url.removeprefix("http://").split(":")
     request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
 
@@ -225,9 +226,9 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(server):
 
 
 def test_a_killed_engine_process_fails_requests_and_the_server_exits_non_zero(tiny_glm4):
-    from tests.conftest import serve_subprocess
+    from pagedserve.testing import serve
 
-    with serve_subprocess(*serve_flags(tiny_glm4[0])) as (proc, url):
+    with serve(*serve_flags(tiny_glm4[0])) as (proc, url):
         body = {"prompt": PROMPT_IDS, "max_tokens": 240, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()

@@ -38,7 +38,7 @@ PROMPTS = [f"Person {i}: write their record as JSON." for i in range(100)]
 
 
 @pytest.fixture(scope="module")
-def llm():
+def demo_llm():
     from pagedserve import LLM
 
     return LLM("demo", max_num_seqs=16)
@@ -62,9 +62,9 @@ def _params(**kwargs) -> SamplingParams:
     return SamplingParams(structured_outputs=StructuredOutputsParams(**so), **kwargs)
 
 
-def test_demo_model_without_a_schema_rarely_writes_json(llm):
+def test_demo_model_without_a_schema_rarely_writes_json(demo_llm):
     """The reference point: the constraint, not the model, makes the answers below valid."""
-    outs = llm.generate(
+    outs = demo_llm.generate(
         PROMPTS[:20], SamplingParams(temperature=0.8, seed=0, max_tokens=120), use_tqdm=False
     )
     valid = 0
@@ -77,9 +77,9 @@ def test_demo_model_without_a_schema_rarely_writes_json(llm):
     assert valid <= 2
 
 
-def test_100_json_schema_answers_all_validate(llm):
+def test_100_json_schema_answers_all_validate(demo_llm):
     params = _params(json=SCHEMA, temperature=0.8, seed=0, max_tokens=200)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = demo_llm.generate(PROMPTS, params, use_tqdm=False)
     for out in outs:
         choice = out.outputs[0]
         assert choice.finish_reason == "stop", choice.text
@@ -87,28 +87,28 @@ def test_100_json_schema_answers_all_validate(llm):
     assert len({o.outputs[0].text for o in outs}) > 1  # sampled, not one forced answer
 
 
-def test_regex_and_choice_answers_all_match(llm):
-    outs = llm.generate(
+def test_regex_and_choice_answers_all_match(demo_llm):
+    outs = demo_llm.generate(
         PROMPTS[:30], _params(regex=PHONE, temperature=1.0, max_tokens=20), use_tqdm=False
     )
     assert all(re.fullmatch(PHONE, o.outputs[0].text) for o in outs)
-    outs = llm.generate(
+    outs = demo_llm.generate(
         PROMPTS[:30], _params(choice=CHOICES, temperature=1.0, max_tokens=20), use_tqdm=False
     )
     assert all(o.outputs[0].text in CHOICES for o in outs)
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
-def test_ebnf_grammar_constrains_the_answer(llm):
+def test_ebnf_grammar_constrains_the_answer(demo_llm):
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
-    outs = llm.generate(
+    outs = demo_llm.generate(
         PROMPTS[:10], _params(grammar=grammar, temperature=1.0, max_tokens=10), use_tqdm=False
     )
     assert all(re.fullmatch(r"yes|no|maybe [0-9]", o.outputs[0].text) for o in outs)
 
 
-def test_n_greater_than_one_gives_every_sequence_its_own_valid_answer(llm):
-    (out,) = llm.generate(
+def test_n_greater_than_one_gives_every_sequence_its_own_valid_answer(demo_llm):
+    (out,) = demo_llm.generate(
         PROMPTS[:1], _params(json=SCHEMA, n=4, temperature=1.0, max_tokens=200), use_tqdm=False
     )
     assert len(out.outputs) == 4
@@ -116,8 +116,8 @@ def test_n_greater_than_one_gives_every_sequence_its_own_valid_answer(llm):
         jsonschema.validate(json.loads(choice.text), SCHEMA)
 
 
-def test_a_constrained_answer_cut_by_max_tokens_says_length(llm):
-    (out,) = llm.generate(
+def test_a_constrained_answer_cut_by_max_tokens_says_length(demo_llm):
+    (out,) = demo_llm.generate(
         PROMPTS[:1], _params(json=SCHEMA, temperature=0.0, max_tokens=5), use_tqdm=False
     )
     assert out.outputs[0].finish_reason == "length"
@@ -151,8 +151,8 @@ def _demo_tokenizer() -> str:
     return str(DEMO_MODEL_DIR / "tokenizer.json")
 
 
-def test_bad_constraints_are_rejected_offline_with_the_reason(llm):
-    (out,) = llm.generate(["x"], _params(json={"not": {"type": "integer"}}), use_tqdm=False)
+def test_bad_constraints_are_rejected_offline_with_the_reason(demo_llm):
+    (out,) = demo_llm.generate(["x"], _params(json={"not": {"type": "integer"}}), use_tqdm=False)
     assert out.outputs[0].finish_reason == "rejected"
     assert '"not"' in out.error
 
@@ -198,13 +198,13 @@ def DEMO_DIR():
     return DEMO_MODEL_DIR
 
 
-def test_other_requests_keep_stepping_while_a_grammar_compiles(llm, monkeypatch):
+def test_other_requests_keep_stepping_while_a_grammar_compiles(demo_llm, monkeypatch):
     """A slow compile holds back only its own request."""
     import threading
 
     from pagedserve.engine.structured_output import manager as structured
 
-    engine = llm.llm_engine
+    engine = demo_llm.llm_engine
     release = threading.Event()
     original = structured.StructuredOutputManager._compile
 

@@ -23,7 +23,7 @@ from pagedserve.engine.executor import check_parallel_config
 from pagedserve.hal import load_device_preset
 from pagedserve.models import load_config
 from pagedserve.models.tensor_parallel import TensorParallel
-from tests.conftest import free_port, serve_subprocess
+from pagedserve.testing import free_port, serve
 from tests.helpers.models import build_tiny_hf_model
 
 PROMPTS = [[11, 12, 13], [(5 * i) % 300 + 10 for i in range(29)], [99]]
@@ -137,7 +137,7 @@ def test_device_collectives_combine_the_ranks_and_count_the_bytes_sent():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def tp_model_dirs(tmp_path_factory):
     """glm and glm4 with 128 intermediate columns (64 per rank: whole INT4 groups of 32)."""
     paths = {}
     for arch in ("glm", "glm4"):
@@ -163,10 +163,10 @@ def _greedy(path, **kwargs) -> tuple[list[list[int]], LLM]:
         ("glm4", 4, {}),  # 2 KV heads over 4 ranks: each KV head on two ranks
     ],
 )
-def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(models, arch, tp, kwargs):
-    reference, llm = _greedy(models[arch], **kwargs)
+def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(tp_model_dirs, arch, tp, kwargs):
+    reference, llm = _greedy(tp_model_dirs[arch], **kwargs)
     llm.llm_engine.shutdown()
-    got, llm = _greedy(models[arch], tensor_parallel_size=tp, **kwargs)
+    got, llm = _greedy(tp_model_dirs[arch], tensor_parallel_size=tp, **kwargs)
     try:
         assert got == reference
         cards = llm.llm_engine.get_device_stats()
@@ -177,12 +177,12 @@ def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(models, arch, tp, 
         llm.llm_engine.shutdown()
 
 
-def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(models, tmp_path):
+def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs, tmp_path):
     import argparse
 
     from pagedserve.entrypoints.cli.quantize import add_quantize_args, run_quantize
 
-    argv = ["--model-path", str(models["glm"]), "--output-path", str(tmp_path / "awq")]
+    argv = ["--model-path", str(tp_model_dirs["glm"]), "--output-path", str(tmp_path / "awq")]
     argv += ["--format", "autoawq", "--calib-samples", "2", "--calib-seq-len", "16"]
     assert run_quantize(add_quantize_args(argparse.ArgumentParser()).parse_args(argv)) == 0
     reference, llm = _greedy(tmp_path / "awq")
@@ -192,13 +192,13 @@ def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(models, tmp_p
     assert got == reference
 
 
-def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(models):
+def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(tp_model_dirs):
     from tests.helpers.models import prompt_logprobs
 
     logprobs = []
     for tp in (1, 2):
         llm = LLM(
-            model=str(models["glm4"]),
+            model=str(tp_model_dirs["glm4"]),
             dtype="bfloat16",
             device="cpu",
             num_kv_pages=64,
@@ -252,7 +252,7 @@ def test_tp_2_serves_it_with_half_the_weights_on_each_card(tiny_glm4, small_card
 
     preset, checkpoint = small_cards
     flags = ["--model", str(tiny_glm4[0]), "--device", str(preset), *SERVE_FLAGS, "--tp-size", "2"]
-    with serve_subprocess(*flags) as (_, url):
+    with serve(*flags) as (_, url):
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=5)
         assert done.choices[0].text and done.usage.completion_tokens == 5
@@ -285,7 +285,7 @@ def test_two_machines_on_loopback_serve_what_one_card_serves(tiny_glm4, live_ser
         stderr=subprocess.STDOUT,
     )
     try:
-        with serve_subprocess(*common, *multi, "--node-rank", "0") as (_, url):
+        with serve(*common, *multi, "--node-rank", "0") as (_, url):
             assert _completion(url) == _completion(live_server.url, live_server.api_key)
         assert node1.wait(30) == 0  # node 0 told its ranks to stop
     finally:
@@ -314,7 +314,7 @@ def test_an_unreachable_rendezvous_times_out_naming_the_address(tiny_glm4):
 def test_a_killed_worker_turns_health_503_and_fails_the_pending_request(tiny_glm4):
     flags = ["--model", str(tiny_glm4[0]), "--device", "cpu", "--dtype", "float32"]
     flags += ["--served-model-name", "tiny", "--tp-size", "2", "--num-kv-pages", "64"]
-    with serve_subprocess(*flags) as (_, url):
+    with serve(*flags) as (_, url):
         worker = httpx.get(url + "/health").json()["tp_worker_pids"][0]
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 500, "ignore_eos": True}
         body["stream"] = True

@@ -53,7 +53,7 @@ def test_smi_table_and_detail_views(capsys, live_server):
 
 
 def test_smi_reports_an_unreachable_server(capsys):
-    from tests.conftest import free_port
+    from pagedserve.testing import free_port
 
     assert main(["--url", f"http://127.0.0.1:{free_port()}", "--timeout", "1"]) == 1
     assert "cannot read" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -24,33 +23,21 @@ from pagedserve.lang import (
     system,
     user,
 )
-from tests.conftest import free_port
+from pagedserve.testing import serve_app
 
 
 @pytest.fixture(scope="module")
-def server():
-    import uvicorn
-
+def demo_thread_server():
+    """(base URL, engine) of the demo model served in a thread, the default backend of the
+    programs here."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
     engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16, num_kv_pages=512))
-    port = free_port()
-    srv = uvicorn.Server(
-        uvicorn.Config(build_app(engine, "demo"), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{port}"
-    set_default_backend(Runtime(url))
-    yield url, engine
-    srv.should_exit = True
-    thread.join(10)
+    with serve_app(build_app(engine, "demo")) as url:
+        set_default_backend(Runtime(url))
+        yield url, engine
 
 
 @function
@@ -60,7 +47,7 @@ def echo_agent(s):
     s += gen("reply", max_tokens=8)
 
 
-def test_echo_agent_state_outlives_the_first_call(server):
+def test_echo_agent_state_outlives_the_first_call(demo_thread_server):
     first = echo_agent("Hello, world!")
     second = echo_agent("How are you?")
     assert first.error is None and second.error is None
@@ -83,8 +70,8 @@ print(json.dumps(state.state["history"]))
 """
 
 
-def test_a_session_id_shares_the_state_with_another_client_process(server):
-    url, _ = server
+def test_a_session_id_shares_the_state_with_another_client_process(demo_thread_server):
+    url, _ = demo_thread_server
 
     def client(text: str) -> list[str]:
         out = subprocess.run(
@@ -100,8 +87,8 @@ def test_a_session_id_shares_the_state_with_another_client_process(server):
     assert runtime.load_state("agent-7") == {}
 
 
-def test_fork_4_on_a_500_token_prefix_prefills_it_once(server):
-    url, engine = server
+def test_fork_4_on_a_500_token_prefix_prefills_it_once(demo_thread_server):
+    url, engine = demo_thread_server
     runtime = Runtime(url)
     assert runtime.http.post("/flush_cache").status_code == 200
     prefix = " ".join(f"word{i}" for i in range(190))
@@ -128,8 +115,8 @@ def test_fork_4_on_a_500_token_prefix_prefills_it_once(server):
     assert state.error is None
 
 
-def test_select_picks_the_choice_with_the_highest_logprob(server):
-    url, _ = server
+def test_select_picks_the_choice_with_the_highest_logprob(demo_thread_server):
+    url, _ = demo_thread_server
     runtime = Runtime(url)
     choices = ["the cat", "quantum chromodynamics", "a"]
     scores = runtime.score("I saw", choices)
@@ -141,7 +128,7 @@ def test_select_picks_the_choice_with_the_highest_logprob(server):
     assert pick()["c"] == choices[max(range(3), key=scores.__getitem__)]
 
 
-def test_role_blocks_follow_the_chat_template_and_gen_constraints(server):
+def test_role_blocks_follow_the_chat_template_and_gen_constraints(demo_thread_server):
     @function
     def qa(s, question):
         s += system("You answer with numbers.")
@@ -169,8 +156,8 @@ def test_role_blocks_follow_the_chat_template_and_gen_constraints(server):
     assert isinstance(json.loads(state["j"])["n"], int)
 
 
-def test_a_failing_program_keeps_its_error_and_frees_the_server(server):
-    _, engine = server
+def test_a_failing_program_keeps_its_error_and_frees_the_server(demo_thread_server):
+    _, engine = demo_thread_server
 
     @function
     def broken(s):
@@ -186,7 +173,7 @@ def test_a_failing_program_keeps_its_error_and_frees_the_server(server):
     assert engine.get_stats()["num_requests_running"] == 0
 
 
-def test_streaming_yields_the_program_text_in_pieces(server):
+def test_streaming_yields_the_program_text_in_pieces(demo_thread_server):
     @function
     def story(s):
         s += "Once upon a time"
@@ -197,7 +184,7 @@ def test_streaming_yields_the_program_text_in_pieces(server):
     assert "".join(pieces) == story().text
 
 
-def test_run_batch_runs_programs_concurrently(server):
+def test_run_batch_runs_programs_concurrently(demo_thread_server):
     @function
     def classify(s, item):
         s += f"Item: {item}. Category:" + gen("cat", max_tokens=4, choices=["fruit", "tool"])

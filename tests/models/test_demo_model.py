@@ -52,7 +52,7 @@ def hf_model():
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
+def demo_tokenizer() -> Tokenizer:
     return Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
 
 
@@ -65,13 +65,13 @@ def _hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return ids[len(prompt_ids) :]
 
 
-def test_demo_model_is_a_small_glm4_checkpoint_with_glm4_stop_tokens(tokenizer):
+def test_demo_model_is_a_small_glm4_checkpoint_with_glm4_stop_tokens(demo_tokenizer):
     config = json.loads((DEMO_DIR / "config.json").read_text())
-    vocab = tokenizer.get_vocab_size()
+    vocab = demo_tokenizer.get_vocab_size()
     assert config["model_type"] == "glm4"
     assert config["vocab_size"] == vocab
-    assert config["eos_token_id"] == [tokenizer.token_to_id(t) for t in STOPS]
-    assert config["pad_token_id"] == tokenizer.token_to_id("<|endoftext|>")
+    assert config["eos_token_id"] == [demo_tokenizer.token_to_id(t) for t in STOPS]
+    assert config["pad_token_id"] == demo_tokenizer.token_to_id("<|endoftext|>")
 
 
 def test_demo_model_and_its_heldout_text_fit_the_package_budget():
@@ -80,42 +80,42 @@ def test_demo_model_and_its_heldout_text_fit_the_package_budget():
     assert total < PACKAGE_BUDGET_BYTES, f"the demo model ships {total} bytes; the budget is 25 MB"
 
 
-def test_demo_model_scores_the_recorded_heldout_bits_per_char(hf_model, tokenizer):
+def test_demo_model_scores_the_recorded_heldout_bits_per_char(hf_model, demo_tokenizer):
     train_demo = _train_demo()
     text = train_demo.heldout_text()
     assert len(text) >= HELDOUT_SLICE_CHARS
-    bpc = train_demo.bits_per_char(hf_model, tokenizer, text, HELDOUT_SLICE_CHARS)
+    bpc = train_demo.bits_per_char(hf_model, demo_tokenizer, text, HELDOUT_SLICE_CHARS)
     recorded = METRICS["test_slice_bits_per_char"]
     assert bpc == pytest.approx(recorded, abs=BITS_PER_CHAR_TOLERANCE)
     assert METRICS["heldout_bits_per_char"] < METRICS["unigram_bits_per_char"]
     assert METRICS["heldout_bits_per_char"] < HELDOUT_BITS_PER_CHAR_BOUND
 
 
-def test_heldout_bits_per_char_matches_a_direct_cross_entropy(hf_model, tokenizer):
+def test_heldout_bits_per_char_matches_a_direct_cross_entropy(hf_model, demo_tokenizer):
     text = "def add(a, b):\n    return a + b\n"
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    ids = torch.tensor([[eos] + tokenizer.encode(text).ids])
+    eos = demo_tokenizer.token_to_id("<|endoftext|>")
+    ids = torch.tensor([[eos] + demo_tokenizer.encode(text).ids])
     with torch.inference_mode():
         logits = hf_model(input_ids=ids[:, :-1]).logits[0]
     nats = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
     expected = nats / torch.log(torch.tensor(2.0)).item() / len(text)
-    assert _train_demo().bits_per_char(hf_model, tokenizer, text) == pytest.approx(
+    assert _train_demo().bits_per_char(hf_model, demo_tokenizer, text) == pytest.approx(
         expected, rel=1e-4
     )
 
 
-def test_tokenizer_round_trips_text_and_adds_no_special_tokens(tokenizer):
+def test_tokenizer_round_trips_text_and_adds_no_special_tokens(demo_tokenizer):
     text = "def f(x):\n    return {'π': x ** 2}  # naïve — ok\n\tlambda: None\n"
-    ids = tokenizer.encode(text).ids
-    assert tokenizer.decode(ids, skip_special_tokens=False) == text
-    assert not set(ids) & {tokenizer.token_to_id(t) for t in SPECIALS}
+    ids = demo_tokenizer.encode(text).ids
+    assert demo_tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert not set(ids) & {demo_tokenizer.token_to_id(t) for t in SPECIALS}
 
 
-def test_special_tokens_are_single_ids_at_the_end_of_the_vocabulary(tokenizer):
-    vocab = tokenizer.get_vocab_size()
-    ids = [tokenizer.token_to_id(t) for t in SPECIALS]
+def test_special_tokens_are_single_ids_at_the_end_of_the_vocabulary(demo_tokenizer):
+    vocab = demo_tokenizer.get_vocab_size()
+    ids = [demo_tokenizer.token_to_id(t) for t in SPECIALS]
     assert ids == list(range(vocab - len(SPECIALS), vocab))
-    assert tokenizer.encode("[gMASK]<sop><|user|>\nhi").ids[:3] == [ids[2], ids[4], ids[7]]
+    assert demo_tokenizer.encode("[gMASK]<sop><|user|>\nhi").ids[:3] == [ids[2], ids[4], ids[7]]
 
 
 def test_chat_template_starts_with_gmask_sop_and_opens_the_assistant_turn():
@@ -138,7 +138,7 @@ def test_chat_template_starts_with_gmask_sop_and_opens_the_assistant_turn():
     )
 
 
-def test_pagedserve_greedy_generation_matches_transformers(hf_model, tokenizer):
+def test_pagedserve_greedy_generation_matches_transformers(hf_model, demo_tokenizer):
     try:
         from pagedserve import LLM
     except ImportError as e:
@@ -151,7 +151,10 @@ def test_pagedserve_greedy_generation_matches_transformers(hf_model, tokenizer):
     ]
     for prompt, output in zip(prompts, llm.generate(prompts, params), strict=True):
         prompt_ids = list(output.prompt_token_ids)
-        assert prompt_ids[-len(tokenizer.encode(prompt).ids) :] == tokenizer.encode(prompt).ids
+        assert (
+            prompt_ids[-len(demo_tokenizer.encode(prompt).ids) :]
+            == demo_tokenizer.encode(prompt).ids
+        )
         expected = _hf_greedy(hf_model, prompt_ids, 16)
         assert list(output.outputs[0].token_ids) == expected, prompt
 
@@ -242,7 +245,7 @@ def test_a_continued_run_records_every_earlier_run_in_order_writing_where_the_ne
     assert train_demo._init_lines({"init_from": []}) == []
 
 
-def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(tokenizer):
+def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(demo_tokenizer):
     """--qat: the decoder's linears compute with the weights `--quantization int4` would serve
     (bf16, then RTN in groups of 32), gradients reach the latent weights straight through, and
     the model written at the end carries those INT4 weights, so RTN at load gives them back."""
@@ -251,7 +254,7 @@ def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(
     train_demo = _train_demo()
     torch.manual_seed(0)
     shape = train_demo.ModelShape(hidden_size=64, num_hidden_layers=1, intermediate_size=96)
-    model = train_demo.build_model(shape, tokenizer)
+    model = train_demo.build_model(shape, demo_tokenizer)
     linears = train_demo.decoder_linears(model)
     assert len(linears) == 6 and model.lm_head not in linears  # q k v o gate_up down
     served = [fake_quantize(m.weight.detach().to(torch.bfloat16), 32) for m in linears]

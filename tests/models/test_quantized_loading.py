@@ -14,7 +14,7 @@ from pagedserve import LLM
 from pagedserve.entrypoints.cli.quantize import add_quantize_args, run_quantize
 from pagedserve.hal.native import load_native_kernels
 from pagedserve.quant.evaluate import load_reference_model
-from tests.conftest import serve_subprocess
+from pagedserve.testing import serve
 from tests.helpers.models import build_tiny_model_dir, prompt_logprobs
 
 PROMPT = [(5 * i) % 300 + 10 for i in range(20)]
@@ -79,7 +79,7 @@ def test_serve_loads_a_quantized_directory_and_completes(source, tmp_path):
         "--served-model-name",
         "tiny-int4",
     ]
-    with serve_subprocess(*flags) as (_, url):
+    with serve(*flags) as (_, url):
         r = httpx.post(
             url + "/v1/completions",
             timeout=60,

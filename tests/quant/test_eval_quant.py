@@ -86,7 +86,7 @@ def eval_args(ref, cand, tmp_path, *extra):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def quantized_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("eval")
     build_tiny_hf_model(d / "ref", "glm4")
     build_tiny_tokenizer(d / "ref")
@@ -110,8 +110,10 @@ def models(tmp_path_factory):
     return d
 
 
-def test_a_model_against_itself_is_perfect(models, tmp_path, capsys):
-    assert run_eval_quant(eval_args(models / "ref", models / "ref", tmp_path)) == 0
+def test_a_model_against_itself_is_perfect(quantized_models, tmp_path, capsys):
+    assert (
+        run_eval_quant(eval_args(quantized_models / "ref", quantized_models / "ref", tmp_path)) == 0
+    )
     r = json.loads((tmp_path / "e.json").read_text())
     assert KEYS <= r.keys()
     assert r["ppl_increase_pct"] == pytest.approx(0.0, abs=1e-9)
@@ -120,18 +122,22 @@ def test_a_model_against_itself_is_perfect(models, tmp_path, capsys):
     assert r["passed"] and "PASS" in capsys.readouterr().out
 
 
-def test_quantized_candidate_differs_and_the_threshold_decides(models, tmp_path):
-    args = eval_args(models / "ref", models / "w4a16", tmp_path, "--max-loss-pct", "-100")
+def test_quantized_candidate_differs_and_the_threshold_decides(quantized_models, tmp_path):
+    args = eval_args(
+        quantized_models / "ref", quantized_models / "w4a16", tmp_path, "--max-loss-pct", "-100"
+    )
     assert run_eval_quant(args) == 1
     r = json.loads((tmp_path / "e.json").read_text())
     assert r["mean_kl"] > 0 and not r["passed"]
     assert r["act_bits"] == 16
 
 
-def test_w4a8_is_read_from_the_config_and_costs_more_kl(models, tmp_path):
-    run_eval_quant(eval_args(models / "ref", models / "w4a8", tmp_path))
+def test_w4a8_is_read_from_the_config_and_costs_more_kl(quantized_models, tmp_path):
+    run_eval_quant(eval_args(quantized_models / "ref", quantized_models / "w4a8", tmp_path))
     a8 = json.loads((tmp_path / "e.json").read_text())
-    run_eval_quant(eval_args(models / "ref", models / "w4a8", tmp_path, "--abits", "16"))
+    run_eval_quant(
+        eval_args(quantized_models / "ref", quantized_models / "w4a8", tmp_path, "--abits", "16")
+    )
     a16 = json.loads((tmp_path / "e.json").read_text())
     assert a8["act_bits"] == 8 and a16["act_bits"] == 16
     assert a8["mean_kl"] > a16["mean_kl"]
@@ -146,12 +152,18 @@ def test_text_data_needs_a_tokenizer(tmp_path):
         )
 
 
-def test_llm_generator_gives_the_same_continuations_as_the_reference_forward(models, tmp_path):
+def test_llm_generator_gives_the_same_continuations_as_the_reference_forward(
+    quantized_models, tmp_path
+):
     """pagedserve's engine (INT4 kernel, bf16 activations) and the fp32 reference forward on the
     same dequantized weights agree on greedy continuations, so BLEU/ROUGE do not depend on it."""
-    run_eval_quant(eval_args(models / "ref", models / "w4a16", tmp_path, "--generator", "llm"))
+    run_eval_quant(
+        eval_args(
+            quantized_models / "ref", quantized_models / "w4a16", tmp_path, "--generator", "llm"
+        )
+    )
     via_llm = json.loads((tmp_path / "e.json").read_text())
-    run_eval_quant(eval_args(models / "ref", models / "w4a16", tmp_path))
+    run_eval_quant(eval_args(quantized_models / "ref", quantized_models / "w4a16", tmp_path))
     via_reference = json.loads((tmp_path / "e.json").read_text())
     assert via_llm["mean_kl"] == via_reference["mean_kl"]  # distributions: always the reference
     assert via_llm["rouge_l"] == pytest.approx(via_reference["rouge_l"], abs=0.25)

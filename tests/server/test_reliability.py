@@ -8,9 +8,7 @@ import glob
 import os
 import re
 import signal
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,7 +16,6 @@ import pytest
 from pagedserve.entrypoints.cli.smi import main as smi_main
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks" / "reliability"
 
 
 def serve_flags(model_dir, *extra: str) -> list[str]:
@@ -30,11 +27,11 @@ def serve_flags(model_dir, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_glm4):
-    from tests.conftest import serve_subprocess
+def fault_injection_server(tiny_glm4):
+    from pagedserve.testing import serve
 
     flags = serve_flags(tiny_glm4[0], "--enable-fault-injection", "--weight-scrub-pages", "100000")
-    with serve_subprocess(*flags) as (proc, url):
+    with serve(*flags) as (proc, url):
         yield url
 
 
@@ -59,8 +56,10 @@ def inject(url: str, **body) -> dict:
     return r.json()
 
 
-def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(server, capsys):
-    url = server
+def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(
+    fault_injection_server, capsys
+):
+    url = fault_injection_server
     clean = complete(url).json()["choices"][0]["text"]
     inject(url, kind="weight_page", tag="model.norm.weight", page=0)
     assert complete(url).json()["choices"][0]["text"] == clean  # restored, step recomputed
@@ -84,8 +83,8 @@ def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(ser
     assert invariants["problems"] == [] and invariants["kv_cache_usage_perc"] == 0
 
 
-def test_a_scrub_on_demand_and_bad_injections_answer_plainly(server):
-    url = server
+def test_a_scrub_on_demand_and_bad_injections_answer_plainly(fault_injection_server):
+    url = fault_injection_server
     inject(url, kind="weight_page", tag="lm_head.weight", page=0)
     scrub = httpx.post(url + "/device/scrub", timeout=30).json()
     assert scrub["pages_restored"] == 1 and scrub["pages_verified"] > 1
@@ -116,12 +115,12 @@ def _gone(pid: int, timeout: float) -> bool:
 def test_a_sigkilled_server_restarts_on_its_port_with_nothing_to_clean(
     tiny_glm4, tmp_path, monkeypatch
 ):
-    from tests.conftest import free_port, serve_subprocess
+    from pagedserve.testing import free_port, serve
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the server makes its ZeroMQ ipc files
     port = free_port()
     flags = serve_flags(tiny_glm4[0])
-    with serve_subprocess(*flags, port=port) as (proc, url):
+    with serve(*flags, port=port) as (proc, url):
         core = httpx.get(url + "/health", timeout=10).json()["pid"]
         body = {"prompt": PROMPT_IDS, "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
@@ -130,7 +129,7 @@ def test_a_sigkilled_server_restarts_on_its_port_with_nothing_to_clean(
             proc.wait(10)
         assert _gone(core, 10), "the engine core outlived its SIGKILLed server"
     assert glob.glob(str(tmp_path / "pagedserve-*")) == [], "ipc files left behind"
-    with serve_subprocess(*flags, port=port) as (proc, url):
+    with serve(*flags, port=port) as (proc, url):
         assert complete(url).status_code == 200
     assert glob.glob(str(tmp_path / "pagedserve-*")) == []
 
@@ -139,15 +138,13 @@ def test_a_short_soak_leaves_an_empty_consistent_pool(tiny_glm4, tmp_path):
     """A few hundred mixed requests (streaming or not, n up to 4, shared prefixes, 20% of
     clients gone at a random moment): zero 5xx, nothing running or waiting, no page in use, the
     allocator's invariant check passes."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from server import logged_errors
-    from soak import run_soak
-
-    from tests.conftest import serve_subprocess
+    from benchmarks.reliability.processes import logged_errors
+    from benchmarks.reliability.soak import run_soak
+    from pagedserve.testing import serve
 
     flags = serve_flags(tiny_glm4[0], "--max-num-seqs", "8")
     with (tmp_path / "serve.log").open("w+") as log:
-        with serve_subprocess(*flags, log=log) as (proc, url):
+        with serve(*flags, log=log) as (proc, url):
             figures = run_soak(url, 120, concurrency=12, memory_pids=[], prefix_copies=1)
         log.seek(0)
         assert logged_errors(log.read()) == []  # gone clients' requests end without an error

@@ -7,7 +7,6 @@ README's fuzz figure with more examples)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -21,20 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("schemathesis", reason="the API fuzzer is a test extra: pip install -e .[test]")
 
 
-def _fuzz_module():
-    spec = importlib.util.spec_from_file_location("fuzz", ROOT / "benchmarks/reliability/fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.reliability import fuzz  # noqa: E402 - after the importorskip
 
-
-fuzz = _fuzz_module()
 AUTH = {"Authorization": f"Bearer {fuzz.API_KEY}"}
 CHAT = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(scope="module")
-def server():
+def fuzz_server():
     with fuzz.demo_server() as (url, app):
         yield url, app
 
@@ -56,8 +49,8 @@ def assert_client_error(r: httpx.Response, param: str | None = None) -> dict:
 
 
 # ---- fuzzing --------------------------------------------------------------------------------------
-def test_fuzzing_every_operation_of_the_openapi_schema_gives_no_5xx_and_no_hang(server):
-    url, _ = server
+def test_fuzzing_every_operation_of_the_openapi_schema_gives_no_5xx_and_no_hang(fuzz_server):
+    url, _ = fuzz_server
     figures = fuzz.fuzz(url, examples=6, timeout=60)
     assert figures["operations"] >= 15 and figures["cases"] >= 80
     assert figures["server_error_cases"] == [] and figures["hang_cases"] == []
@@ -90,29 +83,29 @@ NOT_FINITE = ["NaN", "Infinity", "-Infinity", "1e999"]
 
 
 @pytest.mark.parametrize("path, body, param", OUT_OF_RANGE)
-def test_an_integer_that_does_not_fit_is_a_400_naming_the_field(server, path, body, param):
-    assert_client_error(post(server, path, body), param)
+def test_an_integer_that_does_not_fit_is_a_400_naming_the_field(fuzz_server, path, body, param):
+    assert_client_error(post(fuzz_server, path, body), param)
 
 
 @pytest.mark.parametrize(
     "field", ["temperature", "top_p", "presence_penalty", "repetition_penalty"]
 )
 @pytest.mark.parametrize("value", NOT_FINITE)
-def test_a_float_that_is_not_finite_is_a_400_naming_the_field(server, field, value):
+def test_a_float_that_is_not_finite_is_a_400_naming_the_field(fuzz_server, field, value):
     body = f'{{"prompt": "Hi", "max_tokens": 1, "{field}": {value}}}'.encode()
-    assert_client_error(post(server, "/v1/completions", body), field)
+    assert_client_error(post(fuzz_server, "/v1/completions", body), field)
 
 
-def test_a_logit_bias_that_is_not_finite_is_a_400(server):
+def test_a_logit_bias_that_is_not_finite_is_a_400(fuzz_server):
     body = b'{"prompt": "Hi", "max_tokens": 1, "logit_bias": {"5": NaN}}'
-    assert_client_error(post(server, "/v1/completions", body), "logit_bias.5")
+    assert_client_error(post(fuzz_server, "/v1/completions", body), "logit_bias.5")
 
 
-def test_the_edges_of_the_ranges_are_served(server):
+def test_the_edges_of_the_ranges_are_served(fuzz_server):
     edges = {"seed": 2**63 - 1, "top_k": 2**31 - 1, "temperature": 1e308, "logprobs": 20}
-    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **edges})
+    r = post(fuzz_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, **edges})
     assert r.status_code == 200, r.text
-    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": -(2**63)})
+    r = post(fuzz_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": -(2**63)})
     assert r.status_code == 200, r.text
 
 
@@ -137,35 +130,39 @@ def test_sampling_params_refuse_what_torch_cannot_hold(field, value):
 
 
 # ---- bodies no client should send ------------------------------------------------------------------
-def test_malformed_utf8_is_a_400(server):
-    assert_client_error(post(server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}'))
+def test_malformed_utf8_is_a_400(fuzz_server):
+    assert_client_error(
+        post(fuzz_server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}')
+    )
 
 
-def test_deeply_nested_json_is_a_400(server):
+def test_deeply_nested_json_is_a_400(fuzz_server):
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    assert_client_error(post(server, "/v1/completions", deep))
+    assert_client_error(post(fuzz_server, "/v1/completions", deep))
     schema: dict = {"type": "string"}
     for _ in range(500):
         schema = {"type": "array", "items": schema}
-    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "guided_json": schema})
+    r = post(
+        fuzz_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "guided_json": schema}
+    )
     assert r.status_code < 500, r.text[:300]
 
 
-def test_a_deeply_nested_session_state_is_a_400(server):
-    url, _ = server
+def test_a_deeply_nested_session_state_is_a_400(fuzz_server):
+    url, _ = fuzz_server
     deep = b"[" * 100_000 + b"]" * 100_000
     r = httpx.put(url + "/sessions/deep/state", content=deep, headers=AUTH, timeout=60)
     assert_client_error(r, "state")
 
 
-def test_a_1mb_prompt_is_a_400_saying_it_is_too_long(server):
-    error = assert_client_error(post(server, "/v1/completions", {"prompt": "a " * 500_000}))
+def test_a_1mb_prompt_is_a_400_saying_it_is_too_long(fuzz_server):
+    error = assert_client_error(post(fuzz_server, "/v1/completions", {"prompt": "a " * 500_000}))
     assert error["code"] == "context_length_exceeded"
 
 
-def test_10000_stop_strings_are_a_400(server):
+def test_10000_stop_strings_are_a_400(fuzz_server):
     body = {"prompt": "Hi", "stop": [f"s{i}" for i in range(10_000)]}
-    error = assert_client_error(post(server, "/v1/completions", body), "stop")
+    error = assert_client_error(post(fuzz_server, "/v1/completions", body), "stop")
     assert "at most 64" in error["message"] and len(error["message"]) < 300
 
 
@@ -195,50 +192,50 @@ def _raw_request(server, head: bytes, chunks: list[bytes] = ()) -> bytes:
         return answer
 
 
-def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(fuzz_server):
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (fuzz.API_KEY.encode(), 10**11)
     )
-    answer = _raw_request(server, head)  # no byte of the body is sent: reading it would hang
+    answer = _raw_request(fuzz_server, head)  # no byte of the body is sent: reading it would hang
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"--max-request-body" in answer
 
 
-def test_a_chunked_body_over_the_limit_is_a_413(server):
+def test_a_chunked_body_over_the_limit_is_a_413(fuzz_server):
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer %s\r\nTransfer-Encoding: chunked\r\n\r\n" % fuzz.API_KEY.encode()
     )
-    answer = _raw_request(server, head, [b'{"prompt": "' + b"a" * 2**20] * 9)
+    answer = _raw_request(fuzz_server, head, [b'{"prompt": "' + b"a" * 2**20] * 9)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
 # ---- security -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["/etc/passwd", "../demo", "demo/../../etc", "/tmp"])
-def test_a_model_that_names_a_path_is_404_and_nothing_is_loaded(server, model):
-    _, app = server
+def test_a_model_that_names_a_path_is_404_and_nothing_is_loaded(fuzz_server, model):
+    _, app = fuzz_server
     for path, body in (
         ("/v1/completions", {"model": model, "prompt": "Hi"}),
         ("/v1/chat/completions", {"model": model, "messages": CHAT}),
         ("/tokenize", {"model": model, "prompt": "Hi"}),
     ):
-        r = post(server, path, body)
+        r = post(fuzz_server, path, body)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert app.state.serving.model_name == "demo"
 
 
-def test_a_chat_template_reaching_python_internals_is_refused(server, monkeypatch):
-    _, app = server
+def test_a_chat_template_reaching_python_internals_is_refused(fuzz_server, monkeypatch):
+    _, app = fuzz_server
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     monkeypatch.setattr(app.state.serving.tokenizer, "chat_template", evil)
-    error = assert_client_error(post(server, "/v1/chat/completions", {"messages": CHAT}))
+    error = assert_client_error(post(fuzz_server, "/v1/chat/completions", {"messages": CHAT}))
     assert "chat template" in error["message"] and "subclasses" not in error["message"][:60]
     assert "<class" not in error["message"]
 
 
-def test_the_api_key_is_required_and_a_near_miss_is_refused(server):
-    url, _ = server
+def test_the_api_key_is_required_and_a_near_miss_is_refused(fuzz_server):
+    url, _ = fuzz_server
     near = fuzz.API_KEY[:-1] + "X"
     for headers in ({}, {"Authorization": f"Bearer {near}"}, {"Authorization": fuzz.API_KEY}):
         r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
@@ -246,7 +243,7 @@ def test_the_api_key_is_required_and_a_near_miss_is_refused(server):
     assert httpx.get(url + "/v1/models", headers=AUTH, timeout=30).status_code == 200
 
 
-def test_the_api_key_is_compared_in_constant_time(server, monkeypatch):
+def test_the_api_key_is_compared_in_constant_time(fuzz_server, monkeypatch):
     import hmac
 
     compared = []
@@ -257,12 +254,12 @@ def test_the_api_key_is_compared_in_constant_time(server, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", recording)
-    httpx.get(server[0] + "/v1/models", headers={"Authorization": "Bearer guess"}, timeout=30)
+    httpx.get(fuzz_server[0] + "/v1/models", headers={"Authorization": "Bearer guess"}, timeout=30)
     assert compared == [(b"Bearer guess", f"Bearer {fuzz.API_KEY}".encode())]
 
 
-def test_no_cors_headers_unless_origins_are_allowed(server):
-    url, _ = server
+def test_no_cors_headers_unless_origins_are_allowed(fuzz_server):
+    url, _ = fuzz_server
     origin = {"Origin": "http://evil.example"}
     r = httpx.get(url + "/health", headers=origin, timeout=30)
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
@@ -272,14 +269,14 @@ def test_no_cors_headers_unless_origins_are_allowed(server):
 
 
 def test_serve_allows_the_origins_it_is_given_limits_bodies_and_never_logs_the_key(tmp_path):
-    from tests.conftest import serve_subprocess
+    from pagedserve.testing import serve
 
     key, wrong = "sk-never-logged-4f1d", "sk-wrong-guess-77ab"
     flags = ["--model", "demo", "--max-model-len", "64", "--num-kv-pages", "16"]
     flags += ["--api-key", key, "--allowed-origins", "http://ok.example"]
     flags += ["--max-request-body", "4096", "--log-level", "debug"]
     log_path = tmp_path / "serve.log"
-    with open(log_path, "w") as log, serve_subprocess(*flags, log=log) as (_, url):
+    with open(log_path, "w") as log, serve(*flags, log=log) as (_, url):
         ok = httpx.get(url + "/health", headers={"Origin": "http://ok.example"}, timeout=30)
         assert ok.headers["access-control-allow-origin"] == "http://ok.example"
         other = httpx.get(url + "/health", headers={"Origin": "http://evil.example"}, timeout=30)

@@ -19,7 +19,7 @@ CHAT = [{"role": "user", "content": "Hello world!"}]
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
+def openai_client(live_server):
     return openai.OpenAI(
         base_url=live_server.url + "/v1", api_key=live_server.api_key, max_retries=0, timeout=60
     )
@@ -66,15 +66,15 @@ def _tokenize(live_server, text: str) -> list[int]:
 
 
 # ---- generation ---------------------------------------------------------------------------------
-def test_models_lists_the_served_name(client, live_server):
-    models = client.models.list()
+def test_models_lists_the_served_name(openai_client, live_server):
+    models = openai_client.models.list()
     assert [m.id for m in models.data] == [live_server.model]
 
 
-def test_greedy_completion_matches_hf_tokens_and_logprobs(client, live_server, tiny_glm4):
+def test_greedy_completion_matches_hf_tokens_and_logprobs(openai_client, live_server, tiny_glm4):
     _, hf = tiny_glm4
     ids = _tokenize(live_server, PROMPT)
-    out = client.completions.create(
+    out = openai_client.completions.create(
         model="tiny",
         prompt=PROMPT,
         max_tokens=6,
@@ -102,10 +102,10 @@ def test_greedy_completion_matches_hf_tokens_and_logprobs(client, live_server, t
     assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
 
 
-def test_echo_with_logprobs_returns_prompt_logprobs(client, live_server, tiny_glm4):
+def test_echo_with_logprobs_returns_prompt_logprobs(openai_client, live_server, tiny_glm4):
     _, hf = tiny_glm4
     ids = _tokenize(live_server, PROMPT)
-    out = client.completions.create(
+    out = openai_client.completions.create(
         model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True
     )
     lp = out.choices[0].logprobs
@@ -118,13 +118,13 @@ def test_echo_with_logprobs_returns_prompt_logprobs(client, live_server, tiny_gl
     assert PROMPT in text and text.startswith("".join(lp.tokens[: len(ids)]))
 
 
-def test_chat_completion_uses_the_chat_template(client, live_server, tiny_glm4):
+def test_chat_completion_uses_the_chat_template(openai_client, live_server, tiny_glm4):
     _, hf = tiny_glm4
     r = httpx.post(
         live_server.url + "/tokenize", json={"messages": CHAT}, headers=_auth(live_server)
     )
     ids = r.json()["tokens"]
-    out = client.chat.completions.create(
+    out = openai_client.chat.completions.create(
         model="tiny",
         messages=CHAT,
         max_tokens=4,
@@ -144,13 +144,15 @@ def test_chat_completion_uses_the_chat_template(client, live_server, tiny_glm4):
     assert content[0].bytes == list(content[0].token.encode())
 
 
-def test_streaming_with_usage_matches_the_non_streamed_text(client):
+def test_streaming_with_usage_matches_the_non_streamed_text(openai_client):
     kwargs = dict(
         model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
-    whole = client.completions.create(**kwargs).choices[0].text
+    whole = openai_client.completions.create(**kwargs).choices[0].text
     chunks = list(
-        client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+        openai_client.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
     )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole
@@ -158,9 +160,9 @@ def test_streaming_with_usage_matches_the_non_streamed_text(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_chat_streaming_sends_role_then_deltas_then_usage(client):
+def test_chat_streaming_sends_role_then_deltas_then_usage(openai_client):
     chunks = list(
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model="tiny",
             messages=CHAT,
             max_tokens=5,
@@ -171,7 +173,7 @@ def test_chat_streaming_sends_role_then_deltas_then_usage(client):
         )
     )
     assert chunks[0].choices[0].delta.role == "assistant"
-    whole = client.chat.completions.create(
+    whole = openai_client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -179,18 +181,18 @@ def test_chat_streaming_sends_role_then_deltas_then_usage(client):
     assert chunks[-1].usage.completion_tokens == 5
 
 
-def test_n_2_returns_two_choices(client):
-    out = client.completions.create(
+def test_n_2_returns_two_choices(openai_client):
+    out = openai_client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=6, n=2, seed=3, extra_body={"ignore_eos": True}
     )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 12
 
 
-def test_seed_makes_sampling_reproducible(client):
+def test_seed_makes_sampling_reproducible(openai_client):
     def sample(seed: int) -> str:
         return (
-            client.completions.create(
+            openai_client.completions.create(
                 model="tiny",
                 prompt=PROMPT,
                 max_tokens=12,
@@ -206,9 +208,9 @@ def test_seed_makes_sampling_reproducible(client):
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 
-def test_stop_string_ends_the_text_before_it(client):
+def test_stop_string_ends_the_text_before_it(openai_client):
     full = (
-        client.completions.create(
+        openai_client.completions.create(
             model="tiny",
             prompt=PROMPT,
             max_tokens=10,
@@ -220,7 +222,7 @@ def test_stop_string_ends_the_text_before_it(client):
     )
     stop = full[3:5]
     assert stop
-    out = client.completions.create(
+    out = openai_client.completions.create(
         model="tiny",
         prompt=PROMPT,
         max_tokens=10,
@@ -251,9 +253,11 @@ def test_malformed_json_is_400(live_server):
     _assert_error(r, 400, "JSON")
 
 
-def test_wrong_type_is_400_not_422(client):
+def test_wrong_type_is_400_not_422(openai_client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"temperature": "hot"})
+        openai_client.completions.create(
+            model="tiny", prompt=PROMPT, extra_body={"temperature": "hot"}
+        )
     assert e.value.status_code == 400 and "temperature" in str(e.value)
 
 
@@ -267,23 +271,23 @@ def test_wrong_type_is_400_not_422(client):
         ({"logit_bias": {"99999": 1.0}}, "logit_bias"),
     ],
 )
-def test_invalid_sampling_fields_are_400(client, kwargs, needle):
+def test_invalid_sampling_fields_are_400(openai_client, kwargs, needle):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, **kwargs)
+        openai_client.completions.create(model="tiny", prompt=PROMPT, **kwargs)
     assert needle in e.value.message
 
 
-def test_prompt_too_long_is_400_with_both_numbers(client, live_server):
+def test_prompt_too_long_is_400_with_both_numbers(openai_client, live_server):
     ids = [5] * 200
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt=ids, max_tokens=100)
+        openai_client.completions.create(model="tiny", prompt=ids, max_tokens=100)
     assert "300" in e.value.message and "256" in e.value.message
 
 
-def test_bad_token_ids_and_empty_prompt_are_400(client):
+def test_bad_token_ids_and_empty_prompt_are_400(openai_client):
     for prompt in ([10**6], []):
         with pytest.raises(openai.BadRequestError):
-            client.completions.create(model="tiny", prompt=prompt)
+            openai_client.completions.create(model="tiny", prompt=prompt)
 
 
 def test_missing_or_wrong_api_key_is_401(live_server):
@@ -295,13 +299,13 @@ def test_missing_or_wrong_api_key_is_401(live_server):
     assert httpx.get(live_server.url + "/health").status_code == 200
 
 
-def test_unknown_model_is_404(client):
+def test_unknown_model_is_404(openai_client):
     with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="nope", prompt=PROMPT)
+        openai_client.completions.create(model="nope", prompt=PROMPT)
     assert "nope" in e.value.message
 
 
-def test_full_queue_is_503_with_retry_after(client, live_server):
+def test_full_queue_is_503_with_retry_after(openai_client, live_server):
     engine = live_server.serving.engine
     engine.pause()
     engine.max_queue_len = 2
@@ -463,7 +467,7 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
     import json
     import signal
 
-    from tests.conftest import serve_subprocess
+    from pagedserve.testing import serve
 
     flags = [
         "--model",
@@ -482,7 +486,7 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
         "info",
     ]
     log = (tmp_path / "serve.log").open("w+")
-    with serve_subprocess(*flags, log=log) as (proc, url):
+    with serve(*flags, log=log) as (proc, url):
         body = {
             "model": "tiny",
             "prompt": PROMPT,
@@ -506,7 +510,7 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
     assert "KV cache 64 pages" in log.read()
 
 
-def test_a_failing_step_fails_its_request_and_the_loop_lives_on(client, live_server):
+def test_a_failing_step_fails_its_request_and_the_loop_lives_on(openai_client, live_server):
     engine = live_server.serving.llm_engine
 
     def broken_step():
@@ -515,10 +519,10 @@ def test_a_failing_step_fails_its_request_and_the_loop_lives_on(client, live_ser
 
     engine.execute_step = broken_step
     with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        openai_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
     assert "injected" in e.value.message
     assert httpx.get(live_server.url + "/health").status_code == 200
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
+    assert openai_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
     _wait_idle(live_server)
 
 

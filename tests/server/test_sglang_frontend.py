@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import serve_subprocess
+from pagedserve.testing import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = os.environ.get("PAGEDSERVE_SGLANG_PYTHON", str(ROOT / ".venv-sglang/bin/python"))
@@ -69,7 +69,7 @@ def test_sglang_frontend_runs_a_program_against_pagedserve():
     if why:
         pytest.skip(why)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with serve_subprocess("--model", "demo") as (_, url):
+    with serve("--model", "demo") as (_, url):
         out = subprocess.run(
             [SGLANG_PYTHON, "-c", PROGRAM, url],
             capture_output=True,

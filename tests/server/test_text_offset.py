@@ -9,8 +9,6 @@ import json
 import httpx
 import pytest
 
-from tests.conftest import API_KEY
-
 NON_ASCII = "naïve café: 日本語のテキスト 🙂 ok"
 
 
@@ -19,7 +17,7 @@ def _complete(live_server, **body) -> dict:
     r = httpx.post(
         live_server.url + "/v1/completions",
         json=body,
-        headers={"Authorization": f"Bearer {API_KEY}"},
+        headers={"Authorization": f"Bearer {live_server.api_key}"},
         timeout=60,
     )
     assert r.status_code == 200, r.text
@@ -30,7 +28,7 @@ def _tokenize(live_server, text: str) -> list[int]:
     r = httpx.post(
         live_server.url + "/tokenize",
         json={"prompt": text},
-        headers={"Authorization": f"Bearer {API_KEY}"},
+        headers={"Authorization": f"Bearer {live_server.api_key}"},
     )
     return r.json()["tokens"]
 
@@ -88,7 +86,7 @@ def test_streamed_offsets_point_into_the_streamed_text(live_server, prompt):
         "ignore_eos": True,
         "temperature": 0,
     }
-    headers = {"Authorization": f"Bearer {API_KEY}"}
+    headers = {"Authorization": f"Bearer {live_server.api_key}"}
     text, tokens, offsets = "", [], []
     with httpx.stream("POST", live_server.url + "/v1/completions", json=body, headers=headers) as r:
         for line in r.iter_lines():

@@ -21,7 +21,9 @@ from pagedserve.engine.async_engine import TOKEN_RATE_HISTORY_S, TokenRateHistor
 from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.presets import demo_model_dir
 from pagedserve.server.app import build_app
-from tests.conftest import API_KEY, free_port
+from pagedserve.testing import serve_app
+
+API_KEY = "test-key"  # the key the console is opened with (the screenshots type it)
 
 
 # ---- the routes (no browser) --------------------------------------------------------------------
@@ -126,10 +128,8 @@ def browser() -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def demo_server() -> Iterator[str]:
+def console_server() -> Iterator[str]:
     """The demo model behind an API key, in a thread; a small pool so the map shows its pages."""
-    import uvicorn
-
     engine = LLMEngine(
         EngineConfig.from_kwargs(
             model=str(demo_model_dir()),
@@ -138,18 +138,8 @@ def demo_server() -> Iterator[str]:
             device="kunlun-emu",
         )
     )
-    app = build_app(engine, "demo", api_key=API_KEY)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{server.config.port}"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(build_app(engine, "demo", api_key=API_KEY)) as url:
+        yield url
 
 
 def _wait(condition, timeout: float = 60, what: str = "the page"):
@@ -181,12 +171,12 @@ new MutationObserver(() => {
 
 
 @pytest.mark.browser
-def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, demo_server):
+def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, console_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
     driver = browser
-    _open_with_key(driver, demo_server)
+    _open_with_key(driver, console_server)
     assert _unlabelled_controls(driver) == []
 
     # chat: a fixed sampling state so the answer is the same on every run
@@ -218,7 +208,7 @@ def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, demo
     in_use = lambda: int(page_map.get_attribute("data-in-use"))  # noqa: E731
     assert page_map.is_displayed() and in_use() == 0
     leave = threading.Event()
-    long_request = threading.Thread(target=_long_request, args=(demo_server, leave), daemon=True)
+    long_request = threading.Thread(target=_long_request, args=(console_server, leave), daemon=True)
     long_request.start()
     try:
         first = _wait(in_use, what="pages in use")
@@ -235,13 +225,13 @@ def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, demo
 
 
 @pytest.mark.browser
-def test_completion_mode_answers_with_one_of_the_choices_given(browser, demo_server):
+def test_completion_mode_answers_with_one_of_the_choices_given(browser, console_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.select import Select
 
     driver = browser
-    _open_with_key(driver, demo_server)
+    _open_with_key(driver, console_server)
     driver.find_element(By.CSS_SELECTOR, "input[name=mode][value=completion]").click()
     assert not driver.find_element(By.ID, "system").is_displayed()  # chat only
     Select(driver.find_element(By.ID, "structured")).select_by_value("choice")
@@ -287,11 +277,11 @@ def _unlabelled_controls(driver) -> list[str]:
 
 
 @pytest.mark.browser
-def test_console_fits_a_phone_screen(browser, demo_server):
+def test_console_fits_a_phone_screen(browser, console_server):
     browser.set_window_size(390, 844)
     try:
         for tab in ("tab-playground", "tab-monitor"):
-            browser.get(demo_server + "/")
+            browser.get(console_server + "/")
             browser.find_element("id", tab).click()
             overflow = browser.execute_script(
                 "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
@@ -302,11 +292,11 @@ def test_console_fits_a_phone_screen(browser, demo_server):
 
 
 @pytest.mark.browser
-def test_views_switch_from_the_keyboard(browser, demo_server):
+def test_views_switch_from_the_keyboard(browser, console_server):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    browser.get(demo_server + "/")
+    browser.get(console_server + "/")
     browser.find_element(By.ID, "tab-playground").send_keys(Keys.ARROW_RIGHT)
     monitor_tab = browser.find_element(By.ID, "tab-monitor")
     assert monitor_tab.get_attribute("aria-selected") == "true"
@@ -316,10 +306,10 @@ def test_views_switch_from_the_keyboard(browser, demo_server):
 
 
 @pytest.mark.browser
-def test_without_the_key_the_page_asks_for_it(browser, demo_server):
+def test_without_the_key_the_page_asks_for_it(browser, console_server):
     from selenium.webdriver.common.by import By
 
-    browser.get(demo_server + "/")
+    browser.get(console_server + "/")
     browser.execute_script("sessionStorage.clear()")
     browser.refresh()
     notice = _wait(lambda: browser.find_element(By.ID, "notice").text, what="the notice")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from pagedserve.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WEB_CONSOLE_FILES = ("/", "/console/console.js", "/console/console.css")

@@ -5,7 +5,6 @@ takes, and the routes it says the API key guards are the ones it guards."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -15,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import serve_subprocess
+from benchmarks import demo_heldout
+from pagedserve.testing import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -68,9 +68,9 @@ def resident_gb(pid: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def demo_server():
+def readme_server():
     """`pagedserve serve` with no flags, as the README starts it: (process, port)."""
-    with serve_subprocess() as (proc, url):
+    with serve() as (proc, url):
         yield proc, int(url.rsplit(":", 1)[1])
 
 
@@ -87,8 +87,8 @@ def test_readme_has_curl_examples_for_completions_chat_and_streaming():
 
 
 @pytest.mark.parametrize("index", range(len(curl_examples())))
-def test_readme_curl_example_runs(demo_server, index):
-    _, port = demo_server
+def test_readme_curl_example_runs(readme_server, index):
+    _, port = readme_server
     example = on_port(curl_examples()[index], port)
     out = _run(["bash", "-c", f"set -o pipefail; {example}"], timeout=120).stdout.strip()
     assert out, "no output"
@@ -98,26 +98,17 @@ def test_readme_curl_example_runs(demo_server, index):
         assert out.startswith("data:") and out.rstrip().endswith("data: [DONE]")
 
 
-def test_readme_shows_the_demo_models_real_completion(demo_server):
-    _, port = demo_server
+def test_readme_shows_the_demo_models_real_completion(readme_server):
+    _, port = readme_server
     out = _run(["bash", "-c", on_port(curl_examples()[0], port)], timeout=120).stdout
     assert json.loads(out)["choices"][0]["text"] == shown_completion()
 
 
-def demo_heldout():
-    """benchmarks/demo_heldout.py: the held-out measure through the server."""
-    path = ROOT / "benchmarks" / "demo_heldout.py"
-    spec = importlib.util.spec_from_file_location("demo_heldout", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_server_scores_the_heldout_slice_as_training_recorded(demo_server):
+def test_the_server_scores_the_heldout_slice_as_training_recorded(readme_server):
     """echo + logprobs through the server on the slice metrics.json records (held-out documents
     the model never trained on): the shipped model is as good there as its training run said."""
-    _, port = demo_server
-    bench = demo_heldout()
+    _, port = readme_server
+    bench = demo_heldout  # benchmarks/demo_heldout.py: the held-out measure through the server
     text = bench.HELDOUT_FILE.read_text(encoding="utf-8")[: DEMO_METRICS["test_slice_chars"]]
     measured = bench.server_bits_per_char(f"http://127.0.0.1:{port}", text)
     recorded = DEMO_METRICS["test_slice_bits_per_char"]
@@ -140,8 +131,8 @@ def test_readme_quotes_the_heldout_bits_per_char_measured_through_the_server():
 
 
 @pytest.mark.parametrize("index", range(len(python_examples(server=True))))
-def test_readme_python_example_against_the_server_runs_as_a_script(demo_server, index):
-    _, port = demo_server
+def test_readme_python_example_against_the_server_runs_as_a_script(readme_server, index):
+    _, port = readme_server
     example = on_port(python_examples(server=True)[index], port)
     assert _run([sys.executable, "-c", example]).stdout.strip(), "printed nothing"
 
@@ -154,13 +145,13 @@ def test_readme_offline_python_examples_run_as_one_script():
     assert "rejected: this request needs" in out  # the rejection example's prompt
 
 
-def test_readme_memory_figures_bound_what_the_demo_server_takes(demo_server):
+def test_readme_memory_figures_bound_what_the_demo_server_takes(readme_server):
     # upper bounds: how much of an untouched pool is resident depends on the kernel
-    proc, _ = demo_server
+    proc, _ = readme_server
     default = readme_gb(r"The demo server takes up to about ([\d.]+) GB")
     assert resident_gb(proc.pid) <= default * 1.1
     small = readme_gb(r"--num-kv-pages 512` \(8,192 tokens\) takes up to about ([\d.]+) GB")
-    with serve_subprocess("--num-kv-pages", "512") as (small_proc, _):
+    with serve("--num-kv-pages", "512") as (small_proc, _):
         assert resident_gb(small_proc.pid) <= small * 1.5
 
 

@@ -173,7 +173,13 @@ def test_results_file_records_date_machine_torch_and_an_existing_command(path):
     record = json.loads(path.read_text())
     for key in ("date", "machine", "torch", "command"):
         assert record.get(key), f"{path.name} has no {key!r}"
-    scripts = [w for w in shlex.split(record["command"]) if w.endswith((".py", ".sh"))]
+    words = shlex.split(record["command"])
+    scripts = [w for w in words if w.endswith((".py", ".sh"))]
+    scripts += [  # python -m benchmarks.NAME: the script benchmarks/NAME.py
+        module.replace(".", "/") + ".py"
+        for flag, module in zip(words, words[1:])
+        if flag == "-m" and module.startswith("benchmarks.")
+    ]
     assert scripts or record["command"].startswith("pagedserve "), record["command"]
     for script in scripts:
         assert (ROOT / script).is_file(), f"{path.name}: its command's {script} is not in the repo"
