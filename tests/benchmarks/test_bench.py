@@ -6,22 +6,17 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.benchmarks import serve as bench
 from pagedserve.benchmarks.serve import add_bench_args, run_bench
+from pagedserve.testing import free_port, serve_app
 
 TTFT_S = 0.20
 ITL_S = 0.04
@@ -80,24 +75,9 @@ def fake_app(behaviour: FakeBehaviour) -> FastAPI:
     return app
 
 
-@contextmanager
-def serve(behaviour: FakeBehaviour) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(fake_app(behaviour), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:  # however long a loaded machine takes; pytest-timeout bounds it
-        assert thread.is_alive(), "fake server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+def serve(behaviour: FakeBehaviour):
+    """The fake server in a thread of this process: its base URL."""
+    return serve_app(fake_app(behaviour), lifespan="off")
 
 
 def _args(base_url: str, *extra: str) -> argparse.Namespace:
@@ -246,11 +226,7 @@ def test_prefix_repetition_prompts_share_prefixes():
 
 
 def test_unreachable_server_fails_every_request(tmp_path):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    code, result = _run(f"http://127.0.0.1:{port}", tmp_path, "--num-prompts", "2")
+    code, result = _run(f"http://127.0.0.1:{free_port()}", tmp_path, "--num-prompts", "2")
     assert code == 1 and result["completed"] == 0 and result["failed"] == 2
 
 
