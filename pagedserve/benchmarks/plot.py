@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedserve.benchmarks.serve import RequestOutput
+    from pagedserve.benchmarks.request import RequestFuncOutput
 
 EXTRA = "pagedserve[plot]"
 
@@ -27,7 +27,7 @@ def require_matplotlib() -> None:
         ) from None
 
 
-def latency_series(outputs: list[RequestOutput]) -> dict[str, list[float]]:
+def latency_series(outputs: list[RequestFuncOutput]) -> dict[str, list[float]]:
     """Milliseconds per successful request (per gap for ITL), under vLLM's definitions."""
     done = [o for o in outputs if o.success]
     return {
@@ -40,7 +40,7 @@ def latency_series(outputs: list[RequestOutput]) -> dict[str, list[float]]:
     }
 
 
-def in_flight_series(outputs: list[RequestOutput]) -> tuple[list[float], list[int]]:
+def in_flight_series(outputs: list[RequestFuncOutput]) -> tuple[list[float], list[int]]:
     """(seconds from the first request's start, requests in flight from then on): a step
     function with one point per start and end."""
     if not outputs:
@@ -57,21 +57,21 @@ def in_flight_series(outputs: list[RequestOutput]) -> tuple[list[float], list[in
     return times, counts
 
 
-def plot(outputs: list[RequestOutput], path: str, title: str = "") -> None:
+def plot(outputs: list[RequestFuncOutput], path: str, title: str = "") -> None:
     """Draw the six panels into ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: the figure only goes to a file
     import matplotlib.pyplot as plt
 
-    from pagedserve.benchmarks.serve import _percentile, throughput_series
+    from pagedserve.benchmarks.metrics import percentile, throughput_series
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (name, values) in zip(axes.flat, latency_series(outputs).items()):
         ax.hist(values, bins=30, color="tab:blue")
         for p, style in ((50, "--"), (99, ":")):
             if values:
-                x = _percentile(values, p)
+                x = percentile(values, p)
                 ax.axvline(x, color="black", linestyle=style, label=f"p{p} {x:.1f} ms")
         ax.set(title=f"{name} ({len(values)})", xlabel="ms", ylabel="count")
         if values:

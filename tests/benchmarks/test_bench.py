@@ -14,8 +14,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedserve.benchmarks import datasets, metrics
 from pagedserve.benchmarks import serve as bench
-from pagedserve.benchmarks.serve import add_bench_args, run_bench
+from pagedserve.benchmarks.request import RequestFuncOutput
+from pagedserve.entrypoints.cli.bench import add_bench_args, run_bench
 from pagedserve.testing import free_port, serve_app
 
 TTFT_S = 0.20
@@ -220,7 +222,7 @@ def test_prefix_repetition_prompts_share_prefixes():
         "--prefix-repetition-num-prefixes",
         "2",
     )
-    samples = bench.prefix_repetition_dataset(args, bench.PromptBuilder(None))
+    samples = datasets.prefix_repetition_dataset(args, datasets.PromptBuilder(None))
     prefixes = {" ".join(s.prompt.split()[:20]) for s in samples}
     assert len(samples) == 8 and len(prefixes) == 2
 
@@ -242,19 +244,19 @@ def test_poisson_arrivals_have_the_requested_mean_rate():
 
 def test_tpot_and_percentiles_follow_vllm_definitions():
     outs = [
-        bench.RequestOutput(
+        RequestFuncOutput(
             success=True, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4, prompt_len=10
         ),
-        bench.RequestOutput(success=True, output_tokens=1, ttft=0.2, latency=0.2, prompt_len=10),
-        bench.RequestOutput(success=False, error="x"),
+        RequestFuncOutput(success=True, output_tokens=1, ttft=0.2, latency=0.2, prompt_len=10),
+        RequestFuncOutput(success=False, error="x"),
     ]
-    m = bench.compute_metrics(outs, duration=2.0)
+    m = metrics.compute_metrics(outs, duration=2.0)
     assert m["completed"] == 2 and m["failed"] == 1
     assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4; 1-token request excluded
     assert m["mean_ttft_ms"] == pytest.approx(150.0)
     assert m["request_throughput"] == pytest.approx(1.0)
     assert m["total_token_throughput"] == pytest.approx((20 + 6) / 2.0)
-    assert bench._percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)  # numpy's linear rule
+    assert metrics.percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)  # numpy's linear rule
 
 
 def test_bad_arguments_are_refused_with_a_reason(capsys):
@@ -267,13 +269,13 @@ def test_bad_arguments_are_refused_with_a_reason(capsys):
 def test_tokenizer_gives_exact_prompt_lengths(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", *sorted(set(bench.WORDS))])}
+    vocab = {w: i for i, w in enumerate(["[UNK]", *sorted(set(datasets.WORDS))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    prompts = bench.PromptBuilder(bench.local_tokenizer(str(tmp_path)))
+    prompts = datasets.PromptBuilder(datasets.local_tokenizer(str(tmp_path)))
     args = _args("http://unused", "--tokenizer", str(tmp_path), "--random-input-len", "37")
-    samples = bench.random_dataset(args, prompts)
+    samples = datasets.random_dataset(args, prompts)
     assert all(prompts.count(s.prompt) == s.prompt_len == 37 for s in samples)
 
 
@@ -283,7 +285,7 @@ def test_random_prompts_have_the_asked_length_as_the_demo_server_counts_it(num_t
     from pagedserve.presets import demo_model_dir
 
     server_side = Tokenizer(demo_model_dir())  # what `pagedserve serve` counts with
-    prompts = bench.PromptBuilder(bench.local_tokenizer("demo"))
+    prompts = datasets.PromptBuilder(datasets.local_tokenizer("demo"))
     assert prompts.num_special == 2  # [gMASK]<sop>
     rng = random.Random(num_tokens)
     for _ in range(5):
@@ -332,12 +334,12 @@ def test_without_model_the_servers_first_model_is_benchmarked(live_server, tmp_p
 
 def test_default_lengths_shrink_to_fit_the_servers_max_model_len(live_server, tmp_path, capsys):
     limit = live_server.serving.max_model_len
-    assert limit < bench.DEFAULT_RANDOM_INPUT_LEN + bench.DEFAULT_RANDOM_OUTPUT_LEN
+    assert limit < datasets.DEFAULT_RANDOM_INPUT_LEN + datasets.DEFAULT_RANDOM_OUTPUT_LEN
     code, result = _run_live(live_server, tmp_path, "--num-prompts", "2")
     assert code == 0 and result["failed"] == 0
-    default_total = bench.DEFAULT_RANDOM_INPUT_LEN + bench.DEFAULT_RANDOM_OUTPUT_LEN
-    n_in = int(bench.DEFAULT_RANDOM_INPUT_LEN * limit / default_total)  # 1024:128, scaled down
-    n_out = int(bench.DEFAULT_RANDOM_OUTPUT_LEN * limit / default_total)
+    default_total = datasets.DEFAULT_RANDOM_INPUT_LEN + datasets.DEFAULT_RANDOM_OUTPUT_LEN
+    n_in = int(datasets.DEFAULT_RANDOM_INPUT_LEN * limit / default_total)  # 1024:128, scaled down
+    n_out = int(datasets.DEFAULT_RANDOM_OUTPUT_LEN * limit / default_total)
     assert set(result["input_lens"]) == {n_in} and set(result["output_lens"]) == {n_out}
     assert n_in + n_out <= limit
     assert f"max_model_len is {limit}" in capsys.readouterr().err
@@ -440,14 +442,14 @@ def test_default_output_file_is_named_as_vllm_names_it():
 
 def test_throughput_over_time_counts_tokens_not_chunks():
     # two tokens a chunk (as a server that streams every other step would): 4 chunks, 8 tokens
-    out = bench.RequestOutput(
+    out = RequestFuncOutput(
         success=True,
         start=10.0,
         output_tokens=8,
         num_chunks=4,
         token_times=[10.2, 10.5, 11.1, 11.9],
     )
-    seconds, tokens = bench.throughput_series([out])
+    seconds, tokens = metrics.throughput_series([out])
     assert seconds == [0.0, 1.0] and tokens == [4.0, 4.0]
     assert sum(tokens) == out.output_tokens
 
@@ -470,11 +472,11 @@ def test_plot_series_follow_vllm_definitions():
     from pagedserve.benchmarks.plot import in_flight_series, latency_series
 
     outs = [
-        bench.RequestOutput(
+        RequestFuncOutput(
             success=True, start=0.0, ttft=0.1, latency=0.5, output_tokens=5, itl=[0.1] * 4
         ),
-        bench.RequestOutput(success=True, start=0.2, ttft=0.2, latency=0.2, output_tokens=1),
-        bench.RequestOutput(success=False, start=0.3, latency=0.05, error="x"),
+        RequestFuncOutput(success=True, start=0.2, ttft=0.2, latency=0.2, output_tokens=1),
+        RequestFuncOutput(success=False, start=0.3, latency=0.05, error="x"),
     ]
     series = latency_series(outs)
     assert series["TTFT"] == pytest.approx([100.0, 200.0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from pagedserve.benchmarks import serve as bench
+from pagedserve.benchmarks import datasets
 from pagedserve.engine.memory_plan import tune
 from pagedserve.entrypoints.cli.main import main
 from pagedserve.presets import demo_model_dir
@@ -25,7 +25,7 @@ def test_bench_tokenizer_demo_is_the_demo_models_tokenizer():
     from tokenizers import Tokenizer
 
     shipped = Tokenizer.from_file(str(demo_model_dir() / "tokenizer.json"))
-    prompts = bench.PromptBuilder(bench.local_tokenizer("demo"))
+    prompts = datasets.PromptBuilder(datasets.local_tokenizer("demo"))
     text = "def fibonacci(n):\n    return n"
     bare = len(shipped.encode(text, add_special_tokens=False).ids)
     assert prompts.count(text, as_prompt=False) == bare > 0

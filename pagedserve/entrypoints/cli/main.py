@@ -525,7 +525,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         subparsers,
         "bench",
         "benchmark a running server (throughput, TTFT, ITL)",
-        "pagedserve.benchmarks.serve",
+        "pagedserve.entrypoints.cli.bench",
         "add_bench_args",
         "run_bench",
         load=chosen in (None, "bench"),
