@@ -22,17 +22,14 @@ All figures are per tensor-parallel rank, in bytes:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from pagedserve.entrypoints.cli.completion import offer
 from pagedserve.hal.memory import parse_bytes
 from pagedserve.presets import (
     DEMO_MODEL,
@@ -518,90 +515,3 @@ def explain(result: TuneResult) -> str:
         f"{r.num_kv_pages} KV pages on each"
     )
     return "\n".join([head, "-" * len(head), *body, fits])
-
-
-# ---- CLI
-
-
-def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    model = parser.add_argument(
-        "--model",
-        required=True,
-        help="checkpoint directory or model preset "
-        f"({', '.join(preset_names('models'))}; demo: the embedded demo model's)",
-    )
-    offer(model, ["demo", *preset_names("models")])
-    device = parser.add_argument(
-        "--device",
-        required=True,
-        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
-    )
-    offer(device, preset_names("devices"))
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "--tp-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="cards the weights and KV heads are split over (figures are per card)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="default: the model's max_position_embeddings",
-    )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--quantization", choices=["int4", "none"], default="int4")
-    parser.add_argument("--quant-group-size", type=int, default=32)
-    parser.add_argument("--kv-dtype", choices=list(KV_DTYPE_BYTES), default="bf16")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--write", metavar="FILE", default=None, help="write a launch script")
-    return parser
-
-
-def run_tune(args: argparse.Namespace) -> int:
-    try:
-        result = tune(
-            args.model,
-            args.device,
-            args.tensor_parallel_size,
-            args.max_model_len,
-            args.gpu_memory_utilization,
-            args.quantization,
-            args.kv_dtype,
-            args.block_size,
-            args.quant_group_size,
-            args.max_num_batched_tokens,
-        )
-    except ValueError as exc:
-        print(f"pagedserve tune: error: {exc}", file=sys.stderr)
-        return 2
-    if args.write:
-        path = Path(args.write)
-        path.write_text(result.launch_script)
-        path.chmod(0o755)
-    if args.json:
-        print(json.dumps(asdict(result), indent=2))
-    else:
-        print(explain(result))
-        print(f"\nlaunch script{f' (written to {args.write})' if args.write else ''}:\n")
-        print(result.launch_script)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_tune_args(
-        argparse.ArgumentParser(
-            prog="pagedserve tune",
-            description=__doc__,
-            formatter_class=argparse.RawTextHelpFormatter,
-        )
-    )
-    return run_tune(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -150,12 +150,12 @@ def test_a_disconnected_stream_is_aborted_in_the_engine_process(engine_process_s
 
 
 def test_device_smi_and_health_read_the_engine_process(engine_process_server, capsys):
-    from pagedserve.entrypoints.cli.smi import main as smi
+    from pagedserve.entrypoints.cli.main import main
 
     proc, url = engine_process_server
     device = httpx.get(url + "/device", timeout=10).json()
     assert device["kv_pages"]["total"] == 256 and device["model"] == "tiny"
-    assert smi(["--url", url, "--json"]) == 0
+    assert main(["smi", "--url", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["kv_pages"]["total"] == 256
     health = httpx.get(url + "/health", timeout=10).json()
     assert health["engine"] == "alive" and health["pid"] != proc.pid

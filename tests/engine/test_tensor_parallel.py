@@ -248,7 +248,7 @@ def test_a_model_larger_than_a_card_is_refused_at_tp_1_suggesting_tp_2(tiny_glm4
 
 
 def test_tp_2_serves_it_with_half_the_weights_on_each_card(tiny_glm4, small_cards, capsys):
-    from pagedserve.entrypoints.cli.smi import main as smi
+    from pagedserve.entrypoints.cli.main import main
 
     preset, checkpoint = small_cards
     flags = ["--model", str(tiny_glm4[0]), "--device", str(preset), *SERVE_FLAGS, "--tp-size", "2"]
@@ -256,12 +256,12 @@ def test_tp_2_serves_it_with_half_the_weights_on_each_card(tiny_glm4, small_card
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=5)
         assert done.choices[0].text and done.usage.completion_tokens == 5
-        assert smi(["--url", url, "--json"]) == 0
+        assert main(["smi", "--url", url, "--json"]) == 0
         cards = json.loads(capsys.readouterr().out)
         assert [c["name"] for c in cards] == ["two-small-cards card 0", "two-small-cards card 1"]
         for card in cards:
             assert 0.45 < card["tiers"]["weight"]["used_bytes"] / checkpoint < 0.6
-        assert smi(["--url", url, "-d", "1", "--json"]) == 0
+        assert main(["smi", "--url", url, "-d", "1", "--json"]) == 0
         assert [c["tp_rank"] for c in json.loads(capsys.readouterr().out)] == [1]
         metrics = httpx.get(url + "/metrics").text
         assert "pagedserve:collective_bytes_sent_total" in metrics

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 import pagedserve
-from pagedserve.entrypoints.cli.main import _subparser, build_parser
+from pagedserve.entrypoints.cli.main import build_parser
+from pagedserve.entrypoints.cli.utils import subparser
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant"]  # completion: no defaults
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_shows_the_default_of_every_option_that_has_one(command):
-    parser = _subparser(build_parser(), command)
+    parser = subparser(build_parser(), command)
     formatter = parser._get_formatter()
     checked = 0
     for action in parser._actions:
@@ -32,7 +33,7 @@ def test_help_shows_the_default_of_every_option_that_has_one(command):
 
 
 def test_serve_help_shows_host_and_port_defaults():
-    text = re.sub(r"\s+", " ", _subparser(build_parser(), "serve").format_help())
+    text = re.sub(r"\s+", " ", subparser(build_parser(), "serve").format_help())
     assert (
         "--host HOST address to listen on; 0.0.0.0 for all interfaces (default: 127.0.0.1)" in text
     )
@@ -50,7 +51,7 @@ SERVE_GROUPS = {  # vLLM's grouping of its own flags, as far as serve has them
 
 
 def test_serve_help_groups_every_flag_as_vllm_does():
-    serve = _subparser(build_parser(), "serve")
+    serve = subparser(build_parser(), "serve")
     groups = {g.title: g for g in serve._action_groups}
     assert list(SERVE_GROUPS) == [t for t in groups if t in SERVE_GROUPS]
     grouped = set()
@@ -67,7 +68,7 @@ def test_serve_help_groups_every_flag_as_vllm_does():
 
 
 def test_serve_config_file_still_reaches_flags_inside_groups(tmp_path):
-    from pagedserve.entrypoints.cli.main import apply_config_file
+    from pagedserve.entrypoints.cli.serve import apply_config_file
 
     config = tmp_path / "serve.yaml"
     config.write_text("max_num_seqs: 3\nblock-size: 32\nport: 9001\ndevice: cpu\n")

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from pagedserve.entrypoints.cli.completion import bash_script, zsh_script
-from pagedserve.entrypoints.cli.main import _subparser, build_parser, main
+from pagedserve.entrypoints.cli.main import build_parser, main
+from pagedserve.entrypoints.cli.utils import subparser
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant", "completion"]
 
@@ -39,7 +40,7 @@ def _complete(script, line: str) -> list[str]:
 
 
 def _options(parser, command: str) -> set[str]:
-    sub = _subparser(parser, command)
+    sub = subparser(parser, command)
     return {name for a in sub._actions for name in a.option_strings}
 
 

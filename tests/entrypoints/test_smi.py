@@ -8,11 +8,11 @@ import time
 
 import httpx
 
-from pagedserve.entrypoints.cli.smi import main
+from pagedserve.entrypoints.cli.main import main
 
 
 def _smi(capsys, live_server, *extra: str) -> str:
-    assert main(["--url", live_server.url, "--api-key", live_server.api_key, *extra]) == 0
+    assert main(["smi", "--url", live_server.url, "--api-key", live_server.api_key, *extra]) == 0
     return capsys.readouterr().out
 
 
@@ -55,16 +55,16 @@ def test_smi_table_and_detail_views(capsys, live_server):
 def test_smi_reports_an_unreachable_server(capsys):
     from pagedserve.testing import free_port
 
-    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--timeout", "1"]) == 1
+    assert main(["smi", "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "1"]) == 1
     assert "cannot read" in capsys.readouterr().err
 
 
 def test_smi_rejects_an_unknown_device_index(capsys, live_server):
-    assert main(["--url", live_server.url, "--api-key", live_server.api_key, "-d", "3"]) == 2
+    assert main(["smi", "--url", live_server.url, "--api-key", live_server.api_key, "-d", "3"]) == 2
 
 
 def test_smi_without_the_servers_api_key_says_to_pass_it(capsys, live_server):
-    assert main(["--url", live_server.url]) == 2
+    assert main(["smi", "--url", live_server.url]) == 2
     assert "pass an API key with --api-key" in capsys.readouterr().err
-    assert main(["--url", live_server.url, "--api-key", "wrong"]) == 2
+    assert main(["smi", "--url", live_server.url, "--api-key", "wrong"]) == 2
     assert "pass a different key with --api-key" in capsys.readouterr().err

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from pagedserve.engine import memory_plan as tune_mod
-from pagedserve.engine.memory_plan import TuneError, add_tune_args, run_tune, tune
+from pagedserve.engine.memory_plan import TuneError, tune
+from pagedserve.entrypoints.cli.tune import add_tune_args, run_tune
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from pagedserve.entrypoints.cli.smi import main as smi_main
+from pagedserve.entrypoints.cli.main import main
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 
@@ -74,7 +74,7 @@ def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(
     assert fault_counts(url) == {"kv_page": 1.0, "weight_page": 1.0, "step": 1.0}
     faults = httpx.get(url + "/device", timeout=10).json()["faults"]
     assert all(f == {"injected": 1, "detected": 1, "recovered": 1} for f in faults.values())
-    assert smi_main(["--url", url]) == 0
+    assert main(["smi", "--url", url]) == 0
     assert (
         "faults kv_page 1/1  weight_page 1/1  step 1/1 (detected/recovered)"
         in capsys.readouterr().out

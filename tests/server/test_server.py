@@ -12,7 +12,8 @@ import openai
 import pytest
 import torch
 
-from pagedserve.entrypoints.cli.main import apply_config_file, build_parser
+from pagedserve.entrypoints.cli.main import build_parser
+from pagedserve.entrypoints.cli.serve import apply_config_file
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Hello world!"}]

@@ -70,9 +70,9 @@ def _serve_parser():
 
 
 def _subparser_default(command: str, dest: str):
-    from pagedserve.entrypoints.cli.main import _subparser
+    from pagedserve.entrypoints.cli.utils import subparser
 
-    return _subparser(_serve_parser(), command).get_default(dest)
+    return subparser(_serve_parser(), command).get_default(dest)
 
 
 def _local(argv: list[str]) -> list[str]:

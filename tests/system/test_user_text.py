@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.entrypoints.cli.main import _subparser, build_parser
+from pagedserve.entrypoints.cli.main import build_parser
 from pagedserve.entrypoints.cli.quantize import glm4_quantize_main
+from pagedserve.entrypoints.cli.utils import subparser
 
 ROOT = Path(__file__).resolve().parents[2]
 # "the seed" / "seed's" name the port; random-number seeds are "--seed", "a seed", "seed=0"
@@ -42,7 +43,7 @@ def user_facing_files() -> list[Path]:
 def help_texts() -> dict[str, str]:
     parser = build_parser()
     commands = ["serve", "smi", "tune", "bench", "quantize", "eval-quant", "completion"]
-    return {c: _one_line(_subparser(parser, c).format_help()) for c in commands}
+    return {c: _one_line(subparser(parser, c).format_help()) for c in commands}
 
 
 def _one_line(text: str) -> str:

@@ -6,7 +6,7 @@ argparse parser, so that they list every subcommand, flag and choice the install
 
 A flag with ``choices`` completes to them; a flag that takes another value completes to file
 names (model directories, YAML and JSON files), and also to the names it knows when its parser
-gave some with :func:`offer` (``--device`` to its backends and presets, ``--model`` to ``demo``);
+gave some with ``utils.offer`` (``--device`` to its backends and presets, ``--model`` to ``demo``);
 a flag that takes none (``--enforce-eager``) is followed by more flags.
 """
 
@@ -36,14 +36,6 @@ class Command:
     help: str
     flags: list[Flag]
     positional_choices: list[str]
-
-
-def offer(action: argparse.Action, names) -> argparse.Action:
-    """Let completion offer ``names`` (besides file names) for a flag that also takes a path, as
-    ``--device`` takes a preset name or a preset file. argparse's ``choices`` would refuse the
-    path."""
-    action.completion_names = [str(n) for n in names]
-    return action
 
 
 def _short_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.entrypoints.cli.completion import offer
+from pagedserve.entrypoints.cli.utils import offer
 from pagedserve.models import resolve_model_path
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict

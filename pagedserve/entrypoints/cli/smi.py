@@ -184,12 +184,3 @@ def run_smi(args: argparse.Namespace) -> int:
             time.sleep(args.watch)
         except KeyboardInterrupt:
             return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = add_smi_args(argparse.ArgumentParser(prog="pagedserve smi", description=__doc__))
-    return run_smi(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
