@@ -1,4 +1,9 @@
-"""`pagedserve tune`: size the weights, the KV cache and the batch limits for a model on a device.
+"""The memory plan behind ``pagedserve tune``: the weights, the KV cache and the batch limits of a
+model on a device, worked out before anything is loaded (what ``Worker.init_kv_cache`` finds at
+start-up, as vLLM's ``kv_cache_utils`` checks it there). The model's shapes are read by the engine's
+own parser (``models/config.py``), the device's cards and memory by the HAL's
+(``hal/device_preset.py``), and a token's KV bytes come from the formula the engine sizes its pages
+by (``GlmConfig.kv_bytes_per_token``). No torch here.
 
 All figures are per tensor-parallel rank, in bytes:
 
@@ -9,8 +14,8 @@ All figures are per tensor-parallel rank, in bytes:
   kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
   embed_tokens and lm_head (vocab-parallel); norms are replicated.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
-  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's KV-cache formula gave about
-  4.6 GB; that figure is too low).
+  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
+  KV-cache formula gave about 4.6 GB; that figure is too low).
 - reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
   per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
   a workspace of ``min(256 MiB, budget / 16)``.
@@ -22,7 +27,6 @@ All figures are per tensor-parallel rank, in bytes:
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from dataclasses import dataclass
@@ -30,17 +34,13 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.hal.memory import parse_bytes
-from pagedserve.presets import (
-    DEMO_MODEL,
-    DEMO_MODEL_PRESET,
-    find_preset,
-    parse_cards,
-    preset_names,
-)
+from pagedserve.config import SchedulerConfig
+from pagedserve.hal.device_preset import DevicePreset, load_device_preset
+from pagedserve.models.config import GlmConfig, load_config
+from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
 MAX_NUM_SEQS_CAP = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.model_fields["max_num_batched_tokens"].default
 WORKSPACE_CAP = 256 * 2**20
 ACTIVATION_BYTES = 4
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -49,30 +49,6 @@ SERVE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 class TuneError(ValueError):
     """A setting that cannot work, with the reason and the way out."""
-
-
-@dataclass(slots=True)
-class ModelShape:
-    name: str
-    architecture: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    attention_bias: bool
-    tie_word_embeddings: bool
-
-
-@dataclass(slots=True)
-class DevicePreset:
-    name: str
-    backend: str
-    memory_bytes: int  # one card's
-    cards: int | None = 1  # per node; None: one per process (cpu)
 
 
 @dataclass(slots=True)
@@ -106,106 +82,70 @@ class TuneResult:
     launch_script: str = ""
 
 
-def _shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
-    if cfg.get("model_type") == "chatglm":
-        cfg = {
-            "hidden_size": cfg["hidden_size"],
-            "num_hidden_layers": cfg["num_layers"],
-            "num_attention_heads": cfg["num_attention_heads"],
-            "num_key_value_heads": cfg.get("multi_query_group_num", cfg["num_attention_heads"]),
-            "head_dim": cfg.get("kv_channels"),
-            "intermediate_size": cfg["ffn_hidden_size"],
-            "vocab_size": cfg["padded_vocab_size"],
-            "max_position_embeddings": cfg["seq_length"],
-            "attention_bias": cfg.get("add_qkv_bias", False),
-            "model_type": "glm",
-        }
-    heads = cfg["num_attention_heads"]
-    return ModelShape(
-        name=cfg.get("name", name),
-        architecture=cfg.get("architecture", cfg.get("model_type", "glm")),
-        hidden_size=cfg["hidden_size"],
-        num_hidden_layers=cfg["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def load_model_shape(spec: str) -> ModelShape:
-    """A model preset name, a preset YAML file, or a checkpoint directory with config.json."""
+def load_model(spec: str) -> tuple[str, GlmConfig]:
+    """(name, shapes) of a model preset name, a preset YAML file, or a checkpoint directory with
+    config.json, read by the engine's own config parser."""
     path = Path(spec)
-    if (path / "config.json").is_file():
-        cfg = json.loads((path / "config.json").read_text())
-        if cfg.get("model_type") not in ("glm", "glm4", "chatglm"):
+    try:
+        if (path / "config.json").is_file():
+            return path.name, load_config(path)
+        preset = find_preset("models", spec)
+        if preset is None:
             raise TuneError(
-                f"{path}/config.json has model_type {cfg.get('model_type')!r}; "
-                "tune knows glm, glm4 and chatglm checkpoints"
+                f"--model {spec!r} is neither a directory with config.json nor a preset; "
+                f"presets: {', '.join(preset_names('models'))}"
             )
-        return _shape_from_hf_config(cfg, path.name)
-    preset = find_preset("models", spec)
-    if preset is None:
-        raise TuneError(
-            f"--model {spec!r} is neither a directory with config.json nor a preset; "
-            f"presets: {', '.join(preset_names('models'))}"
-        )
-    return _shape_from_hf_config(yaml.safe_load(preset.read_text()), preset.stem)
+        fields = yaml.safe_load(preset.read_text())
+        config = GlmConfig.from_dict({**fields, "model_type": fields["architecture"]})
+    except TuneError:
+        raise
+    except ValueError as e:
+        raise TuneError(f"--model {spec}: {e}") from None
+    return fields.get("name", preset.stem), config
 
 
 def load_device(spec: str) -> DevicePreset:
-    preset = find_preset("devices", spec)
-    if preset is None:
-        raise TuneError(
-            f"--device {spec!r} is not a device preset; presets: {', '.join(preset_names('devices'))}"
-        )
-    cfg = yaml.safe_load(preset.read_text())
-    memory = cfg.get("memory_bytes") or sum(parse_bytes(cfg["tiers"][t]) for t in ("kv", "weight"))
-    return DevicePreset(
-        cfg.get("name", preset.stem),
-        cfg.get("backend", "cpu"),
-        parse_bytes(memory),
-        parse_cards(cfg.get("cards", 1)),
-    )
+    """The HAL's own preset of ``--device``."""
+    try:
+        return load_device_preset(spec)
+    except ValueError as e:
+        raise TuneError(str(e)) from None
+
+
+def card_memory_bytes(device: DevicePreset) -> int:
+    """One card's memory: the HBM its kv and weight tiers share, else the two tiers together."""
+    return device.memory_bytes or device.tiers["kv"] + device.tiers["weight"]
 
 
 # ---- tensor-parallel shapes
 
 
-def kv_heads_per_rank(model: ModelShape, tp: int) -> int:
-    return max(1, model.num_key_value_heads // tp)
-
-
-def check_tensor_parallel(model: ModelShape, tp: int) -> None:
+def check_tensor_parallel(name: str, model: GlmConfig, tp: int) -> None:
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     if tp < 1:
         raise TuneError(f"--tensor-parallel-size {tp} must be at least 1")
     if heads % tp:
         raise TuneError(
             f"--tensor-parallel-size {tp} does not divide the {heads} attention heads "
-            f"of {model.name}; use a divisor of {heads}"
+            f"of {name}; use a divisor of {heads}"
         )
     if kv % tp and tp % kv:
         raise TuneError(
-            f"--tensor-parallel-size {tp} and the {kv} kv heads of {model.name} "
+            f"--tensor-parallel-size {tp} and the {kv} kv heads of {name} "
             "neither divide the other; kv heads cannot be split or replicated evenly"
         )
     if model.intermediate_size % tp:
         raise TuneError(
             f"--tensor-parallel-size {tp} does not divide intermediate_size "
-            f"{model.intermediate_size} of {model.name}"
+            f"{model.intermediate_size} of {name}"
         )
 
 
-def linear_shapes(model: ModelShape, tp: int) -> list[tuple[int, int]]:
+def linear_shapes(model: GlmConfig, tp: int) -> list[tuple[int, int]]:
     """(in_features, out_features) per rank of one layer's q, k, v, o, gate_up and down."""
     hidden, inter = model.hidden_size, model.intermediate_size // tp
     q_out = model.num_attention_heads * model.head_dim // tp
-    kv_out = kv_heads_per_rank(model, tp) * model.head_dim
+    kv_out = model.num_kv_heads_per_rank(tp) * model.head_dim
     return [
         (hidden, q_out),
         (hidden, kv_out),
@@ -234,7 +174,7 @@ def linear_bytes(
 
 
 def weight_bytes(
-    model: ModelShape, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
+    model: GlmConfig, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
 ) -> tuple[int, int]:
     """(16-bit bytes: embeddings, lm_head, norms, biases; linear bytes) per rank."""
     hidden, vocab_rank = model.hidden_size, math.ceil(model.vocab_size / tp)
@@ -250,16 +190,10 @@ def weight_bytes(
     return params_16 * dtype_bytes, model.num_hidden_layers * per_layer_linear
 
 
-def kv_bytes_per_token(model: ModelShape, tp: int, kv_dtype_bytes: int) -> int:
-    return (
-        2 * model.num_hidden_layers * kv_heads_per_rank(model, tp) * model.head_dim * kv_dtype_bytes
-    )
-
-
-def activation_reserve(model: ModelShape, tp: int, max_num_batched_tokens: int) -> tuple[int, int]:
+def activation_reserve(model: GlmConfig, tp: int, max_num_batched_tokens: int) -> tuple[int, int]:
     """(activation bytes of one layer's forward over the token budget, fp32 logits bytes)."""
     q_out = model.num_attention_heads * model.head_dim // tp
-    kv_out = kv_heads_per_rank(model, tp) * model.head_dim
+    kv_out = model.num_kv_heads_per_rank(tp) * model.head_dim
     per_token = 2 * model.hidden_size + 2 * q_out + 2 * kv_out + 3 * model.intermediate_size // tp
     activations = max_num_batched_tokens * per_token * ACTIVATION_BYTES
     logits_rows = min(max_num_batched_tokens, MAX_NUM_SEQS_CAP)
@@ -270,7 +204,7 @@ def activation_reserve(model: ModelShape, tp: int, max_num_batched_tokens: int) 
 
 
 def _smallest_fitting_tp(
-    model: ModelShape,
+    model: GlmConfig,
     device: DevicePreset,
     budget: int,
     quantization: str,
@@ -280,7 +214,7 @@ def _smallest_fitting_tp(
     """The fewest cards (within the node) whose share of the weights and reserve fits each card."""
     for tp in range(2, (device.cards or 64) + 1):
         try:
-            check_tensor_parallel(model, tp)
+            check_tensor_parallel("", model, tp)
         except TuneError:
             continue
         w16, wlin = weight_bytes(model, tp, quantization, group_size, 2)
@@ -306,9 +240,10 @@ def tune(
     quant_group_size: int = 32,
     max_num_batched_tokens: int | None = None,
 ) -> TuneResult:
-    model, device = load_model_shape(model_arg), load_device(device_arg)
+    (name, model), device = load_model(model_arg), load_device(device_arg)
+    memory = card_memory_bytes(device)
     tp = tensor_parallel_size
-    check_tensor_parallel(model, tp)
+    check_tensor_parallel(name, model, tp)
     if device.cards is not None and tp > device.cards:
         raise TuneError(
             f"--tensor-parallel-size {tp} asks for more cards than {device.name} has: "
@@ -317,7 +252,7 @@ def tune(
     max_model_len = max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise TuneError(
-            f"--max-model-len {max_model_len} is beyond {model.name}'s context of "
+            f"--max-model-len {max_model_len} is beyond {name}'s context of "
             f"{model.max_position_embeddings} tokens; use at most that"
         )
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -330,7 +265,7 @@ def tune(
         )
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    budget = int(device.memory_bytes * gpu_memory_utilization)
+    budget = int(memory * gpu_memory_utilization)
     w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, min(dtype_bytes, 2))
     activations, logits = activation_reserve(model, tp, batched)
     workspace = min(WORKSPACE_CAP, budget // 16)
@@ -340,12 +275,12 @@ def tune(
         fits = _smallest_fitting_tp(model, device, budget, quantization, quant_group_size, batched)
         advice = f"use --tensor-parallel-size {fits}" if fits else "raise --tensor-parallel-size"
         raise TuneError(
-            f"the weights do not fit: {model.name} needs {_gib(weights)} of weights per rank "
+            f"the weights do not fit: {name} needs {_gib(weights)} of weights per rank "
             f"+ {_gib(reserve)} reserve, but one card of {device.name} gives {_gib(budget)} "
-            f"({_gib(device.memory_bytes)} x {gpu_memory_utilization}); {advice}, use "
+            f"({_gib(memory)} x {gpu_memory_utilization}); {advice}, use "
             "--quantization int4, or pick a larger device"
         )
-    per_token = kv_bytes_per_token(model, tp, dtype_bytes)
+    per_token = model.kv_bytes_per_token(model.num_kv_heads_per_rank(tp), dtype_bytes)
     kv_available = budget - weights - reserve
     num_pages = kv_available // (block_size * per_token)
     pages_per_seq = math.ceil(max_model_len / block_size)
@@ -359,7 +294,7 @@ def tune(
             "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
         )
     result = TuneResult(
-        model=model.name,
+        model=name,
         model_arg=model_arg,
         device=device.name,
         tensor_parallel_size=tp,
@@ -369,7 +304,7 @@ def tune(
         block_size=block_size,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
-        memory_bytes=device.memory_bytes,
+        memory_bytes=memory,
         memory_budget_bytes=budget,
         weight_bytes=weights,
         weight_bytes_16bit=w16,

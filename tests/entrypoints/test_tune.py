@@ -13,6 +13,7 @@ import yaml
 from pagedserve.engine import memory_plan as tune_mod
 from pagedserve.engine.memory_plan import TuneError, tune
 from pagedserve.entrypoints.cli.tune import add_tune_args, run_tune
+from pagedserve.hal.memory import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -167,7 +168,7 @@ def test_presets_have_the_published_shapes_and_device_schema():
         "glm-4-32b-0414": (61, 6144, 48, 2, 23040, 32768),
     }
     for name, expected in shapes.items():
-        s = tune_mod.load_model_shape(name)
+        _, s = tune_mod.load_model(name)
         got = (
             s.num_hidden_layers,
             s.hidden_size,
@@ -183,10 +184,10 @@ def test_presets_have_the_published_shapes_and_device_schema():
         assert cfg["name"] == path.stem
         assert cfg["backend"] in ("kunlun-emu", "cpu", "cuda")
         assert set(cfg["tiers"]) == {"kv", "weight", "host"}
-        assert tune_mod.parse_bytes(cfg["memory_bytes"]) > 0
+        assert parse_bytes(cfg["memory_bytes"]) > 0
         assert cfg["kv_memory_attr"] in ("cached", "uncached")
         assert isinstance(cfg["int4_unit"], bool)
-    assert tune_mod.load_device("kunlun-xpu-32g").memory_bytes == 32 * GIB
+    assert tune_mod.card_memory_bytes(tune_mod.load_device("kunlun-xpu-32g")) == 32 * GIB
 
 
 def test_demo_preset_has_the_shipped_demo_models_shapes():

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.hal import DeviceOutOfMemoryError, MemoryAttr, get_device, kernels
 from pagedserve.hal.cpu import _AttentionPlan, decode_attention, prefill_attention
-from pagedserve.hal.device import DevicePreset, load_device_preset
+from pagedserve.hal.device_preset import DevicePreset, load_device_preset
 from tests.helpers.kernels import paged_batch
 
 
