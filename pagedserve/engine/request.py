@@ -69,6 +69,12 @@ class Request:
         """vLLM's WAITING_FOR_FSM: not schedulable until its grammar has compiled."""
         return self.structured_output is not None and not self.structured_output.ready
 
+    def release_matcher(self) -> None:
+        """Drop the grammar matcher of a sequence that stops running (preempted or finished); a
+        preempted one rebuilds it from its output tokens when it runs again."""
+        if self.structured_output is not None:
+            self.structured_output.release()
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

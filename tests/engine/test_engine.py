@@ -178,7 +178,7 @@ def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
 
 def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(tiny_llm, monkeypatch):
     clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
-    monkeypatch.setattr(tiny_llm.llm_engine, "_recover_from_device_faults", lambda: None)
+    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "recover_kv_pages", lambda: [])
     assert _generate_with_fault(tiny_llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
     tiny_llm.llm_engine.device.take_faulted_pages()
     assert _drained(tiny_llm)
