@@ -1,7 +1,8 @@
 """``pagedserve quantize`` (also ``glm4_quantize``, with the Kunlun XPU deployment guide's flags)
 and ``pagedserve eval-quant``.
 
-``eval-quant`` exits 0 on PASS and 1 on FAIL.
+``eval-quant`` exits 0 on PASS and 1 on FAIL. The tools (``pagedserve.quant``) and torch load only
+when a command runs, not for its ``--help``.
 """
 
 from __future__ import annotations
@@ -12,22 +13,8 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from pagedserve.entrypoints.cli.utils import offer
-from pagedserve.models import resolve_model_path
 from pagedserve.models.config import load_config
-from pagedserve.models.loader import load_state_dict
-from pagedserve.models.quant_formats import quantization_config_for, save_quantized
-from pagedserve.quant.awq import QuantizeSettings, quantize_model
-from pagedserve.quant.calib import DEFAULT_CORPUS, load_blocks
-from pagedserve.quant.evaluate import (
-    DEFAULT_HELDOUT,
-    evaluate,
-    format_table,
-    load_reference_model,
-    sample_blocks,
-)
 
 logger = logging.getLogger("pagedserve.quant")
 
@@ -141,6 +128,14 @@ def _check_quantize_args(args: argparse.Namespace) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedserve.models import resolve_model_path
+    from pagedserve.models.loader import load_state_dict
+    from pagedserve.models.quant_formats import quantization_config_for, save_quantized
+    from pagedserve.quant.awq import QuantizeSettings, quantize_model
+    from pagedserve.quant.calib import DEFAULT_CORPUS, load_blocks
+
     _setup_logging()
     _check_quantize_args(args)
     src, dst = resolve_model_path(args.model_path), Path(args.output_path)
@@ -187,6 +182,16 @@ def run_quantize(args: argparse.Namespace) -> int:
 
 
 def run_eval_quant(args: argparse.Namespace) -> int:
+    from pagedserve.models import resolve_model_path
+    from pagedserve.quant.calib import load_blocks
+    from pagedserve.quant.evaluate import (
+        DEFAULT_HELDOUT,
+        evaluate,
+        format_table,
+        load_reference_model,
+        sample_blocks,
+    )
+
     _setup_logging()
     args.reference = str(resolve_model_path(args.reference))
     args.candidate = str(resolve_model_path(args.candidate))
