@@ -88,3 +88,21 @@ def test_version_prints_the_installed_version_without_loading_torch():
         [sys.executable, "-c", program], capture_output=True, text=True, check=True
     ).stdout
     assert out.splitlines() == [f"pagedserve {pagedserve.__version__}", "False 0"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--version"], ["--help"], *([command, "--help"] for command in [*COMMANDS, "completion"])],
+    ids=" ".join,
+)
+def test_help_and_version_start_without_importing_torch(argv):
+    """What ``pagedserve`` imports before it prints: torch (seconds to import) only once a command
+    runs that needs it, never for --version or a --help."""
+    program = (
+        "import sys; from pagedserve.entrypoints.cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "False", f"pagedserve {' '.join(argv)} imported torch"
