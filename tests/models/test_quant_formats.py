@@ -1,6 +1,6 @@
 """INT4 formats: the RTN quantizer, and every checkpoint layout loaded back to the canonical form.
 
-Each layout is packed here by hand, from its description (GLM4.md), independently of formats.py.
+Each layout is packed here by hand, from its description (GLM4.md), independently of models/quant_formats.py.
 """
 
 from __future__ import annotations

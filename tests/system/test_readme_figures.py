@@ -75,7 +75,7 @@ NOT_MEASUREMENTS = [
     ("and 20% of clients that leave", "the soak's workload: a share of clients, set in soak.py"),
     ("every weight page (64 KiB)", "the weight tier's page size (pagedserve/hal/faults.py)"),
     ("(default 2, that is 128 KiB)", "the patrol's default setting, in pages of 64 KiB"),
-    ("(8 MiB)", "the --max-request-body default (pagedserve/cli.py)"),
+    ("(8 MiB)", "the --max-request-body default (pagedserve/entrypoints/cli/serve.py)"),
     ("(75 s: above the 5 s after", "the --timeout-keep-alive default and httpx's pool expiry"),
     ("a 1 MB prompt", "one of the hostile bodies tests/server/test_reliability_api.py sends"),
     ("the package's 25 MB budget", "the size bound tests/models/test_demo_model.py asserts"),
