@@ -24,10 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
 from benchmarks.results import write_result
-from pagedserve.entrypoints.cli.quantize import (  # noqa: E402
+from pagedserve.entrypoints.cli.quantize import (
     add_eval_quant_args,
     add_quantize_args,
     run_eval_quant,

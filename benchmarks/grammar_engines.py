@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks.results import write_result
-from pagedserve.models.tokenizer import Tokenizer  # noqa: E402
+from pagedserve.models.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 from benchmarks.bench_models import SHAPES
 from benchmarks.results import write_result
-from pagedserve.hal import get_device  # noqa: E402
-from pagedserve.hal.int4 import cpu_int4_scales_and_zeros  # noqa: E402
-from pagedserve.models.quant_formats import quantize_rtn  # noqa: E402
+from pagedserve.hal import get_device
+from pagedserve.hal.int4 import cpu_int4_scales_and_zeros
+from pagedserve.models.quant_formats import quantize_rtn
 
 GROUP = 32
 PATHS = [

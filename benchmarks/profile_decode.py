@@ -19,9 +19,9 @@ import torch
 
 from benchmarks.bench_models import build_model
 from benchmarks.results import write_result
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.hal.int4 import Int4Linear  # noqa: E402
-from pagedserve.hal.int8 import Int8Linear  # noqa: E402
+from pagedserve import LLM, SamplingParams
+from pagedserve.hal.int4 import Int4Linear
+from pagedserve.hal.int8 import Int8Linear
 
 HAL_OPS = [
     "add_rms_norm",

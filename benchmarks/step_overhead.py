@@ -21,9 +21,9 @@ from collections import defaultdict
 import torch
 
 from benchmarks.results import write_result
-from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
 
 PROMPT_LEN = 128
 

@@ -15,9 +15,9 @@ import statistics
 import time
 
 from benchmarks.results import write_result
-from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # open-ended enough that no row finishes within the timed steps
 SCHEMA = {

@@ -57,24 +57,28 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def live_server(tiny_glm4):
+def live_server_settings(tiny_glm4) -> dict[str, Any]:
+    """The engine settings of the live server (tests compare it with an offline engine of the
+    same settings)."""
+    return dict(
+        model=str(tiny_glm4[0]),
+        dtype="float32",
+        num_kv_pages=256,
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=16,
+        device="cpu",
+    )
+
+
+@pytest.fixture(scope="session")
+def live_server(live_server_settings):
     """One uvicorn server (in a thread) over the tiny model, shared by the server/SDK/smi tests."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
-    model_dir, _ = tiny_glm4
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(model_dir),
-            dtype="float32",
-            num_kv_pages=256,
-            block_size=16,
-            max_model_len=256,
-            max_num_seqs=16,
-            device="cpu",
-        )
-    )
+    engine = LLMEngine(EngineConfig.from_kwargs(**live_server_settings))
     app = build_app(engine, "tiny", api_key=API_KEY, max_queue_len=64)
     with serve_app(app) as url:
         yield LiveServer(url, API_KEY, "tiny", app)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 
@@ -18,12 +19,11 @@ from pagedserve.server.protocol import (
     ChatCompletionStreamChoice,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
     random_id,
 )
 from pagedserve.server.sampling import chat_sampling_params
 from pagedserve.server.serving import OpenAIServing, Prompt, usage_info
-from pagedserve.server.streaming import merge_streams, sse_data, sse_response
+from pagedserve.server.streaming import merge_streams, sse_chunk, sse_response
 from pagedserve.server.structured import attach_structured_outputs
 
 
@@ -74,16 +74,7 @@ async def _chat_stream(
     sent_text = [0] * body.n
     sent_tokens = [0] * body.n
 
-    def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse_data(
-            ChatCompletionChunk(
-                id=request_id,
-                created=created,
-                model=serving.model_name,
-                choices=choices,
-                usage=usage,
-            )
-        )
+    chunk = partial(sse_chunk, ChatCompletionChunk, request_id, created, serving.model_name)
 
     yield chunk(
         [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 
@@ -15,12 +16,11 @@ from pagedserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
     random_id,
 )
 from pagedserve.server.sampling import completion_sampling_params
 from pagedserve.server.serving import OpenAIServing, Prompt, TextOffsets, usage_info
-from pagedserve.server.streaming import merge_streams, sse_data, sse_response
+from pagedserve.server.streaming import merge_streams, sse_chunk, sse_response
 from pagedserve.server.structured import attach_structured_outputs
 
 
@@ -99,16 +99,7 @@ async def _completion_stream(
     offsets: dict[int, TextOffsets] = {}
     finals: dict[int, RequestOutput] = {}
 
-    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-        return sse_data(
-            CompletionChunk(
-                id=request_id,
-                created=created,
-                model=serving.model_name,
-                choices=choices,
-                usage=usage,
-            )
-        )
+    chunk = partial(sse_chunk, CompletionChunk, request_id, created, serving.model_name)
 
     async for p, out in merge_streams(streams):
         for o in out.outputs:

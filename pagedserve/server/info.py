@@ -10,11 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagedserve
 from pagedserve.server.errors import error_body
-from pagedserve.server.protocol import (
-    ModelCard,
-    ModelList,
-    VersionResponse,
-)
+from pagedserve.server.protocol import ModelCard, ModelList, VersionResponse
 from pagedserve.server.serving import OpenAIServing
 
 

@@ -14,11 +14,26 @@ from fastapi.responses import StreamingResponse
 from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
 from pagedserve.outputs import RequestOutput
 from pagedserve.server.errors import error_body
+from pagedserve.server.protocol import ResponseModel, UsageInfo
 
 
 def sse_data(model) -> str:
     """One server-sent event carrying ``model`` as JSON."""
     return f"data: {model.model_dump_json(exclude_none=False)}\n\n"
+
+
+def sse_chunk(
+    chunk_type: type[ResponseModel],
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list,
+    usage: UsageInfo | None = None,
+) -> str:
+    """One streamed chunk (``CompletionChunk``, ``ChatCompletionChunk``) as an event."""
+    return sse_data(
+        chunk_type(id=request_id, created=created, model=model, choices=choices, usage=usage)
+    )
 
 
 def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -32,17 +32,9 @@ EOS = STOP_IDS[0]
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_glm4):
+def offline(live_server_settings):
     """The live server's engine settings, offline, in this process."""
-    return LLM(
-        model=str(tiny_glm4[0]),
-        dtype="float32",
-        num_kv_pages=256,
-        block_size=16,
-        max_model_len=256,
-        max_num_seqs=16,
-        device="cpu",
-    )
+    return LLM(**live_server_settings)
 
 
 def post(live_server, endpoint: str, body: dict) -> dict:
