@@ -217,3 +217,15 @@ def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
     )[0]
     assert out.prompt_logprobs[0] is None
     return torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])
+
+
+def tiny_engine(model_dir, **settings):
+    """An ``LLMEngine`` over a tiny model directory, in fp32 on the plain CPU (the suite's
+    servers' engine); ``settings`` size its pool and limits."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), dtype="float32", device="cpu", **settings
+    )
+    return LLMEngine(config)

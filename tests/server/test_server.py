@@ -14,6 +14,7 @@ import torch
 
 from pagedserve.entrypoints.cli.main import build_parser
 from pagedserve.entrypoints.cli.serve import apply_config_file
+from tests.helpers.models import tiny_engine
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Hello world!"}]
@@ -530,19 +531,9 @@ def test_a_failing_step_fails_its_request_and_the_loop_lives_on(openai_client, l
 def test_health_is_503_when_the_engine_loop_dies(tiny_glm4):
     from fastapi.testclient import TestClient
 
-    from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(tiny_glm4[0]),
-            dtype="float32",
-            num_kv_pages=32,
-            max_model_len=128,
-            device="cpu",
-        )
-    )
+    engine = tiny_engine(tiny_glm4[0], num_kv_pages=32, max_model_len=128)
     app = build_app(engine, "tiny")
     with TestClient(app) as http:
         assert http.get("/health").status_code == 200

@@ -23,7 +23,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.helpers.models import SPECIAL_IDS, STOP_IDS
+from tests.helpers.models import SPECIAL_IDS, STOP_IDS, tiny_engine
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 CHAT = [{"role": "user", "content": "The quick brown fox"}]
@@ -37,15 +37,20 @@ def offline(live_server_settings):
     return LLM(**live_server_settings)
 
 
-def post(live_server, endpoint: str, body: dict) -> dict:
+def request(live_server, endpoint: str, body: dict) -> httpx.Response:
+    """``body`` with this file's prompt, to the completions or the chat endpoint."""
     path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
     prompt = {"prompt": PROMPT_IDS} if endpoint == "completions" else {"messages": CHAT}
-    r = httpx.post(
+    return httpx.post(
         live_server.url + path,
         json={"model": live_server.model, **prompt, **body},
         headers={"Authorization": f"Bearer {live_server.api_key}"},
         timeout=60,
     )
+
+
+def post(live_server, endpoint: str, body: dict) -> dict:
+    r = request(live_server, endpoint, body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -418,20 +423,9 @@ def test_preemptions_are_counted_and_every_request_still_finishes(tiny_glm4):
     """Two sequences of 100 tokens on a pool of 8 pages x 16: one must give way to the other."""
     from fastapi.testclient import TestClient
 
-    from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(tiny_glm4[0]),
-            dtype="float32",
-            num_kv_pages=8,
-            block_size=16,
-            max_model_len=128,
-            device="cpu",
-        )
-    )
+    engine = tiny_engine(tiny_glm4[0], num_kv_pages=8, block_size=16, max_model_len=128)
     with TestClient(build_app(engine, "tiny")) as http:
         body = {"prompt": PROMPT_IDS, "max_tokens": 90, "n": 2, "ignore_eos": True, "seed": 1}
         r = http.post("/v1/completions", json=body)
@@ -569,14 +563,7 @@ BAD_FIELDS = [
 
 @pytest.mark.parametrize("endpoint, fields, param, message", BAD_FIELDS)
 def test_bad_field_values_are_400_naming_the_field(live_server, endpoint, fields, param, message):
-    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
-    prompt = {"prompt": PROMPT_IDS} if endpoint == "completions" else {"messages": CHAT}
-    r = httpx.post(
-        live_server.url + path,
-        json={"model": live_server.model, **prompt, **fields},
-        headers={"Authorization": f"Bearer {live_server.api_key}"},
-        timeout=60,
-    )
+    r = request(live_server, endpoint, fields)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert param in (error["param"] or "")
