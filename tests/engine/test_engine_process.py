@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from tests.helpers.metrics import read_metrics
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 ENGINE = dict(dtype="float32", num_kv_pages=256, block_size=16, max_model_len=256, device="cpu")
@@ -55,18 +56,9 @@ def run_offline(llm: LLM, **params):
     return llm.generate({"prompt_token_ids": PROMPT_IDS}, SamplingParams(**params), False)[0]
 
 
-def metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^(pagedserve:\w+(?:\{[^}]*\})?) ([-+\deE.naif]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
-
-
 def wait_idle(url: str) -> dict[str, float]:
     while True:  # pytest-timeout bounds a hang
-        m = metrics(url)
+        m = read_metrics(url)
         if not m["pagedserve:num_requests_running"] and not m["pagedserve:kv_cache_usage_perc"]:
             return m
         time.sleep(0.05)
@@ -137,13 +129,13 @@ def test_n_2_with_a_seed_and_echoed_prompt_logprobs_match_offline(engine_process
 def test_a_disconnected_stream_is_aborted_in_the_engine_process(engine_process_server):
     _, url = engine_process_server
     aborted = 'pagedserve:request_success_total{finished_reason="abort"}'
-    before = metrics(url).get(aborted, 0)
+    before = read_metrics(url).get(aborted, 0)
     body = {"prompt": PROMPT_IDS, "max_tokens": 240, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert metrics(url)["pagedserve:kv_cache_usage_perc"] > 0
+        assert read_metrics(url)["pagedserve:kv_cache_usage_perc"] > 0
     after = wait_idle(url)
     assert after[aborted] == before + 1
     assert after["pagedserve:generation_tokens_total"] < before + 240 + 1000

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 import time
 
@@ -14,6 +13,7 @@ import torch
 
 from pagedserve.entrypoints.cli.main import build_parser
 from pagedserve.entrypoints.cli.serve import apply_config_file
+from tests.helpers.metrics import read_metrics
 from tests.helpers.models import tiny_engine
 
 PROMPT = "The quick brown fox"
@@ -32,13 +32,7 @@ def _auth(live_server) -> dict:
 
 
 def _metrics(live_server) -> dict[str, float]:
-    text = httpx.get(live_server.url + "/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(pagedserve:\w+(?:\{[^}]*\})?) ([-+\deE.naif]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
+    return read_metrics(live_server.url)
 
 
 def _wait_idle(live_server, timeout: float = 300.0) -> dict[str, float]:

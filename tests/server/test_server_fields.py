@@ -12,7 +12,6 @@ aborts, and the values of the prefix-cache, preemption and finish-reason metrics
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 import time
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tests.helpers.metrics import read_metrics
 from tests.helpers.models import SPECIAL_IDS, STOP_IDS, tiny_engine
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
@@ -376,13 +376,7 @@ def test_suffix_is_refused_rather_than_ignored(live_server):
 
 
 def _metrics(live_server) -> dict[str, float]:
-    text = httpx.get(live_server.url + "/metrics", timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        m = re.match(r"^(pagedserve:\w+(?:\{[^}]*\})?) ([-+\deE.naif]+)$", line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
+    return read_metrics(live_server.url)
 
 
 def _delta(before: dict, after: dict, name: str) -> float:
