@@ -1,6 +1,6 @@
 """The agent benchmark of the README, with and without prefix caching, on the demo model.
 
-    python benchmarks/agent_prefix_caching.py [--num-prompts 24] [--max-concurrency 8]
+    python -m benchmarks.agent_prefix_caching [--num-prompts 24] [--max-concurrency 8]
 
 For each setting it starts ``pagedserve serve`` on the embedded demo model (on a free port; with
 ``--no-enable-prefix-caching`` for "off") and runs what the README shows,
@@ -21,10 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from results import write_result  # noqa: E402
-from servers import demo_server  # noqa: E402
+from benchmarks.results import write_result
+from pagedserve.testing import serve
 
 SETTINGS = {"on": [], "off": ["--no-enable-prefix-caching"]}
 
@@ -33,7 +31,7 @@ def agent_bench(url: str, num_prompts: int, max_concurrency: int) -> dict:
     """``pagedserve bench --dataset agent`` against url: its --output-file report."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "agent.json"
-        cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "--dataset", "agent"]
+        cmd = [sys.executable, "-m", "pagedserve", "bench", "--dataset", "agent"]
         cmd += ["--base-url", url, "--num-prompts", str(num_prompts)]
         cmd += ["--max-concurrency", str(max_concurrency), "--output-file", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -46,7 +44,7 @@ def main() -> None:
     parser.add_argument("--max-concurrency", type=int, default=8, help="programs at once")
     args = parser.parse_args()
     for name, flags in SETTINGS.items():
-        with demo_server(flags) as (_, url):
+        with serve(*flags, log_level="warning") as (_, url):
             report = agent_bench(url, args.num_prompts, args.max_concurrency)
         report["server_flags"] = " ".join(flags)
         print(name, report, flush=True)

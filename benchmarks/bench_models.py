@@ -5,7 +5,7 @@ the shapes), and nothing needs downloading. Each directory is a Hugging Face che
 (config.json, bf16 safetensors, a byte-level BPE tokenizer with GLM-4's special tokens) that
 pagedserve, transformers, vLLM and llama.cpp's converter all load.
 
-    python benchmarks/bench_models.py 122m [DIR]     # build one (default DIR: see model_dir)
+    python -m benchmarks.bench_models 122m [DIR]     # build one (default DIR: see model_dir)
 """
 
 from __future__ import annotations

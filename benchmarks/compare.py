@@ -1,8 +1,8 @@
 """pagedserve against its peers on this machine, one after the other, on the same models.
 
-    python benchmarks/compare.py --setup          # once: llama.cpp (llama-cpp-python 0.3.36 from
+    python -m benchmarks.compare --setup          # once: llama.cpp (llama-cpp-python 0.3.36 from
                                                   # PyPI, built here: ~6 min) in its own venv
-    python benchmarks/compare.py [--runs 3]       # the comparison; writes benchmarks/results/compare.json
+    python -m benchmarks.compare [--runs 3]       # the comparison; writes benchmarks/results/compare.json
 
 Measures (each figure the median of 5 timed repetitions after a warm-up; with --runs N the whole
 comparison repeats N times and the report gives the median and the range):
@@ -30,10 +30,10 @@ import tarfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.bench_models import build_model, cache_root, num_parameters
+from benchmarks.results import spread, write_result
 
-from bench_models import build_model, cache_root, num_parameters  # noqa: E402
-from results import spread, write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]  # where `python -m benchmarks.compare` runs
 
 LLAMA_VERSION = "0.3.36"
 PROMPT_LEN, NEW_TOKENS, REPEATS = 32, 64, 5
@@ -157,8 +157,7 @@ def setup_llama(root: Path) -> None:
 CONVERT = """
 import runpy, sys
 llama_cpp_dir, model, out_f16, out_q4 = sys.argv[1:5]
-sys.path[:0] = [llama_cpp_dir, llama_cpp_dir + "/gguf-py"]
-import conversion.base as base
+import conversion.base as base  # llama.cpp's converter and gguf-py: on PYTHONPATH
 # the benchmark tokenizer is our own BPE, not GLM-4's: name its pre-tokenizer for the converter
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "glm4"
 sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", "f16", "--outfile", out_f16]
@@ -180,6 +179,7 @@ def gguf_q4_0(model: Path, root: Path) -> Path:
         [str(venv / "bin" / "python"), "-c", CONVERT, str(converter), str(model),
          str(model / "f16.gguf"), str(out)],
         check=True, capture_output=True,
+        env={**os.environ, "PYTHONPATH": f"{converter}:{converter}/gguf-py"},
     )  # fmt: skip
     (model / "f16.gguf").unlink()
     return out
@@ -198,7 +198,11 @@ def llama_batch1(gguf: Path, root: Path) -> float:
 # ---- the comparison ------------------------------------------------------------------------------
 def run_worker(*args: str) -> float:
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", *args], check=True, capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks.compare", "--worker", *args],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -285,7 +289,7 @@ def main() -> None:
         setup_llama(root)
         return
     if not args.skip_llama and not (llama_paths(root)[0] / "bin" / "python").exists():
-        sys.exit("llama.cpp is not set up: run `python benchmarks/compare.py --setup` first "
+        sys.exit("llama.cpp is not set up: run `python -m benchmarks.compare --setup` first "
                  "(or pass --skip-llama)")  # fmt: skip
     runs = []
     for i in range(args.runs):

@@ -1,6 +1,6 @@
 """Held-out bits per character of the demo model, measured through the server (echo + logprobs).
 
-    python benchmarks/demo_heldout.py [--base-url URL] [--chars N]
+    python -m benchmarks.demo_heldout [--base-url URL] [--chars N]
 
 Without --base-url it starts `pagedserve serve` on the embedded demo model on a free port. The
 text is pagedserve/data/demo_heldout.txt: the start of every CPython document (help topic or
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,13 +67,15 @@ def main() -> None:
     ap.add_argument("--base-url", help="a running server on the demo model (default: start one)")
     ap.add_argument("--chars", type=int, default=None, help="only the first N characters")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results import write_result
-    from servers import demo_server
+    from benchmarks.results import write_result
+    from pagedserve.testing import serve
 
     text = HELDOUT_FILE.read_text(encoding="utf-8")[: args.chars]
     with contextlib.ExitStack() as stack:
-        url = args.base_url or stack.enter_context(demo_server(["--num-kv-pages", "512"]))[1]
+        url = (
+            args.base_url
+            or stack.enter_context(serve("--num-kv-pages", "512", log_level="warning"))[1]
+        )
         figures = server_bits_per_char(url, text)
     print(
         f"held-out bits/char through the server: {figures['heldout_bits_per_char']:.4f} "

@@ -1,6 +1,6 @@
 """How much memory the demo server takes, and how the KV-pool flags shrink it.
 
-    python benchmarks/demo_memory.py [--runs 3]
+    python -m benchmarks.demo_memory [--runs 3]
 
 Starts ``pagedserve serve`` on the embedded demo model (on a free port) as the README starts it,
 then with ``--num-kv-pages 512`` and with ``--gpu-memory-utilization 0.1``; in each it serves a
@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import sys
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from results import spread, write_result  # noqa: E402
-from servers import demo_server  # noqa: E402
+from benchmarks.results import spread, write_result
+from pagedserve.testing import serve
 
 SETTINGS = {
     "default": [],
@@ -69,7 +66,8 @@ def kv_pool(url: str) -> dict:
 
 
 def measure(flags: list[str]) -> dict:
-    with demo_server(flags) as (pid, url):
+    with serve(*flags, log_level="warning") as (server, url):
+        pid = server.pid
         pool = kv_pool(url)
         asyncio.run(burst(url))
         rss, peak = process_tree_kib(pid, "VmRSS"), process_tree_kib(pid, "VmHWM")

@@ -1,6 +1,6 @@
 """The demo model's figures that the README quotes, from the metrics its training wrote.
 
-    python benchmarks/demo_model.py
+    python -m benchmarks.demo_model
 
 ``tools/train_demo.py`` measures the embedded demo model as it trains it (parameters, training
 time, held-out bits per character and perplexity, a unigram baseline, the fixed test slice) and
@@ -12,12 +12,9 @@ minutes as the README states it. Rerun it whenever pagedserve/demo_model changes
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from results import write_result  # noqa: E402
+from benchmarks.results import write_result
 
 METRICS = Path(__file__).resolve().parents[1] / "pagedserve" / "demo_model" / "metrics.json"
 

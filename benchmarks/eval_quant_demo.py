@@ -1,7 +1,7 @@
 """The eval-quant table of the README: the embedded demo model quantized each way, judged against
 its bf16 weights by ``pagedserve eval-quant``, and how long each quantization took.
 
-    python benchmarks/eval_quant_demo.py [--model demo] [--threads N] [--output NAME]
+    python -m benchmarks.eval_quant_demo [--model demo] [--threads N] [--output NAME]
 
 For AWQ W4A16, AWQ W4A8 and RTN W4A16 it runs what the README tells a user to run,
 
@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-from results import write_result  # noqa: E402
-
-from pagedserve.quant.cli import (  # noqa: E402
+from benchmarks.results import write_result
+from pagedserve.entrypoints.cli.quantize import (
     add_eval_quant_args,
     add_quantize_args,
     run_eval_quant,

@@ -1,6 +1,6 @@
 """xgrammar against llguidance on our tokenizers: compile time and the per-token mask cost.
 
-    python benchmarks/grammar_engines.py [--tokenizer DIR_OR_FILE ...]
+    python -m benchmarks.grammar_engines [--tokenizer DIR_OR_FILE ...]
 
 For each tokenizer (default: the demo model's 4,096 tokens; pass a GLM-4-sized tokenizer.json
 too) and each engine that imports here, the time to build the engine's view of the vocabulary,
@@ -14,16 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results import write_result  # noqa: E402
-
-from pagedserve.models.tokenizer import Tokenizer  # noqa: E402
+from benchmarks.results import write_result
+from pagedserve.models.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

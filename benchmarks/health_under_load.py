@@ -1,6 +1,6 @@
 """/health latency while the server runs at 20x what it admits.
 
-    python benchmarks/health_under_load.py [--clients 240] [--duration 20]
+    python -m benchmarks.health_under_load [--clients 240] [--duration 20]
 
 Starts `pagedserve serve` on the demo model with --max-num-seqs 4 --max-queue-len 8 (12 requests
 admitted) on 127.0.0.1, then drives it with CLIENTS concurrent clients (240: 20x) for DURATION
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 HEALTH_INTERVAL_S = 0.05
 
@@ -147,12 +146,11 @@ def main() -> None:
         latencies, codes = probe(args.probe, args.duration, args.path)
         print(json.dumps({"latencies_ms": latencies, "codes": codes}))
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from reliability.server import serve
-    from results import write_result
+    from benchmarks.results import write_result
+    from pagedserve.testing import serve
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len)]
-    with serve(*flags) as (_, url):
+    with serve(*flags, log=None, log_level="warning", timeout=300) as (_, url):
         body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens, "stream": True}
         body["ignore_eos"] = True
         figures = asyncio.run(drive(url, args.clients, args.duration, body))

@@ -8,7 +8,7 @@
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
 - native bf16 GEMV (up to 4 rows) and torch.mv (1 row): the dense few-row paths.
 
-    python benchmarks/linear_paths.py [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512] [--output NAME]
+    python -m benchmarks.linear_paths [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512] [--output NAME]
 
 Prints microseconds per call and GFLOP/s, and writes both to benchmarks/results/NAME.json
 (default linear_paths_MODEL; give a run of other rows its own NAME, so that it does not replace
@@ -18,22 +18,17 @@ the full run the README quotes).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_models import SHAPES  # noqa: E402
-from results import write_result  # noqa: E402
-
-from pagedserve.hal import get_device  # noqa: E402
-from pagedserve.hal.int4 import cpu_int4_scales_and_zeros  # noqa: E402
-from pagedserve.quant.formats import quantize_rtn  # noqa: E402
+from benchmarks.bench_models import SHAPES
+from benchmarks.results import write_result
+from pagedserve.hal import get_device
+from pagedserve.hal.int4 import cpu_int4_scales_and_zeros
+from pagedserve.models.quant_formats import quantize_rtn
 
 GROUP = 32
 PATHS = [

@@ -1,6 +1,6 @@
 """Where a batch-1 token's time goes, and how far each part is from this machine's memory roofline.
 
-    python benchmarks/profile_decode.py [--model 122m] [--quantization int4|w4a8] [--lm-head int4]
+    python -m benchmarks.profile_decode [--model 122m] [--quantization int4|w4a8] [--lm-head int4]
 
 Runs the batch-1 workload of compare.py (32-token prompt, 64 greedy tokens, INT4 weights) twice:
 as served (timers around the engine's stages, lm_head and each decoder layer's one native call),
@@ -12,21 +12,16 @@ for each part, the bytes each part streams and its rate against the read bandwid
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_models import build_model  # noqa: E402
-from results import write_result  # noqa: E402
-
-from pagedserve import LLM, SamplingParams  # noqa: E402
-from pagedserve.hal.int4 import Int4Linear  # noqa: E402
-from pagedserve.hal.int8 import Int8Linear  # noqa: E402
+from benchmarks.bench_models import build_model
+from benchmarks.results import write_result
+from pagedserve import LLM, SamplingParams
+from pagedserve.hal.int4 import Int4Linear
+from pagedserve.hal.int8 import Int8Linear
 
 HAL_OPS = [
     "add_rms_norm",

@@ -27,6 +27,15 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "system": platform.platform()}
 
 
+def this_command() -> list[str]:
+    """How this benchmark was started: ``python -m benchmarks.NAME ARGS`` (a script run by its
+    path: ``python PATH ARGS``)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name:
+        return ["python", "-m", spec.name, *sys.argv[1:]]
+    return ["python", *sys.argv]
+
+
 def write_result(name: str, figures: dict, command: list[str] | None = None) -> Path:
     import torch
 
@@ -36,7 +45,7 @@ def write_result(name: str, figures: dict, command: list[str] | None = None) -> 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "torch": torch.__version__,
-        "command": " ".join(command or ["python", *sys.argv]),
+        "command": " ".join(command or this_command()),
         **figures,
     }
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,7 +1,7 @@
 """Sampler cost per step for 32 rows at GLM-4-sized (151552) and benchmark-sized (32000) vocabularies,
 on peaked logits like a language model's.
 
-    python benchmarks/sampler_speed.py
+    python -m benchmarks.sampler_speed
 """
 
 from __future__ import annotations

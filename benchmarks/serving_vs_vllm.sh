@@ -44,7 +44,7 @@ if [[ ! -x $VPY ]]; then
   exit 2
 fi
 
-MODEL=$("$PYTHON" benchmarks/bench_models.py 122m)
+MODEL=$("$PYTHON" -m benchmarks.bench_models 122m)
 NAME=$(basename "$MODEL")
 OUT=bench_out
 mkdir -p "$OUT" "$VLLM_CACHE"
@@ -79,7 +79,7 @@ start_server() {  # label port -> starts it in the background, sets $pid
   case $label in
     pagedserve-int4 | pagedserve-bf16)
       local quant=(); [[ $label == pagedserve-int4 ]] && quant=(--quantization int4)
-      "$PYTHON" -m pagedserve.cli serve --model "$MODEL" --served-model-name "$NAME" \
+      "$PYTHON" -m pagedserve serve --model "$MODEL" --served-model-name "$NAME" \
         --dtype bfloat16 "${quant[@]}" --max-model-len 2048 --host 127.0.0.1 --port "$port" \
         --log-level warning >"$OUT/server-$label.log" 2>&1 &
       ;;
@@ -136,8 +136,7 @@ done
 
 "$PYTHON" - "$NUM_PROMPTS" "$REPEATS" $SERVERS <<'PY'
 import json, statistics, sys
-sys.path.insert(0, "benchmarks")
-from results import spread, write_result
+from benchmarks.results import spread, write_result  # run from the repository root
 num_prompts, repeats, labels = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 keys = {"output_throughput": "output tok/s", "request_throughput": "req/s",
         "median_ttft_ms": "TTFT ms", "median_tpot_ms": "TPOT ms"}

@@ -1,6 +1,6 @@
 """What one engine step costs besides the model, at 64 running requests on the demo model.
 
-    python benchmarks/step_overhead.py [--num-requests 64] [--steps 200] [--sampling]
+    python -m benchmarks.step_overhead [--num-requests 64] [--steps 200] [--sampling]
 
 64 requests with 128-token prompts decode together (greedy by default; ``--sampling``:
 temperature 1 with a per-request seed). After every request has produced its first token, a timer
@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from results import write_result  # noqa: E402
-
-from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.results import write_result
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams
 
 PROMPT_LEN = 128
 

@@ -1,6 +1,6 @@
 """What constrained decoding costs per decode step, against unconstrained, at 16 concurrent requests.
 
-    python benchmarks/structured_cost.py [--model demo] [--concurrency 16] [--steps 48]
+    python -m benchmarks.structured_cost [--model demo] [--concurrency 16] [--steps 48]
 
 Both runs decode the same 16 prompts with the same settings; the constrained run adds a JSON
 schema to every request (every row of every step is masked). Only steps in which all 16 rows
@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results import write_result  # noqa: E402
-
-from pagedserve.config import EngineConfig  # noqa: E402
-from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from benchmarks.results import write_result
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # open-ended enough that no row finishes within the timed steps
 SCHEMA = {

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 from hypothesis import Phase, settings
 
-# the benchmarks' server starter (benchmarks/reliability/server.py) starts the suite's servers too
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "reliability"))
-from server import free_port, serve  # noqa: E402
+from pagedserve.testing import serve_app
 
 API_KEY = "test-key"
 
@@ -38,20 +32,12 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 
 
-def serve_subprocess(
-    *flags: str, port: int | None = None, log: IO | None = None, timeout: float = 600
-):
-    """`pagedserve serve FLAGS` on 127.0.0.1 in a child process, once /health answers 200;
-    terminated (then killed) on exit. Output is dropped unless ``log`` takes it; the log level is
-    the server's default unless FLAGS set one. The benchmarks start their servers the same way."""
-    return serve(*flags, port=port, log=log or subprocess.DEVNULL, log_level=None, timeout=timeout)
-
-
 @pytest.fixture(scope="session")
 def tiny_glm4(tmp_path_factory):
     """(model directory, HF reference model) of a random tiny Glm4ForCausalLM with a tokenizer."""
     import torch
-    from helpers_models import build_tiny_model_dir
+
+    from tests.helpers.models import build_tiny_model_dir
 
     torch.set_num_threads(1)
     model_dir = tmp_path_factory.mktemp("tiny-glm4")
@@ -71,37 +57,31 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def live_server(tiny_glm4):
-    """One uvicorn server (in a thread) over the tiny model, shared by the server/SDK/smi tests."""
-    import uvicorn
+def live_server_settings(tiny_glm4) -> dict[str, Any]:
+    """The engine settings of the live server (tests compare it with an offline engine of the
+    same settings)."""
+    return dict(
+        model=str(tiny_glm4[0]),
+        dtype="float32",
+        num_kv_pages=256,
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=16,
+        device="cpu",
+    )
 
+
+@pytest.fixture(scope="session")
+def live_server(live_server_settings):
+    """One uvicorn server (in a thread) over the tiny model, shared by the server/SDK/smi tests."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
-    model_dir, _ = tiny_glm4
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            model=str(model_dir),
-            dtype="float32",
-            num_kv_pages=256,
-            block_size=16,
-            max_model_len=256,
-            max_num_seqs=16,
-            device="cpu",
-        )
-    )
+    engine = LLMEngine(EngineConfig.from_kwargs(**live_server_settings))
     app = build_app(engine, "tiny", api_key=API_KEY, max_queue_len=64)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:  # however long a loaded machine takes; pytest-timeout bounds it
-        assert thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield LiveServer(f"http://127.0.0.1:{port}", API_KEY, "tiny", app)
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(app) as url:
+        yield LiveServer(url, API_KEY, "tiny", app)
 
 
 @pytest.fixture

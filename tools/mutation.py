@@ -40,23 +40,23 @@ TARGET = 0.90
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
-        ["tests/test_scheduler.py"],
+        ["tests/engine/test_scheduler.py"],
     ),
     "block_manager": (
         "pagedserve/engine/block_manager.py",
-        ["tests/test_block_manager.py"],
+        ["tests/engine/test_block_manager.py"],
     ),
     "page_allocator": (
         "pagedserve/engine/page_allocator.py",
-        ["tests/test_block_manager.py", "tests/test_scheduler.py"],
+        ["tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"],
     ),
     "sampler": (
         "pagedserve/engine/sampler.py",
-        ["tests/test_sampler.py", "tests/test_sampler_mixed_batch.py"],
+        ["tests/engine/test_sampler.py", "tests/engine/test_sampler_mixed_batch.py"],
     ),
     "server_sampling": (
         "pagedserve/server/sampling.py",
-        ["tests/test_server_sampling.py"],
+        ["tests/server/test_server_sampling.py"],
     ),
 }
 

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from pagedserve.models.quant_formats import fake_quantize
 from pagedserve.models.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
-from pagedserve.quant.formats import fake_quantize
 
 PROMPT_PREFIX = "[gMASK]<sop>"  # how every GLM-4 prompt opens
 CHAT_TEMPLATE = (

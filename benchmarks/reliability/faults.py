@@ -1,6 +1,6 @@
 """Faults: inject every device fault kind into a serving demo model and count what was recovered.
 
-    taskset -c 1 nice -n 10 python benchmarks/reliability/faults.py [--rounds 10]
+    taskset -c 1 nice -n 10 python -m benchmarks.reliability.faults [--rounds 10]
 
 Starts `pagedserve serve` on the demo model with --device kunlun-emu --enable-fault-injection and
 a patrol scrub over every weight page in every step, takes a fault-free greedy answer, then for
@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import BENCHMARKS, serve  # noqa: E402
+from pagedserve.testing import serve
 
 BODY = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 
@@ -81,11 +78,10 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
-    sys.path.insert(0, str(BENCHMARKS))
-    from results import write_result
+    from benchmarks.results import write_result
 
     flags = ["--device", "kunlun-emu", "--enable-fault-injection", "--weight-scrub-pages", "100000"]
-    with serve(*flags) as (_, url):
+    with serve(*flags, log=None, log_level="warning", timeout=300) as (_, url):
         faults = run(url, args.rounds)
     for kind, f in faults.items():
         print(

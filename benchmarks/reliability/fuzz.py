@@ -1,27 +1,25 @@
 """Fuzz every operation of the server's own OpenAPI schema; count the 5xx and the hangs.
 
-    python benchmarks/reliability/fuzz.py [--examples 100]
+    python -m benchmarks.reliability.fuzz [--examples 100]
 
 Serves the demo model in this process (uvicorn in a thread, 127.0.0.1, a free port, an API key),
 then, for each operation of GET /openapi.json, sends EXAMPLES bodies that fit the schema and
 EXAMPLES that do not (schemathesis: wrong types, out-of-range numbers, missing fields; the
 examples are the same on every run). The bar: no answer is a 5xx, none takes longer than
 --timeout, and a plain completion is still served afterwards. Prints the figures and writes
-benchmarks/results/fuzz.json. tests/test_reliability_api.py runs the same with fewer examples.
+benchmarks/results/fuzz.json. tests/server/test_reliability_api.py runs the same with fewer examples.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
-from server import free_port
+from pagedserve.testing import serve_app
 
 API_KEY = "fuzz-key"
 SERVER_LIMITS = dict(max_model_len=64, max_num_seqs=4, num_kv_pages=64, block_size=16)
@@ -31,27 +29,14 @@ SERVER_LIMITS = dict(max_model_len=64, max_num_seqs=4, num_kv_pages=64, block_si
 def demo_server(**build_app_kwargs) -> Iterator[tuple[str, object]]:
     """(base URL, app) of the demo model served by uvicorn in a thread of this process; small
     limits (64 tokens of context) so that any admitted request is short."""
-    import uvicorn
-
     from pagedserve.config import EngineConfig
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.server.app import build_app
 
     engine = LLMEngine(EngineConfig.from_kwargs(model="demo", device="cpu", **SERVER_LIMITS))
     app = build_app(engine, "demo", api_key=API_KEY, max_queue_len=16, **build_app_kwargs)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve_app(app, log_level="error") as url:
+        yield url, app
 
 
 def fuzz(base_url: str, examples: int, timeout: float = 30.0) -> dict:
@@ -138,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in figures["server_error_cases"] + figures["hang_cases"]:
         print("  ", line)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from results import write_result
+    from benchmarks.results import write_result
 
     write_result("fuzz", figures)
     ok = not figures["server_errors"] and not figures["hangs"] and figures["completion_after"]

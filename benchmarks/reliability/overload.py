@@ -1,6 +1,6 @@
 """Overload: 20x what the server admits, and what becomes of every request.
 
-    taskset -c 1 nice -n 10 python benchmarks/reliability/overload.py [--clients 240] [--duration 30]
+    taskset -c 1 nice -n 10 python -m benchmarks.reliability.overload [--clients 240] [--duration 30]
 
 Starts `pagedserve serve` on the demo model with --max-num-seqs 4 --max-queue-len 8 (12 requests
 admitted at once) on 127.0.0.1, and drives it with CLIENTS looping clients (240: 20x) for
@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import BENCHMARKS, process_tree, rss_bytes, serve  # noqa: E402
-
-sys.path.insert(0, str(BENCHMARKS))
-from health_under_load import drive  # noqa: E402
+from benchmarks.health_under_load import drive
+from benchmarks.reliability.processes import process_tree, rss_bytes
+from pagedserve.testing import serve
 
 ADMITTED = ("200",)
 REJECTED = ("503 with Retry-After",)
@@ -47,12 +43,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--request-timeout", type=float, default=60.0)
     args = ap.parse_args()
-    from results import write_result
+    from benchmarks.results import write_result
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue-len", str(args.max_queue_len)]
     body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens, "stream": True}
     body["ignore_eos"] = True
-    with serve(*flags) as (server, url):
+    with serve(*flags, log=None, log_level="warning", timeout=300) as (server, url):
         pids = process_tree(server.pid)
         before = rss_bytes(pids)
         samples: list[int] = []

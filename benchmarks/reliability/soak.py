@@ -1,6 +1,6 @@
 """Soak: many mixed requests against `pagedserve serve` on the demo model, then the invariants.
 
-    taskset -c 1 nice -n 10 python benchmarks/reliability/soak.py [--requests 10000]
+    taskset -c 1 nice -n 10 python -m benchmarks.reliability.soak [--requests 10000]
 
 Starts the server (demo model, a 4,096-page KV pool, --max-num-seqs 16) on 127.0.0.1 and sends
 REQUESTS requests from CONCURRENCY clients: completions and chat completions, streaming or not,
@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import BENCHMARKS, logged_errors, process_tree, rss_by_process, serve  # noqa: E402
+from benchmarks.reliability.processes import logged_errors, process_tree, rss_by_process
+from pagedserve.testing import serve
 
 PREFIXES = [
     "You are a careful assistant. Answer in one short sentence, plainly, without lists. ",
@@ -180,12 +178,11 @@ def main() -> None:
     ap.add_argument("--num-kv-pages", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0, help="the request mix's random generator")
     args = ap.parse_args()
-    sys.path.insert(0, str(BENCHMARKS))
-    from results import write_result
+    from benchmarks.results import write_result
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--num-kv-pages", str(args.num_kv_pages)]
     with tempfile.TemporaryFile("w+") as log:
-        with serve(*flags, log=log) as (server, url):
+        with serve(*flags, log=log, log_level="warning", timeout=300) as (server, url):
             pids = process_tree(server.pid)
             figures = run_soak(url, args.requests, args.concurrency, pids, args.seed)
         log.seek(0)

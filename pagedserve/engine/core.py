@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from pagedserve.engine.llm_engine import LLMEngine, RequestGroup
+from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.engine.messages import (
     ABORT,
     ADD,
@@ -34,6 +34,7 @@ from pagedserve.engine.messages import (
     encode,
     params_from_wire,
 )
+from pagedserve.engine.request_group import RequestGroup
 from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.sampling_params import SamplingParams
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,39 +15,23 @@ from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.executor import create_executor
+from pagedserve.engine.fault_recovery import FaultRecovery
 from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa: F401 - re-exported
 from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.request_group import RequestGroup, make_request_output
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
-from pagedserve.engine.structured import StructuredOutputManager
+from pagedserve.engine.stop_checker import check_stop
+from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
 from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.models import Tokenizer, load_config, resolve_model_path
-from pagedserve.models.loader import layer_of
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.01  # an idle step waits this long for a compiling grammar, not a busy spin
-
-
-@dataclass
-class RequestGroup:
-    """One user request: ``n`` sequences sampled from one prompt."""
-
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    seqs: list[Request]
-    detokenizers: list[IncrementalDetokenizer | None]
-    texts: list[str]
-    pending_forks: list[Request] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs) and not self.pending_forks
 
 
 class LLMEngine:
@@ -76,14 +59,22 @@ class LLMEngine:
         self.device.seal_weights()  # the patrol scrub's checksums, of the weights as placed
         self.block_size = config.cache.block_size
         self.runner = worker.runner
-        if self.executor.world_size == 1:  # a restore recomputes the step on this rank alone
-            self.runner.patrol_scrub = self._patrol_scrub
         kv_cache = self.runner.kv_cache
         self.num_kv_pages = kv_cache.shape[2]
         self.block_manager = BlockManager(
             self.num_kv_pages, self.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.fault_recovery = FaultRecovery(
+            self.device,
+            self.model,
+            self.model_path,
+            self.block_manager,
+            self.scheduler,
+            config.device,
+        )
+        if self.executor.world_size == 1:  # a restore recomputes the step on this rank alone
+            self.runner.patrol_scrub = self.fault_recovery.patrol_scrub
         self.limits = EngineLimits(
             self.max_model_len,
             self.model_config.vocab_size,
@@ -245,16 +236,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request one step; the outputs of those that got a token."""
         groups = {group.request_id: group for group, _ in self.execute_step()}
-        return [self._make_output(g) for g in groups.values()]
+        return [make_request_output(g) for g in groups.values()]
 
     def execute_step(self) -> list[tuple[RequestGroup, int]]:
         """Schedule, run the model and append the sampled tokens: (group, sequence index) of each
         sequence that got a token, in batch order. A group that finishes leaves ``groups`` here."""
-        self._recover_from_device_faults()
+        for req in self.fault_recovery.recover_kv_pages():
+            req.release_matcher()
         self._reject_failed_grammars()
         sched = self.scheduler.schedule()
         for req in sched.preempted:
-            self._release_matcher(req)
+            req.release_matcher()
         if sched.is_empty:
             self._wait_for_grammars()
             return []
@@ -266,89 +258,24 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - a device or kernel error ends this step only
             if self.executor.failed is not None:
                 raise  # a tensor-parallel rank is gone: the engine stops
-            self._fail_step(sched, e)
+            self.failed += self.fault_recovery.fail_step(sched, e, self.abort_request)
             return []
         return self._update(sched, forks, result)
-
-    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> None:
-        """A forward pass that raised ends the requests it computed, and only those, with an
-        error that says so; the others (waiting, or not in this batch) go on. The KV this step
-        wrote may be half written, so those pages leave the prefix cache."""
-        logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
-        self.device.faults.detected["step"] += 1
-        request_ids: list[str] = []
-        for s in sched.scheduled:
-            for page in s.block_table[s.request.num_computed_tokens // self.block_size :]:
-                self.block_manager.uncache_page(page)
-            rid = s.request.request_id.partition("#")[0]
-            if rid not in request_ids:
-                request_ids.append(rid)
-        why = (
-            f"the engine step computing this request failed ({error!r}); the engine goes on "
-            "serving: send the request again"
-        )
-        self.failed += [(rid, why) for rid in request_ids]
-        self.abort_request(request_ids)
-        self.device.faults.recovered["step"] += 1
 
     def take_failed(self) -> list[tuple[str, str]]:
         failed, self.failed = self.failed, []
         return failed
 
     # ---- device faults ------------------------------------------------------------------------
-    def _patrol_scrub(self) -> bool:
-        """Between a step's forward pass and its sampling: verify the patrol's next pages; True
-        when a corrupted one was restored, so that the step is computed again."""
-        return self.scrub_weights(self.config.device.weight_scrub_pages) > 0
-
     def scrub_weights(self, num_pages: int | None = None) -> int:
         """Verify ``num_pages`` weight pages (None: every one) and restore each corrupted page
-        from the checkpoint on disk; the number restored."""
-        dev = self.device
-        bad = dev.scrub_weights(dev.num_weight_pages if num_pages is None else num_pages)
-        for layer in {layer_of(p.tag) for p in bad}:
-            try:
-                rebuilt = self.model.rebuild_weights(self.model_path, layer)
-            except (OSError, ValueError, KeyError) as e:
-                raise UnrecoverableFaultError(
-                    f"weight pages {[(p.tag, p.index) for p in bad]} are corrupted and cannot "
-                    f"be restored from {self.model_path}: {e!r}; restart the server"
-                ) from e
-            for p in (p for p in bad if layer_of(p.tag) == layer):
-                logger.warning(
-                    "weight page %d of %s failed its checksum: restored from %s",
-                    p.index,
-                    p.tag,
-                    self.model_path,
-                )
-                dev.restore_weight_page(p, rebuilt[p.tag])
-        return len(bad)
+        from the checkpoint on disk; the number restored (``FaultRecovery.scrub_weights``)."""
+        return self.fault_recovery.scrub_weights(num_pages)
 
     def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
-        """Provoke a device fault on purpose (``kunlun-emu`` only): ``kv_page`` flips a bit in
-        KV page ``page`` (default: the first page of a running request), ``weight_page`` in a
-        weight page (``tag``, ``page``; default: a random one), ``step`` fails the next forward
-        pass. What was injected, as plain data."""
-        dev = self.device
-        if not hasattr(dev, "inject_kernel_fault"):
-            raise ValueError(f"fault injection needs --device kunlun-emu, not {dev.name}")
-        if kind == "kv_page":
-            if page is None:
-                tables = [
-                    self.block_manager.get_block_table(r.request_id) for r in self.scheduler.running
-                ]
-                page = next((t[0] for t in tables if t), 0)
-            if not 0 <= page < self.num_kv_pages:
-                raise ValueError(f"KV pages are 0..{self.num_kv_pages - 1}, not {page}")
-            dev.inject_fault(page)
-            return {"kind": kind, "page": page}
-        if kind == "weight_page":
-            injected = dev.inject_weight_fault(tag, page)
-            return {"kind": kind, "tag": injected.tag, "page": injected.index}
-        if kind == "step":
-            dev.inject_kernel_fault()
-            return {"kind": kind}
-        raise ValueError(f"unknown fault kind {kind!r}; use kv_page, weight_page or step")
+        """Provoke a device fault on purpose (``kunlun-emu`` only; ``FaultRecovery.inject_fault``):
+        what was injected, as plain data."""
+        return self.fault_recovery.inject_fault(kind, tag, page)
 
     def check_invariants(self) -> list[str]:
         """The KV pool's consistency (``BlockManager.check_invariants``), plus: only running
@@ -359,21 +286,6 @@ class LLMEngine:
         if strays:
             problems.append(f"sequences that are not running hold pages: {sorted(strays)}")
         return problems
-
-    def _recover_from_device_faults(self) -> None:
-        """A page the device reports corrupted leaves the prefix cache, and every request that
-        holds it is preempted: it recomputes its KV on good pages, and nothing is lost."""
-        faulted = set(self.device.take_faulted_pages())
-        if not faulted:
-            return
-        for page in faulted:
-            self.block_manager.uncache_page(page)
-        for req in list(self.scheduler.running):
-            if faulted & set(self.block_manager.get_block_table(req.request_id)):
-                logger.warning("KV page fault under %s: recomputing it", req.request_id)
-                self.scheduler.preempt(req)
-                self._release_matcher(req)
-        self.device.faults.recovered["kv_page"] += len(faulted)
 
     # ---- structured output --------------------------------------------------------------------
     def _reject_failed_grammars(self) -> None:
@@ -394,12 +306,6 @@ class LLMEngine:
         waiting = [r for r in self.scheduler.waiting if r.waiting_for_grammar]
         if waiting:
             self.structured_output_manager.wait_for_any(waiting, GRAMMAR_WAIT_S)
-
-    @staticmethod
-    def _release_matcher(req: Request) -> None:
-        """A preempted sequence rebuilds its matcher from its output tokens when it runs again."""
-        if req.structured_output is not None:
-            req.structured_output.release()
 
     def _forks_this_step(self, sched: SchedulerOutput) -> dict[str, list[Request]]:
         """Siblings of an ``n > 1`` request fork off its pages once its prompt is computed."""
@@ -464,7 +370,7 @@ class LLMEngine:
         if detok is not None:
             delta, stop_str = detok.add_token(token)
             group.texts[index] += delta
-        status = self._check_stop(seq, token, stop_str, grammar_done)
+        status = check_stop(seq, token, self.max_model_len, stop_str, grammar_done)
         if status is not None:
             if detok is not None and stop_str is None:
                 group.texts[index] += detok.flush()
@@ -472,54 +378,10 @@ class LLMEngine:
             return True
         return False
 
-    def _check_stop(
-        self, seq: Request, token: int, stop_str: str | None, grammar_done: bool = False
-    ) -> RequestStatus | None:
-        p = seq.sampling_params
-        if stop_str is not None:
-            seq.stop_reason = stop_str
-            return RequestStatus.FINISHED_STOPPED
-        if grammar_done:  # the constraint is complete: nothing may follow
-            return RequestStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in seq.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _finish_seq(self, seq: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(seq, status)
         self.runner.free_request(seq.request_id)
-        self._release_matcher(seq)
-
-    def _make_output(self, group: RequestGroup) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=i,
-                text=group.texts[i],
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=_cumulative(seq),
-                logprobs=seq.logprobs if seq.sampling_params.logprobs is not None else None,
-                finish_reason=seq.status.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for i, seq in enumerate(group.seqs)
-        ]
-        first = group.seqs[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=outputs,
-            finished=group.finished,
-            prompt_logprobs=group.prompt_logprobs,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=_metrics(first),
-        )
+        seq.release_matcher()
 
     # ---- statistics ---------------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -581,16 +443,3 @@ class LLMEngine:
         """The KV page pool frame by frame (``BlockManager.page_map``), for the web console."""
         bm = self.block_manager
         return {"total": bm.num_pages, "block_size": self.block_size, **bm.page_map()}
-
-
-def _cumulative(seq: Request) -> float | None:
-    return seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None
-
-
-def _metrics(seq: Request) -> dict[str, float]:
-    m = {"arrival_time": seq.arrival_time}
-    if seq.first_scheduled_time is not None:
-        m["first_scheduled_time"] = seq.first_scheduled_time
-    if seq.first_token_time is not None:
-        m["first_token_time"] = seq.first_token_time
-    return m

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.engine.structured import StructuredOutputRequest
+    from pagedserve.engine.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +68,12 @@ class Request:
     def waiting_for_grammar(self) -> bool:
         """vLLM's WAITING_FOR_FSM: not schedulable until its grammar has compiled."""
         return self.structured_output is not None and not self.structured_output.ready
+
+    def release_matcher(self) -> None:
+        """Drop the grammar matcher of a sequence that stops running (preempted or finished); a
+        preempted one rebuilds it from its output tokens when it runs again."""
+        if self.structured_output is not None:
+            self.structured_output.release()
 
     @property
     def num_prompt_tokens(self) -> int:

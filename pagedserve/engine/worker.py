@@ -117,9 +117,8 @@ class Worker:
     # ---- the KV cache -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """On this card: its KV heads only."""
-        c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.tp.num_kv_heads * c.head_dim * elem
+        return self.model_config.kv_bytes_per_token(self.tp.num_kv_heads, elem)
 
     def init_kv_cache(self) -> ModelRunner:
         """Allocate the KV page pool (as many pages as the fullest card allows: every rank holds

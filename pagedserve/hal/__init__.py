@@ -1,10 +1,27 @@
 """Hardware abstraction layer: every device detail lives below this line."""
 
-from pagedserve.hal.device import Device, DevicePreset, available_presets, load_device_preset
-from pagedserve.hal.kernels import AttentionMetadata
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedserve.hal.device_preset import DevicePreset, available_presets, load_device_preset
 from pagedserve.hal.memory import DeviceOutOfMemoryError, MemoryAttr
 
+if TYPE_CHECKING:
+    from pagedserve.hal.device import Device
+    from pagedserve.hal.kernels import AttentionMetadata
+
 DEFAULT_DEVICE = "kunlun-emu"
+_TORCH_NAMES = {"Device": "pagedserve.hal.device", "AttentionMetadata": "pagedserve.hal.kernels"}
+
+
+def __getattr__(name: str):
+    # the devices and kernels pull in torch; the presets (pagedserve tune) need none of it
+    if name in _TORCH_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_TORCH_NAMES[name]), name)
+    raise AttributeError(f"module 'pagedserve.hal' has no attribute {name!r}")
 
 
 def get_device(name: str = DEFAULT_DEVICE, kernels: str = "auto") -> Device:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from pagedserve.hal import int4, kernels
+from pagedserve.hal.device_preset import DevicePreset
 from pagedserve.hal.faults import (
     FaultCounts,
     UnrecoverableFaultError,
@@ -24,100 +23,13 @@ from pagedserve.hal.faults import (
 from pagedserve.hal.int4 import Int4Linear
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference
 from pagedserve.hal.kernels import AttentionMetadata
-from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes, parse_bytes
-from pagedserve.presets import find_preset, parse_cards, preset_names
+from pagedserve.hal.memory import MemoryAttr, MemoryTier, format_bytes
 
 logger = logging.getLogger(__name__)
 
 
-# Used when no YAML preset of that name exists (e.g. an installed package without configs/).
-BUILTIN_PRESETS: dict[str, dict] = {
-    "kunlun-emu": {
-        "backend": "kunlun-emu",
-        "description": "CPU emulation of a Kunlun XPU node: 8 cards of 8 GiB HBM",
-        "cards": 8,
-        "memory_bytes": "8GiB",
-        "tiers": {"kv": "2GiB", "weight": "8GiB", "host": "8GiB"},
-        "kv_memory_attr": "cached",
-    },
-    "cpu": {
-        "backend": "cpu",
-        "cards": "per-process",
-        "description": "plain PyTorch on the host CPU",
-        "tiers": {"kv": "2GiB", "weight": 0, "host": 0},
-        "kv_memory_attr": "cached",
-    },
-    "cuda": {
-        "backend": "cuda",
-        "description": "an NVIDIA GPU through PyTorch",
-        "tiers": {"kv": "16GiB", "weight": 0, "host": 0},
-        "kv_memory_attr": "cached",
-    },
-}
-
-
-@dataclass
-class DevicePreset:
-    name: str
-    backend: str
-    description: str = ""
-    tiers: dict[str, int] = field(default_factory=dict)
-    kv_memory_attr: MemoryAttr = MemoryAttr.CACHED
-    memory_bytes: int = 0  # one HBM that the kv and weight tiers share; 0: the tiers are separate
-    cards: int | None = 1  # cards in the node, each with these tiers; None: one per process
-
-    def check_tensor_parallel_size(self, tp_size: int, flag: str = "--tp-size") -> list[int]:
-        """The cards ``tp_size`` ranks leave unused (named in a warning by the caller); more ranks
-        than the node has cards is refused, as the Kunlun XPU deployment guide says."""
-        if tp_size < 1:
-            raise ValueError(f"{flag} {tp_size}: use 1 or more")
-        if self.cards is None:
-            return []
-        if tp_size > self.cards:
-            raise ValueError(
-                f"{flag} {tp_size} asks for more cards than device {self.name!r} has: "
-                f"{self.cards} card(s) per node; use {flag} {self.cards} or less, or add nodes "
-                f"with --nnodes"
-            )
-        return list(range(tp_size, self.cards))
-
-    @classmethod
-    def from_dict(cls, name: str, d: dict) -> DevicePreset:
-        tiers = {k: parse_bytes(v) for k, v in (d.get("tiers") or {}).items()}
-        for required in ("kv", "weight", "host"):
-            tiers.setdefault(required, 0)
-        return cls(
-            name=d.get("name", name),
-            backend=d.get("backend", name),
-            description=d.get("description", ""),
-            tiers=tiers,
-            kv_memory_attr=MemoryAttr(d.get("kv_memory_attr", "cached")),
-            memory_bytes=parse_bytes(d.get("memory_bytes", 0)),
-            cards=parse_cards(d.get("cards", 1)),
-        )
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def available_presets() -> list[str]:
-    names = set(BUILTIN_PRESETS) | set(preset_names("devices"))
-    return sorted(names)
-
-
-def load_device_preset(name_or_path: str) -> DevicePreset:
-    """A preset by name (``configs/devices/NAME.yaml``, shipped in the package, or a built-in) or
-    by path to a YAML file."""
-    path = find_preset("devices", name_or_path)
-    if path is not None:
-        return DevicePreset.from_dict(path.stem, yaml.safe_load(path.read_text()))
-    if name_or_path in BUILTIN_PRESETS:
-        return DevicePreset.from_dict(name_or_path, BUILTIN_PRESETS[name_or_path])
-    raise ValueError(
-        f"unknown device {name_or_path!r}; choose one of {', '.join(available_presets())} "
-        f"(--device), or give the path of a preset YAML file"
-    )
 
 
 class Device:

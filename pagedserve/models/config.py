@@ -39,6 +39,16 @@ class GlmConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads on each of ``tp_size`` tensor-parallel ranks: split evenly, or replicated when
+        there are fewer than ranks (as vLLM does)."""
+        return max(self.num_key_value_heads // tp_size, 1)
+
+    def kv_bytes_per_token(self, num_kv_heads: int, dtype_bytes: int) -> int:
+        """K and V of one token in every layer, on a card that holds ``num_kv_heads`` KV heads of
+        ``dtype_bytes`` each: the engine sizes its KV pages by it, ``pagedserve tune`` plans by it."""
+        return 2 * self.num_hidden_layers * num_kv_heads * self.head_dim * dtype_bytes
+
     def verify(self) -> None:
         if self.architecture not in ("glm", "glm4"):
             raise ValueError(f"architecture must be 'glm' or 'glm4', got {self.architecture!r}")

@@ -17,8 +17,8 @@ from pagedserve.hal.int8 import Int8Linear, quantize_int8
 from pagedserve.hal.kernels import rotary_cos_sin
 from pagedserve.models.config import GlmConfig
 from pagedserve.models.loader import layer_of, load_state_dict
+from pagedserve.models.quant_formats import dequantize, load_quantized_linears, quantize_rtn
 from pagedserve.models.tensor_parallel import TensorParallel
-from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
 
 Linear = torch.Tensor | Int4Linear | Int8Linear
 LM_HEAD_QUANTIZATIONS = ("none", "int8", "int4")

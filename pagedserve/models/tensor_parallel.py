@@ -47,7 +47,7 @@ class TensorParallel:
 
     @property
     def num_kv_heads(self) -> int:
-        return max(self.config.num_key_value_heads // self.size, 1)
+        return self.config.num_kv_heads_per_rank(self.size)
 
     @property
     def vocab_range(self) -> tuple[int, int]:

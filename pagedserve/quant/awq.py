@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.models.config import GlmConfig
-from pagedserve.quant.formats import (
+from pagedserve.models.quant_formats import (
     QuantizedLinear,
     check_group_size,
     dequantize,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pagedserve.hal.int8 import quantize_int8
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
-from pagedserve.quant.formats import dequantize, load_quantized_linears, quantize_rtn
+from pagedserve.models.quant_formats import dequantize, load_quantized_linears, quantize_rtn
 from pagedserve.quant.forward import ReferenceGlm
 
 DEFAULT_HELDOUT = Path(__file__).parent.parent / "data" / "demo_heldout.txt"

@@ -20,14 +20,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ConfigDict, Field
 
 import pagedserve
-from pagedserve.engine.async_engine import EngineDeadError, EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.server.errors import bad_request, error_body
+from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import (
     MAX_PROMPTS,
     Count,
@@ -47,6 +46,8 @@ from pagedserve.server.protocol import (
     random_id,
 )
 from pagedserve.server.sampling import check_logprobs, logit_bias
+from pagedserve.server.serving import top_logprobs
+from pagedserve.server.streaming import merge_streams, sse_response
 from pagedserve.server.structured import build
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -252,7 +253,7 @@ class SGLangServing:
     def _top(self, logprobs: dict[int, float] | None, n: int, with_text: bool):
         if logprobs is None or n <= 0:
             return None
-        top = sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
+        top = top_logprobs(logprobs, n)
         return [[v, t, self.serving.token_str(t) if with_text else None] for t, v in top]
 
 
@@ -282,10 +283,7 @@ def sglang_router(serving) -> APIRouter:
         ]
         many = batch or params[0].n > 1
         if body.stream:
-            chunks = _stream(sgl, body, prompts, rids, streams, prefill_only, many)
-            return StreamingResponse(
-                chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return sse_response(_stream(sgl, body, prompts, rids, streams, prefill_only, many))
         finals = await serving.collect(raw, streams)
         results = [
             sgl.result(body, i, rids[i], prompts[i][1], out, o, prefill_only[i])
@@ -343,21 +341,15 @@ def sglang_router(serving) -> APIRouter:
 
 
 async def _stream(sgl, body, prompts, rids, streams, prefill_only, many) -> AsyncIterator[str]:
-    from pagedserve.server.app import _merge  # the OpenAI server's stream interleaving
-
-    try:
-        async for p, out in _merge(streams):
-            n = len(out.outputs)
-            for o in out.outputs:
-                result = sgl.result(body, p, rids[p], prompts[p][1], out, o, prefill_only[p])
-                if many:
-                    result["index"] = p * n + o.index
-                yield f"data: {json.dumps(result)}\n\n"
-                await asyncio.sleep(0)
-    except (EngineStepError, EngineDeadError, ValueError) as e:
-        status = 400 if isinstance(e, ValueError) else 500
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
-    yield "data: [DONE]\n\n"
+    """Each chunk carries the text so far, as SGLang's server streams it."""
+    async for p, out in merge_streams(streams):
+        n = len(out.outputs)
+        for o in out.outputs:
+            result = sgl.result(body, p, rids[p], prompts[p][1], out, o, prefill_only[p])
+            if many:
+                result["index"] = p * n + o.index
+            yield f"data: {json.dumps(result)}\n\n"
+            await asyncio.sleep(0)
 
 
 # ---- role blocks ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.engine.structured import check_structured_outputs
+from pagedserve.engine.structured_output.backend_guidance import check_structured_outputs
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import SamplingFields

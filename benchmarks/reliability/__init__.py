@@ -1,0 +1,1 @@
+"""Reliability runs: faults, fuzzing, overload, a soak (``python -m benchmarks.reliability.NAME``)."""

@@ -1,0 +1,152 @@
+"""What the engine does about the faults its device reports (the HAL detects them; here they are
+recovered), so that no fault costs more than a recompute:
+
+- a KV page the device reports corrupted leaves the prefix cache, and every running request that
+  holds it is preempted: it recomputes its KV on good pages;
+- a weight page whose checksum fails (the patrol scrub between a step's forward pass and its
+  sampling, or a scrub on demand) is restored from the checkpoint on disk, and the step computed
+  again;
+- a forward pass that raises ends the requests it computed, and only those.
+
+Faults are injected on purpose (``kunlun-emu``, ``--enable-fault-injection``) to test all this.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from pagedserve.config import DeviceConfig
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.request import Request
+from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.hal import Device
+from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.models.glm4 import GlmForCausalLM
+from pagedserve.models.loader import layer_of
+
+logger = logging.getLogger(__name__)
+
+
+class FaultRecovery:
+    """Device-fault recovery over one engine's device, model, pages and scheduler."""
+
+    def __init__(
+        self,
+        device: Device,
+        model: GlmForCausalLM,
+        model_path: Path,
+        block_manager: BlockManager,
+        scheduler: Scheduler,
+        device_config: DeviceConfig,
+    ):
+        self.device = device
+        self.model = model
+        self.model_path = model_path
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.device_config = device_config  # weight_scrub_pages: the patrol's pages per step
+
+    def recover_kv_pages(self) -> list[Request]:
+        """A page the device reports corrupted leaves the prefix cache, and every request that
+        holds it is preempted: it recomputes its KV on good pages, and nothing is lost. The
+        requests preempted."""
+        faulted = set(self.device.take_faulted_pages())
+        if not faulted:
+            return []
+        for page in faulted:
+            self.block_manager.uncache_page(page)
+        preempted = []
+        for req in list(self.scheduler.running):
+            if faulted & set(self.block_manager.get_block_table(req.request_id)):
+                logger.warning("KV page fault under %s: recomputing it", req.request_id)
+                self.scheduler.preempt(req)
+                preempted.append(req)
+        self.device.faults.recovered["kv_page"] += len(faulted)
+        return preempted
+
+    def fail_step(
+        self,
+        sched: SchedulerOutput,
+        error: Exception,
+        abort_request: Callable[[list[str]], None],
+    ) -> list[tuple[str, str]]:
+        """A forward pass that raised ends the requests it computed, and only those, with an
+        error that says so; the others (waiting, or not in this batch) go on. The KV this step
+        wrote may be half written, so those pages leave the prefix cache. (request id, why) of
+        each request ended."""
+        logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
+        self.device.faults.detected["step"] += 1
+        block_size = self.block_manager.block_size
+        request_ids: list[str] = []
+        for s in sched.scheduled:
+            for page in s.block_table[s.request.num_computed_tokens // block_size :]:
+                self.block_manager.uncache_page(page)
+            rid = s.request.request_id.partition("#")[0]
+            if rid not in request_ids:
+                request_ids.append(rid)
+        why = (
+            f"the engine step computing this request failed ({error!r}); the engine goes on "
+            "serving: send the request again"
+        )
+        failed = [(rid, why) for rid in request_ids]
+        abort_request(request_ids)
+        self.device.faults.recovered["step"] += 1
+        return failed
+
+    # ---- weight pages -------------------------------------------------------------------------
+    def patrol_scrub(self) -> bool:
+        """Between a step's forward pass and its sampling: verify the patrol's next pages; True
+        when a corrupted one was restored, so that the step is computed again."""
+        return self.scrub_weights(self.device_config.weight_scrub_pages) > 0
+
+    def scrub_weights(self, num_pages: int | None = None) -> int:
+        """Verify ``num_pages`` weight pages (None: every one) and restore each corrupted page
+        from the checkpoint on disk; the number restored."""
+        dev = self.device
+        bad = dev.scrub_weights(dev.num_weight_pages if num_pages is None else num_pages)
+        for layer in {layer_of(p.tag) for p in bad}:
+            try:
+                rebuilt = self.model.rebuild_weights(self.model_path, layer)
+            except (OSError, ValueError, KeyError) as e:
+                raise UnrecoverableFaultError(
+                    f"weight pages {[(p.tag, p.index) for p in bad]} are corrupted and cannot "
+                    f"be restored from {self.model_path}: {e!r}; restart the server"
+                ) from e
+            for p in (p for p in bad if layer_of(p.tag) == layer):
+                logger.warning(
+                    "weight page %d of %s failed its checksum: restored from %s",
+                    p.index,
+                    p.tag,
+                    self.model_path,
+                )
+                dev.restore_weight_page(p, rebuilt[p.tag])
+        return len(bad)
+
+    # ---- injection (kunlun-emu) -------------------------------------------------------------
+    def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
+        """Provoke a device fault on purpose (``kunlun-emu`` only): ``kv_page`` flips a bit in
+        KV page ``page`` (default: the first page of a running request), ``weight_page`` in a
+        weight page (``tag``, ``page``; default: a random one), ``step`` fails the next forward
+        pass. What was injected, as plain data."""
+        dev = self.device
+        if not hasattr(dev, "inject_kernel_fault"):
+            raise ValueError(f"fault injection needs --device kunlun-emu, not {dev.name}")
+        if kind == "kv_page":
+            if page is None:
+                tables = [
+                    self.block_manager.get_block_table(r.request_id) for r in self.scheduler.running
+                ]
+                page = next((t[0] for t in tables if t), 0)
+            if not 0 <= page < self.block_manager.num_pages:
+                raise ValueError(f"KV pages are 0..{self.block_manager.num_pages - 1}, not {page}")
+            dev.inject_fault(page)
+            return {"kind": kind, "page": page}
+        if kind == "weight_page":
+            injected = dev.inject_weight_fault(tag, page)
+            return {"kind": kind, "tag": injected.tag, "page": injected.index}
+        if kind == "step":
+            dev.inject_kernel_fault()
+            return {"kind": kind}
+        raise ValueError(f"unknown fault kind {kind!r}; use kv_page, weight_page or step")

@@ -1,0 +1,452 @@
+"""The memory plan behind ``pagedserve tune``: the weights, the KV cache and the batch limits of a
+model on a device, worked out before anything is loaded (what ``Worker.init_kv_cache`` finds at
+start-up, as vLLM's ``kv_cache_utils`` checks it there). The model's shapes are read by the engine's
+own parser (``models/config.py``), the device's cards and memory by the HAL's
+(``hal/device_preset.py``), and a token's KV bytes come from the formula the engine sizes its pages
+by (``GlmConfig.kv_bytes_per_token``). No torch here.
+
+All figures are per tensor-parallel rank, in bytes:
+
+- weights: every parameter counted. Embeddings, lm_head, norms and biases stay 16-bit. With
+  ``--quantization int4`` every q/k/v/o, gate_up and down projection costs 0.5 byte per weight plus
+  one 16-bit scale and one 16-bit zero per group of ``--quant-group-size`` inputs per output
+  (0.625 byte per weight at group 32). Tensor parallelism splits q/o and the MLP by ``tp``, k/v by
+  kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
+  embed_tokens and lm_head (vocab-parallel); norms are replicated.
+- KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
+  bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
+  KV-cache formula gave about 4.6 GB; that figure is too low).
+- reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
+  per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
+  a workspace of ``min(256 MiB, budget / 16)``.
+- KV pages: ``floor((memory x gpu_memory_utilization - weights - reserve) / (block_size x
+  kv_bytes_per_token))``; ``max_num_seqs = min(256, pages // ceil(max_model_len / block_size))``.
+- ``max_num_batched_tokens`` defaults to 2048 (vLLM v1's API-server default, with chunked prefill);
+  ``max_num_seqs`` never exceeds it, so every running sequence can decode in one step.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pagedserve.config import SchedulerConfig
+from pagedserve.hal.device_preset import DevicePreset, load_device_preset
+from pagedserve.models.config import GlmConfig, load_config
+from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
+
+MAX_NUM_SEQS_CAP = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.model_fields["max_num_batched_tokens"].default
+WORKSPACE_CAP = 256 * 2**20
+ACTIVATION_BYTES = 4
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+SERVE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class TuneError(ValueError):
+    """A setting that cannot work, with the reason and the way out."""
+
+
+@dataclass(slots=True)
+class TuneResult:
+    model: str
+    model_arg: str
+    device: str
+    tensor_parallel_size: int
+    quantization: str
+    quant_group_size: int
+    kv_dtype: str
+    block_size: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    memory_bytes: int
+    memory_budget_bytes: int
+    weight_bytes: int
+    weight_bytes_16bit: int
+    weight_bytes_linear: int
+    kv_bytes_per_token: int
+    kv_bytes_per_seq: int
+    activation_reserve_bytes: int
+    logits_reserve_bytes: int
+    workspace_bytes: int
+    reserve_bytes: int
+    kv_bytes_available: int
+    num_kv_pages: int
+    pages_per_seq: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    launch_script: str = ""
+
+
+def load_model(spec: str) -> tuple[str, GlmConfig]:
+    """(name, shapes) of a model preset name, a preset YAML file, or a checkpoint directory with
+    config.json, read by the engine's own config parser."""
+    path = Path(spec)
+    try:
+        if (path / "config.json").is_file():
+            return path.name, load_config(path)
+        preset = find_preset("models", spec)
+        if preset is None:
+            raise TuneError(
+                f"--model {spec!r} is neither a directory with config.json nor a preset; "
+                f"presets: {', '.join(preset_names('models'))}"
+            )
+        fields = yaml.safe_load(preset.read_text())
+        config = GlmConfig.from_dict({**fields, "model_type": fields["architecture"]})
+    except TuneError:
+        raise
+    except ValueError as e:
+        raise TuneError(f"--model {spec}: {e}") from None
+    return fields.get("name", preset.stem), config
+
+
+def load_device(spec: str) -> DevicePreset:
+    """The HAL's own preset of ``--device``."""
+    try:
+        return load_device_preset(spec)
+    except ValueError as e:
+        raise TuneError(str(e)) from None
+
+
+def card_memory_bytes(device: DevicePreset) -> int:
+    """One card's memory: the HBM its kv and weight tiers share, else the two tiers together."""
+    return device.memory_bytes or device.tiers["kv"] + device.tiers["weight"]
+
+
+# ---- tensor-parallel shapes
+
+
+def check_tensor_parallel(name: str, model: GlmConfig, tp: int) -> None:
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    if tp < 1:
+        raise TuneError(f"--tensor-parallel-size {tp} must be at least 1")
+    if heads % tp:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} does not divide the {heads} attention heads "
+            f"of {name}; use a divisor of {heads}"
+        )
+    if kv % tp and tp % kv:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} and the {kv} kv heads of {name} "
+            "neither divide the other; kv heads cannot be split or replicated evenly"
+        )
+    if model.intermediate_size % tp:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} does not divide intermediate_size "
+            f"{model.intermediate_size} of {name}"
+        )
+
+
+def linear_shapes(model: GlmConfig, tp: int) -> list[tuple[int, int]]:
+    """(in_features, out_features) per rank of one layer's q, k, v, o, gate_up and down."""
+    hidden, inter = model.hidden_size, model.intermediate_size // tp
+    q_out = model.num_attention_heads * model.head_dim // tp
+    kv_out = model.num_kv_heads_per_rank(tp) * model.head_dim
+    return [
+        (hidden, q_out),
+        (hidden, kv_out),
+        (hidden, kv_out),
+        (q_out, hidden),
+        (hidden, 2 * inter),
+        (inter, hidden),
+    ]
+
+
+# ---- the three sizes
+
+
+def linear_bytes(
+    in_features: int, out_features: int, quantization: str, group_size: int, dtype_bytes: int
+) -> int:
+    if quantization == "none":
+        return in_features * out_features * dtype_bytes
+    if in_features % group_size:
+        raise TuneError(
+            f"a projection with {in_features} inputs per rank is not a multiple of "
+            f"--quant-group-size {group_size}; pick a group size that divides it "
+            "(32, 64 or 128) or another --tensor-parallel-size"
+        )
+    return in_features * out_features // 2 + (in_features // group_size) * out_features * 2 * 2
+
+
+def weight_bytes(
+    model: GlmConfig, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
+) -> tuple[int, int]:
+    """(16-bit bytes: embeddings, lm_head, norms, biases; linear bytes) per rank."""
+    hidden, vocab_rank = model.hidden_size, math.ceil(model.vocab_size / tp)
+    norms_per_layer = 4 if model.architecture == "glm4" else 2
+    shapes = linear_shapes(model, tp)
+    bias = sum(out for _, out in shapes[:3]) if model.attention_bias else 0
+    per_layer_16 = norms_per_layer * hidden + bias
+    embeddings = vocab_rank * hidden * (1 if model.tie_word_embeddings else 2)
+    params_16 = embeddings + hidden + model.num_hidden_layers * per_layer_16
+    per_layer_linear = sum(
+        linear_bytes(k, n, quantization, group_size, dtype_bytes) for k, n in shapes
+    )
+    return params_16 * dtype_bytes, model.num_hidden_layers * per_layer_linear
+
+
+def activation_reserve(model: GlmConfig, tp: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """(activation bytes of one layer's forward over the token budget, fp32 logits bytes)."""
+    q_out = model.num_attention_heads * model.head_dim // tp
+    kv_out = model.num_kv_heads_per_rank(tp) * model.head_dim
+    per_token = 2 * model.hidden_size + 2 * q_out + 2 * kv_out + 3 * model.intermediate_size // tp
+    activations = max_num_batched_tokens * per_token * ACTIVATION_BYTES
+    logits_rows = min(max_num_batched_tokens, MAX_NUM_SEQS_CAP)
+    return activations, logits_rows * model.vocab_size * ACTIVATION_BYTES
+
+
+# ---- the tuner
+
+
+def _smallest_fitting_tp(
+    model: GlmConfig,
+    device: DevicePreset,
+    budget: int,
+    quantization: str,
+    group_size: int,
+    batched: int,
+) -> int | None:
+    """The fewest cards (within the node) whose share of the weights and reserve fits each card."""
+    for tp in range(2, (device.cards or 64) + 1):
+        try:
+            check_tensor_parallel("", model, tp)
+        except TuneError:
+            continue
+        w16, wlin = weight_bytes(model, tp, quantization, group_size, 2)
+        activations, logits = activation_reserve(model, tp, batched)
+        if w16 + wlin + activations + logits + min(WORKSPACE_CAP, budget // 16) < budget:
+            return tp
+    return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def tune(
+    model_arg: str,
+    device_arg: str,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    quantization: str = "int4",
+    kv_dtype: str = "bf16",
+    block_size: int = 16,
+    quant_group_size: int = 32,
+    max_num_batched_tokens: int | None = None,
+) -> TuneResult:
+    (name, model), device = load_model(model_arg), load_device(device_arg)
+    memory = card_memory_bytes(device)
+    tp = tensor_parallel_size
+    check_tensor_parallel(name, model, tp)
+    if device.cards is not None and tp > device.cards:
+        raise TuneError(
+            f"--tensor-parallel-size {tp} asks for more cards than {device.name} has: "
+            f"{device.cards} per node; use {device.cards} or less"
+        )
+    max_model_len = max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise TuneError(
+            f"--max-model-len {max_model_len} is beyond {name}'s context of "
+            f"{model.max_position_embeddings} tokens; use at most that"
+        )
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise TuneError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
+    if block_size < 1 or max_model_len < 1:
+        raise TuneError("--block-size and --max-model-len must be positive")
+    if quantization not in ("int4", "none") or kv_dtype not in KV_DTYPE_BYTES:
+        raise TuneError(
+            f"--quantization must be int4 or none; --kv-dtype one of {', '.join(KV_DTYPE_BYTES)}"
+        )
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
+    batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    budget = int(memory * gpu_memory_utilization)
+    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, min(dtype_bytes, 2))
+    activations, logits = activation_reserve(model, tp, batched)
+    workspace = min(WORKSPACE_CAP, budget // 16)
+    reserve = activations + logits + workspace
+    weights = w16 + wlin
+    if weights + reserve >= budget:
+        fits = _smallest_fitting_tp(model, device, budget, quantization, quant_group_size, batched)
+        advice = f"use --tensor-parallel-size {fits}" if fits else "raise --tensor-parallel-size"
+        raise TuneError(
+            f"the weights do not fit: {name} needs {_gib(weights)} of weights per rank "
+            f"+ {_gib(reserve)} reserve, but one card of {device.name} gives {_gib(budget)} "
+            f"({_gib(memory)} x {gpu_memory_utilization}); {advice}, use "
+            "--quantization int4, or pick a larger device"
+        )
+    per_token = model.kv_bytes_per_token(model.num_kv_heads_per_rank(tp), dtype_bytes)
+    kv_available = budget - weights - reserve
+    num_pages = kv_available // (block_size * per_token)
+    pages_per_seq = math.ceil(max_model_len / block_size)
+    max_num_seqs = min(MAX_NUM_SEQS_CAP, batched, num_pages // pages_per_seq)
+    if max_num_seqs == 0:
+        missing = pages_per_seq * block_size * per_token - kv_available
+        raise TuneError(
+            f"not even one sequence of --max-model-len {max_model_len} fits: it needs "
+            f"{_gib(pages_per_seq * block_size * per_token)} of KV cache, "
+            f"{_gib(kv_available)} is left after weights and reserve ({_gib(missing)} missing); "
+            "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
+    result = TuneResult(
+        model=name,
+        model_arg=model_arg,
+        device=device.name,
+        tensor_parallel_size=tp,
+        quantization=quantization,
+        quant_group_size=quant_group_size,
+        kv_dtype=kv_dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        memory_bytes=memory,
+        memory_budget_bytes=budget,
+        weight_bytes=weights,
+        weight_bytes_16bit=w16,
+        weight_bytes_linear=wlin,
+        kv_bytes_per_token=per_token,
+        kv_bytes_per_seq=per_token * max_model_len,
+        activation_reserve_bytes=activations,
+        logits_reserve_bytes=logits,
+        workspace_bytes=workspace,
+        reserve_bytes=reserve,
+        kv_bytes_available=kv_available,
+        num_kv_pages=num_pages,
+        pages_per_seq=pages_per_seq,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+    )
+    result.launch_script = launch_script(result)
+    return result
+
+
+# ---- output
+
+
+def _serve_model(result: TuneResult) -> str:
+    """What the launch script passes to ``serve --model``."""
+    if result.model_arg in (DEMO_MODEL, DEMO_MODEL_PRESET):
+        return DEMO_MODEL  # built in
+    if Path(result.model_arg).is_dir():
+        return str(Path(result.model_arg).resolve())
+    return "${MODEL_DIR:?set MODEL_DIR}"
+
+
+def serve_args(result: TuneResult) -> list[str]:
+    model = _serve_model(result)
+    args = [
+        "--model",
+        model,
+        "--served-model-name",
+        result.model,
+        "--device",
+        result.device,
+        "--dtype",
+        SERVE_DTYPE[result.kv_dtype],
+        "--tensor-parallel-size",
+        str(result.tensor_parallel_size),
+        "--max-model-len",
+        str(result.max_model_len),
+        "--gpu-memory-utilization",
+        str(result.gpu_memory_utilization),
+        "--block-size",
+        str(result.block_size),
+        "--max-num-seqs",
+        str(result.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(result.max_num_batched_tokens),
+    ]
+    if result.quantization == "int4":
+        args += ["--quantization", "int4"]
+    return args
+
+
+def launch_script(result: TuneResult) -> str:
+    quoted = [a if a.startswith("${") else shlex.quote(a) for a in serve_args(result)]
+    quoted = [f'"{a}"' if a.startswith("${") else a for a in quoted]
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# pagedserve tune: {result.model} on {result.device}, "
+        f"tp={result.tensor_parallel_size}, {result.quantization} weights, "
+        f"{result.num_kv_pages} KV pages",
+        "set -euo pipefail",
+    ]
+    if _serve_model(result).startswith("${"):
+        lines.append(f"# MODEL_DIR: the local checkpoint directory of {result.model}")
+    lines.append(
+        "exec pagedserve serve \\\n  "
+        + " \\\n  ".join(" ".join(quoted[i : i + 2]) for i in range(0, len(quoted), 2))
+        + ' \\\n  "$@"'
+    )
+    return "\n".join(lines) + "\n"
+
+
+def explain(result: TuneResult) -> str:
+    r = result
+    linear = (
+        f"0.5 B/weight + 2x2 B per group of {r.quant_group_size}"
+        if r.quantization == "int4"
+        else "16-bit"
+    )
+    rows = [
+        ("device memory", _gib(r.memory_bytes), f"{r.device} preset memory_bytes"),
+        (
+            "budget",
+            _gib(r.memory_budget_bytes),
+            f"memory x gpu_memory_utilization {r.gpu_memory_utilization}",
+        ),
+        (
+            "weights (16-bit part)",
+            _gib(r.weight_bytes_16bit),
+            "embed_tokens + lm_head (vocab-parallel), norms, qkv bias",
+        ),
+        (
+            "weights (linear part)",
+            _gib(r.weight_bytes_linear),
+            f"q/k/v/o, gate_up, down split over tp={r.tensor_parallel_size}: {linear}",
+        ),
+        ("weights per rank", _gib(r.weight_bytes), f"{r.weight_bytes} bytes"),
+        (
+            "activation reserve",
+            _gib(r.activation_reserve_bytes),
+            "batched_tokens x (2h + 2q + 2kv + 3i per rank) x 4 B",
+        ),
+        ("logits reserve", _gib(r.logits_reserve_bytes), "min(batched_tokens, 256) x vocab x 4 B"),
+        ("workspace", _gib(r.workspace_bytes), "min(256 MiB, budget / 16)"),
+        (
+            "KV bytes per token",
+            f"{r.kv_bytes_per_token} B",
+            f"2 x layers x kv_heads/rank x head_dim x {KV_DTYPE_BYTES[r.kv_dtype]} B ({r.kv_dtype})",
+        ),
+        (
+            "KV per max-model-len seq",
+            _gib(r.kv_bytes_per_seq),
+            f"{r.max_model_len} tokens x KV bytes per token (exact; the Kunlun XPU deployment guide's KV-cache formula gave ~4.6 GB)",
+        ),
+        ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
+        ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),
+        ("pages per sequence", str(r.pages_per_seq), "ceil(max_model_len / block_size)"),
+        ("--max-num-seqs", str(r.max_num_seqs), "min(256, batched tokens, pages // pages per seq)"),
+        (
+            "--max-num-batched-tokens",
+            str(r.max_num_batched_tokens),
+            "2048 unless given (chunked prefill); >= max_num_seqs",
+        ),
+    ]
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    head = (
+        f"{r.model} on {r.device}: tp={r.tensor_parallel_size}, {r.quantization}, "
+        f"kv {r.kv_dtype}, block {r.block_size}, max_model_len {r.max_model_len}"
+    )
+    body = [f"{a:<{width[0]}}  {b:>{width[1]}}  {c}" for a, b, c in rows]
+    cards = f"{r.tensor_parallel_size} cards" if r.tensor_parallel_size > 1 else "one card"
+    fits = (
+        f"fits on {cards} of {r.device}: {_gib(r.weight_bytes)} of weights and "
+        f"{r.num_kv_pages} KV pages on each"
+    )
+    return "\n".join([head, "-" * len(head), *body, fits])

@@ -1,0 +1,1 @@
+"""The ``pagedserve`` command line: one thin module per command over the library's code."""

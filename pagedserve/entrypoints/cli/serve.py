@@ -1,0 +1,415 @@
+"""``pagedserve serve``: the OpenAI-compatible HTTP server over an engine core in a process of its
+own (or, with ``--node-rank`` > 0, a node's tensor-parallel ranks without HTTP).
+
+The flags are vLLM's names (with SGLang's ``--mem-fraction-static`` and ``--tp-size`` as aliases)
+so that a vLLM launch script works unchanged; ``--config FILE`` reads them from YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from pagedserve.entrypoints.cli.utils import offer, subparser
+from pagedserve.presets import preset_names
+
+logger = logging.getLogger("pagedserve.serve")
+
+ENGINE_ARGS = (
+    "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
+    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
+    "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
+    "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
+    "dist_init_addr", "dist_timeout",
+)  # fmt: skip
+
+
+# `serve --help` in groups, as vLLM's is (its ModelConfig, CacheConfig, SchedulerConfig,
+# DeviceConfig/ParallelConfig and frontend groups); a flag's name and default stay vLLM's.
+SERVE_GROUPS = {
+    "Model": "Which checkpoint, its dtype and quantization, its context length.",
+    "Cache": "The paged KV cache: page size, memory share, prefix sharing.",
+    "Scheduler": "How many sequences and tokens one engine step takes; the waiting queue.",
+    "Device": "Where the model runs, on how many ranks, with which kernels.",
+    "Server": "The HTTP front end.",
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of serve flags (keys are flag names, with dashes "
+        "or underscores); flags on the command line override it",
+    )
+    groups = {title: parser.add_argument_group(title, text) for title, text in SERVE_GROUPS.items()}
+    _add_model_args(groups["Model"].add_argument)
+    _add_cache_args(groups["Cache"].add_argument)
+    _add_scheduler_args(groups["Scheduler"].add_argument)
+    _add_device_args(groups["Device"].add_argument)
+    _add_server_args(groups["Server"].add_argument)
+    return parser
+
+
+def _add_model_args(a: Callable[..., argparse.Action]) -> None:
+    model = a(
+        "--model",
+        default="demo",
+        help="local model directory (config.json, safetensors, "
+        "tokenizer.json) or 'demo' for the embedded demo model; nothing is downloaded",
+    )
+    offer(model, ["demo"])
+    a("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    a("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    a(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="activation / 16-bit weight dtype (auto: the checkpoint's)",
+    )
+    a(
+        "--quantization",
+        "-q",
+        default=None,
+        help="weight quantization at load: int4 (group-wise round-to-nearest, bf16 activations) "
+        "or w4a8 (the same weights, activations rounded to int8 per token: integer dot products, "
+        "about twice the arithmetic rate); a quantized checkpoint's own setting is used by default",
+    )
+    a("--quant-group-size", type=int, default=None, help="int4 group size: 32, 64 or 128")
+    a(
+        "--quantize-lm-head",
+        choices=["none", "int8", "int4"],
+        default=None,
+        help="lm_head weights: 16-bit, int8 per channel, or int4 in groups of --quant-group-size "
+        "(default: as the checkpoint has them). At batch 1 lm_head is a large share of each "
+        "token; check the quality with `pagedserve eval-quant --lm-head`",
+    )
+    a(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's context)",
+    )
+    a("--seed", type=int, default=None, help="random seed of the engine")
+
+
+def _add_cache_args(a: Callable[..., argparse.Action]) -> None:
+    a("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
+    a(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+        type=float,
+        default=None,
+        help="fraction of device memory that weights plus KV cache may take, as in vLLM; on a "
+        "preset without a shared memory_bytes, of its KV tier (default 0.9)",
+    )
+    a("--num-kv-pages", type=int, default=None, help="exact KV page count (overrides the fraction)")
+    a(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV pages between requests with a common prefix (default on)",
+    )
+
+
+def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
+    a("--max-num-seqs", type=int, default=None, help="most sequences in one batch (default 64)")
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step (default 2048)",
+    )
+    a(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
+    )
+
+
+def _add_device_args(a: Callable[..., argparse.Action]) -> None:
+    device = a(
+        "--device",
+        default=None,
+        help="a backend (kunlun-emu, the default; cpu; cuda), a device preset "
+        f"({', '.join(preset_names('devices'))}) or the path of a preset YAML file",
+    )
+    offer(device, dict.fromkeys(["kunlun-emu", "cpu", "cuda", *preset_names("devices")]))
+    a(
+        "--tensor-parallel-size",
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, one card each (one process per rank): the weights and KV "
+        "heads are split Megatron-style. At most the device's cards per node (kunlun-emu: 8); "
+        "cpu allows any size",
+    )
+    a(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines the tensor-parallel ranks are spread over, as in SGLang (default 1)",
+    )
+    a(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this machine's index among --nnodes; node 0 serves HTTP, the others only compute "
+        "(default 0)",
+    )
+    a(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's rendezvous address (torch.distributed TCP store) that every node reaches; "
+        "needed with --nnodes > 1 (default: a free local port)",
+    )
+    a(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait at start-up for every rank to join the rendezvous (default 60)",
+    )
+    a(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="run plain PyTorch ops instead of the native CPU kernels that are compiled once per "
+        "machine and cached (slower; for debugging and for machines without a C++ compiler)",
+    )
+
+    a(
+        "--weight-scrub-pages",
+        type=int,
+        default=None,
+        help="weight pages (64 KiB each) whose checksums the patrol scrub verifies in every "
+        "step; a corrupted page is restored from the checkpoint and the step recomputed; 0 "
+        "turns the patrol off (POST /device/scrub still verifies all) (default 2: 128 KiB, "
+        "about 0.1 ms a step)",
+    )
+    a(
+        "--enable-fault-injection",
+        action="store_true",
+        default=None,
+        help="let POST /device/faults inject device faults (a flipped bit in a KV or weight "
+        "page, a failing kernel) on --device kunlun-emu, to test recovery; never in production",
+    )
+
+
+def _add_server_args(a: Callable[..., argparse.Action]) -> None:
+    a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
+    a("--port", type=int, default=8000, help="TCP port to listen on")
+    a(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
+        "/version and the API docs (default: $PAGEDSERVE_API_KEY)",
+    )
+    a(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the web console (chat playground and device monitor) at /",
+    )
+    a(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs a request may ask for per token, as in vLLM "
+        "(default %(default)s)",
+    )
+    a(
+        "--max-request-body",
+        type=int,
+        default=8 * 2**20,
+        metavar="BYTES",
+        help="request bodies over this many bytes get 413 before they are read "
+        "(default %(default)s: 8 MiB)",
+    )
+    a(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed by CORS, e.g. https://app.example.com, or * for any "
+        "(default: none, and no CORS headers are sent)",
+    )
+    a(
+        "--timeout-keep-alive",
+        type=float,
+        default=75.0,
+        metavar="SECONDS",
+        help="close a keep-alive connection after it has been idle this long (default "
+        "%(default)s). Keep it above your clients' idle expiry (httpx and the openai SDK: 5 s; "
+        "proxies and load balancers: often 60 s), or a client can send on a connection the "
+        "server is closing and get a connection reset",
+    )
+    a(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log verbosity",
+    )
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; values from ``--config FILE`` fill in every flag not given on the line."""
+    args = parser.parse_args(argv)
+    if not getattr(args, "config", None):
+        return args
+    serve = subparser(parser, "serve")
+    serve.set_defaults(**read_config_file(serve, args.config))
+    return parser.parse_args(argv)
+
+
+def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        parser.error(f"--config {path}: no such file")
+    data = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    dests = {opt.lstrip("-"): act.dest for opt, act in parser._option_string_actions.items()}
+    defaults = {}
+    for key, value in data.items():
+        flag = str(key).replace("_", "-")
+        if flag not in dests or flag in ("config", "help", "h"):
+            parser.error(f"--config {path}: unknown key {key!r}; keys are serve flag names")
+        defaults[dests[flag]] = value
+    return defaults
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
+
+
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.node_rank:
+            return _serve_node(args)
+        engine = _build_engine(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 1
+    return _serve(engine, args)
+
+
+def _build_engine(args: argparse.Namespace):
+    """The engine core in a process of its own, once it has loaded."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    engine = AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
+    logger.info("engine ready: %s", engine.description)
+    return engine
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    """A node other than 0 of a multi-node tensor-parallel server: its ranks, no HTTP."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.executor import serve_node
+
+    logger.info("node %d of %d: joining %s", args.node_rank, args.nnodes or 1, args.dist_init_addr)
+    return serve_node(EngineConfig.from_kwargs(**engine_kwargs(args)), args.log_level)
+
+
+def _serve(engine, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (drained: exit 0) or the engine core's death (exit 1)."""
+    import uvicorn
+
+    from pagedserve.server.app import build_app
+
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    app = build_app(
+        engine,
+        args.served_model_name or args.model,
+        api_key,
+        args.max_queue_len,
+        web_ui=not args.disable_web_ui,
+        enable_fault_injection=bool(args.enable_fault_injection),
+        max_logprobs=args.max_logprobs,
+        max_request_body=args.max_request_body,
+        allowed_origins=args.allowed_origins,
+    )
+    # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
+    # measured no faster than asyncio here, so asyncio (README "Serving")
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        loop="asyncio",
+        timeout_keep_alive=args.timeout_keep_alive,
+    )
+    logger.info(
+        "serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port
+    )
+    server = DrainingServer(config, engine)
+    engine.on_dead(server.exit_on_engine_death)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    return server.exit_code
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        """On SIGTERM: stop admitting (503), finish the requests in flight, then exit 0.
+        When the engine core dies: fail what is in flight, answer 503 for a moment, exit 1."""
+
+        def __init__(self, config, async_engine):
+            super().__init__(config)
+            self.async_engine = async_engine
+            self.exit_code = 0
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.async_engine.draining:
+                return super().handle_exit(sig, frame)
+            logger.info(
+                "signal %s: draining %d requests in flight, admitting none",
+                sig,
+                self.async_engine.num_unfinished,
+            )
+            self.async_engine.draining = True
+            threading.Thread(target=self._exit_when_drained, daemon=True).start()
+
+        def _exit_when_drained(self) -> None:
+            while self.async_engine.num_unfinished and self.async_engine.is_alive:
+                time.sleep(0.05)
+            self.should_exit = True
+
+        def exit_on_engine_death(self, reason: str) -> None:
+            """Exit non-zero so that a supervisor (compose's restart policy) restarts the server;
+            /health answers 503 until then."""
+            logger.error("%s; the server exits so that it can be restarted", reason)
+            self.exit_code = 1
+            loop = asyncio.get_running_loop()
+            loop.call_later(ENGINE_DEAD_EXIT_DELAY_S, setattr, self, "should_exit", True)
+
+    return _DrainingServer
+
+
+def DrainingServer(config, async_engine):  # noqa: N802 - a class built lazily (uvicorn import)
+    return _draining_server_class()(config, async_engine)

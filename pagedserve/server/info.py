@@ -1,0 +1,49 @@
+"""What the server says about itself: ``GET /v1/models``, ``/health`` (answered here, never by the
+engine), ``/metrics`` (Prometheus) and ``/version``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import pagedserve
+from pagedserve.server.errors import error_body
+from pagedserve.server.protocol import ModelCard, ModelList, VersionResponse
+from pagedserve.server.serving import OpenAIServing
+
+
+def info_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=serving.model_name,
+            root=serving.engine.model,
+            max_model_len=serving.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @router.get("/health")
+    async def health() -> Response:
+        """Answered here, never by the engine: 200 while the engine core is alive (with its step
+        counter and the age of its last message), 503 once it is dead."""
+        engine = serving.engine
+        if not engine.is_alive:
+            reason = engine.dead_error or "it is not running"
+            body = error_body(503, f"the engine loop is not running: {reason}", code="engine_dead")
+            return JSONResponse(body, 503)
+        return JSONResponse(engine.health())
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        stats = serving.engine.stats  # from the engine core's last message
+        return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedserve.__version__)
+
+    return router

@@ -1,0 +1,338 @@
+"""The request handling every endpoint shares: ``OpenAIServing`` turns OpenAI requests into engine
+requests (the model name, admission, prompts and the chat template, the limits) and engine
+outputs into response pieces (token text, logprobs, ``text_offset``, usage).
+
+Every request is validated before it reaches the engine loop: user input becomes a 400, never
+a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from jinja2.exceptions import TemplateError
+
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.outputs import RequestOutput
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.metrics import RequestTimer, ServerMetrics
+from pagedserve.server.protocol import (
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    UsageInfo,
+)
+from pagedserve.server.sampling import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+
+RETRY_AFTER_S = "1"
+
+Prompt = tuple[str | None, list[int]]  # (text if the user sent text, token ids)
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(
+        self,
+        engine: LLMEngine | AsyncLLMEngine,
+        served_model_name: str | None,
+        max_queue_len: int | None,
+        max_logprobs: int = MAX_LOGPROBS,
+    ):
+        if isinstance(engine, AsyncLLMEngine):  # the engine core in a process of its own
+            self.llm_engine, self.engine = None, engine
+            if max_queue_len is not None:
+                engine.max_queue_len = max_queue_len
+        else:  # the engine core in a thread of this process
+            self.llm_engine, self.engine = engine, AsyncLLMEngine.from_engine(engine, max_queue_len)
+        self.model_name = served_model_name or self.engine.model
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.limits.max_model_len
+        self.vocab_size = self.engine.limits.vocab_size
+        self.max_num_seqs = self.engine.limits.max_num_seqs
+        self.max_logprobs = max_logprobs
+        self.metrics = ServerMetrics()
+        self._token_strs: dict[int, str] = {}
+
+    # ---- validation ---------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.model_name!r} (see GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+
+    def check_admission(self) -> None:
+        if not self.engine.is_alive:
+            raise APIError(
+                503,
+                "the engine loop is not running; see the server log",
+                code="engine_dead",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        if self.engine.draining:
+            raise APIError(
+                503,
+                "the server is shutting down and admits no new requests",
+                code="shutting_down",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+        if self.engine.queue_full():
+            raise APIError(
+                503,
+                f"the server is busy: {self.engine.num_waiting} requests are waiting "
+                f"(--max-queue-len {self.engine.max_queue_len}); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise bad_request(
+                "this model has no tokenizer.json: send token ids as the prompt", "prompt"
+            )
+        return self.tokenizer
+
+    def encode_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            return [(prompt, self.require_tokenizer().encode(prompt))]
+        if not prompt:
+            raise bad_request(
+                "prompt is empty; send a string, a list of strings or token ids", "prompt"
+            )
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        if isinstance(prompt[0], str):
+            return [(p, self.require_tokenizer().encode(p)) for p in prompt]
+        return [(None, list(p)) for p in prompt]
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
+        tok = self.require_tokenizer()
+        conversation = [_message_dict(m) for m in messages]
+        try:
+            text = tok.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+        except (TemplateError, ValueError) as e:
+            raise bad_request(
+                f"messages could not be rendered with the chat template: {e}", "messages"
+            ) from e
+        return text, tok.encode(text, add_special_tokens=False)
+
+    def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        limits = self.engine.limits
+        for _, ids in prompts:
+            try:
+                limits.check_request(ids, params)
+            except ValueError as e:
+                raise bad_request(str(e), "prompt", "context_length_exceeded") from e
+
+    # ---- running ------------------------------------------------------------------------------
+    def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
+        return [
+            self._timed(
+                self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
+            )
+            for i, (text, ids) in enumerate(prompts)
+        ]
+
+    async def _timed(
+        self, stream: AsyncIterator[RequestOutput], n: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Observe latencies, and count each of the ``n`` sequences once by finish reason."""
+        timer = RequestTimer(self.metrics)
+        reasons: list[str | None] = [None] * n
+        try:
+            async for output in stream:
+                timer.on_output(sum(len(o.token_ids) for o in output.outputs), output.metrics)
+                for o in output.outputs:
+                    reasons[o.index] = o.finish_reason
+                yield output
+        finally:
+            timer.on_finish(reasons)  # a sequence unfinished when the stream ends was aborted
+            await stream.aclose()
+
+    async def collect(self, raw: Request, streams: list) -> list[RequestOutput]:
+        """The final output of each stream; abort them all if the client disconnects first."""
+        gather = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({gather, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not gather.done():
+                # the streams abort as the cancellation reaches them, a moment later: until then
+                # the gathering future is neither done nor cancelled, and nobody reads it after
+                gather.cancel()
+                gather.add_done_callback(_retrieve)
+        if not gather.done() or gather.cancelled():
+            raise APIError(499, "client disconnected")
+        try:
+            return gather.result()
+        except (EngineStepError, EngineDeadError) as e:
+            raise APIError(500, str(e)) from e
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    # ---- token text ---------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        if token_id not in self._token_strs:
+            text = (
+                self.tokenizer.decode([token_id], skip_special_tokens=False)
+                if self.tokenizer
+                else f"token_id:{token_id}"
+            )
+            self._token_strs[token_id] = text
+        return self._token_strs[token_id]
+
+    def prompt_offsets(self, token_ids: list[int], text: str) -> list[int]:
+        """Where each prompt token starts in the echoed prompt ``text``; a token whose text is
+        not where the previous one ended (the ``[gMASK]<sop>`` the tokenizer puts before a text
+        prompt) takes no room. See ``TextOffsets`` for the rest."""
+        offsets = TextOffsets(self.tokenizer, [], skip_special_tokens=False)
+        return offsets.take(token_ids, shown=text)
+
+    def completion_offsets(
+        self, prompt_ids: list[int], body: CompletionRequest, start: int = 0
+    ) -> TextOffsets:
+        """The ``TextOffsets`` of one completion whose text starts at ``start``."""
+        return TextOffsets(self.tokenizer, prompt_ids, body.skip_special_tokens, start)
+
+    def completion_logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        top_n: int,
+        offsets: list[int],
+    ) -> CompletionLogprobs:
+        out = CompletionLogprobs(text_offset=offsets)
+        for tid, lp in zip(token_ids, logprobs, strict=False):
+            out.tokens.append(self.token_str(tid))
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(lp.get(tid))
+            top: dict[str, float] = {}
+            for t, v in top_logprobs(lp, top_n):  # tokens that decode alike: keep the most likely
+                top.setdefault(self.token_str(t), v)
+            out.top_logprobs.append(top)
+        return out
+
+    def chat_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int
+    ) -> ChatLogprobs:
+        content = []
+        for tid, lp in zip(token_ids, logprobs, strict=False):
+            top = [self._top_logprob(t, v) for t, v in top_logprobs(lp, top_n)]
+            content.append(
+                ChatTokenLogprob(**self._top_logprob(tid, lp[tid]).model_dump(), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.token_str(token_id)
+        return TopLogprob(
+            token=text, logprob=max(logprob, -9999.0), bytes=list(text.encode("utf-8"))
+        )
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The text of a prompt as the user sent it, or its tokens decoded."""
+        text, ids = prompt
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+
+
+class TextOffsets:
+    """``logprobs.text_offset``: where each token starts in the returned text, in characters.
+
+    Tokens are decoded in turn as the incremental detokenizer splits the output text (a token
+    inside a UTF-8 character adds nothing until the one that completes it; a skipped special token
+    adds nothing), so the offsets never go back and ``text[offset[i]:offset[i + 1]]`` is token
+    i's text."""
+
+    def __init__(
+        self, tokenizer, context_ids: list[int], skip_special_tokens: bool, start: int = 0
+    ) -> None:
+        params = SamplingParams(skip_special_tokens=skip_special_tokens)
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, context_ids, params) if tokenizer else None
+        )
+        self.pos = start
+
+    def take(
+        self, token_ids: list[int], end: int | None = None, shown: str | None = None
+    ) -> list[int]:
+        """Offsets of the next tokens, at most ``end``. With ``shown`` (the text from offset 0),
+        a token whose text is not where the previous one ended takes no room."""
+        offsets = []
+        for tid in token_ids:
+            offsets.append(self.pos if end is None else min(self.pos, end))
+            piece = self._piece(tid)
+            if shown is None or shown.startswith(piece, self.pos):
+                self.pos += len(piece)
+        return offsets
+
+    def _piece(self, token_id: int) -> str:
+        if self.detokenizer is None:
+            return f"token_id:{token_id}"
+        return self.detokenizer.add_token(token_id)[0]
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text or "" for part in content if part.type == "text")
+    extra = {k: v for k, v in (message.model_extra or {}).items()}
+    return {**extra, "role": message.role, "content": content or ""}
+
+
+def top_logprobs(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely (token id, logprob) pairs."""
+    return sorted(logprobs.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def usage_info(prompts: list[Prompt], finals: list[RequestOutput]) -> UsageInfo:
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    completion = sum(len(o.token_ids) for out in finals for o in out.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Read an abandoned future's outcome, so that asyncio does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return

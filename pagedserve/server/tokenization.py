@@ -1,0 +1,41 @@
+"""``POST /tokenize`` and ``POST /detokenize``, as vLLM's server has them."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedserve.server.serving import OpenAIServing
+
+
+def tokenization_router(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            _, ids = serving.chat_prompt(body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = serving.require_tokenizer().encode(body.prompt, body.add_special_tokens)
+        else:
+            raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
+        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < serving.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is outside the vocabulary [0, {serving.vocab_size})", "tokens"
+            )
+        return DetokenizeResponse(prompt=serving.require_tokenizer().decode(body.tokens))
+
+    return router

@@ -1,0 +1,239 @@
+"""Engine invariants: every request ends finished, aborted or rejected; every page returns to the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.llm_engine import RequestRejectedError
+from tests.helpers.models import build_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model_dir(path, "glm4", max_position_embeddings=128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_dir):
+    return LLM(
+        model=str(tiny_dir), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100
+    )
+
+
+def _drained(llm: LLM) -> bool:
+    e = llm.llm_engine
+    return not e.has_unfinished_requests() and e.block_manager.num_free_pages == e.num_kv_pages
+
+
+def _rejection(llm: LLM, prompt_len: int, max_tokens: int, n: int = 1) -> str:
+    """The error of a prompt that LLM.generate rejects (after checking the output's shape)."""
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    (out,) = llm.generate({"prompt_token_ids": [5] * prompt_len}, params, use_tqdm=False)
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["rejected"] * n
+    assert all(o.token_ids == [] and o.text == "" for o in out.outputs)
+    assert _drained(llm)
+    return out.error
+
+
+def test_request_longer_than_max_model_len_is_rejected_with_both_numbers(tiny_llm):
+    error = _rejection(tiny_llm, 90, 20)
+    assert "needs 110 tokens" in error and "max_model_len is 100" in error
+    # offline, the way out is LLM's keyword, not a server flag
+    assert "create the LLM with a larger max_model_len" in error
+    assert "server" not in error and "--" not in error
+
+
+def test_request_larger_than_the_whole_pool_is_rejected_with_the_pool_size(tiny_llm):
+    # 16 pages x 4 tokens = 64 tokens in the whole cache
+    error = _rejection(tiny_llm, 60, 20, n=2)
+    assert "needs 80 tokens" in error and "holds 64 tokens" in error
+    assert "gpu_memory_utilization" in error and "num_kv_pages" in error
+    assert "server" not in error and "--" not in error
+
+
+def test_generate_serves_every_prompt_that_fits_beside_one_that_never_can(tiny_llm, caplog):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fits = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 8]}]
+    alone = [tiny_llm.generate(p, greedy, use_tqdm=False)[0] for p in fits]
+    too_long = {"prompt_token_ids": [5] * 99}
+    with caplog.at_level("WARNING", logger="pagedserve.entrypoints.llm"):
+        outs = tiny_llm.generate([fits[0], too_long, fits[1]], greedy, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "rejected", "length"]
+    assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outs[2].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert outs[0].error is None and outs[2].error is None
+    assert "needs 105 tokens" in outs[1].error
+    assert "prompt 1 rejected" in caplog.text and "needs 105 tokens" in caplog.text
+    assert _drained(tiny_llm)
+
+
+def test_server_engine_names_server_flags_in_its_messages(tiny_dir):
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_dir), dtype="float32", block_size=4, num_kv_pages=16, max_model_len=100
+    )
+    engine = LLMEngine(config)
+    with pytest.raises(
+        RequestRejectedError, match="start the server with a larger --max-model-len"
+    ):
+        engine.add_request("long", [5] * 90, SamplingParams(max_tokens=20))
+    with pytest.raises(RequestRejectedError, match="--gpu-memory-utilization, more --num-kv-pages"):
+        engine.add_request("big", [5] * 60, SamplingParams(max_tokens=20))
+
+
+def test_rejection_leaves_the_engine_serving_others(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.add_request("ok-1", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(RequestRejectedError):
+        engine.add_request("too-long", [5] * 99, SamplingParams(max_tokens=4))
+    engine.add_request("ok-2", [8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == ["ok-1", "ok-2"]
+    assert all(len(o.outputs[0].token_ids) == 4 for o in finished.values())
+    assert _drained(tiny_llm)
+
+
+def test_empty_prompt_and_out_of_vocab_ids_are_rejected(tiny_llm):
+    with pytest.raises(RequestRejectedError, match="empty"):
+        tiny_llm.llm_engine.add_request("e", [], SamplingParams())
+    with pytest.raises(RequestRejectedError, match=r"token id 9999 is outside the vocabulary"):
+        tiny_llm.llm_engine.add_request("v", [1, 9999], SamplingParams())
+    assert _drained(tiny_llm)
+
+
+def test_abort_frees_pages_and_reports_abort(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    assert engine.block_manager.num_free_pages < engine.num_kv_pages
+    engine.abort_request("a")
+    assert _drained(tiny_llm)
+
+
+def test_n_greater_than_one_shares_prompt_pages_and_each_sequence_finishes(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [6, 6, 6]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sequence
+    assert _drained(tiny_llm)
+
+
+def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tiny_llm):
+    params = SamplingParams(temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)
+    alone = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+    others = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    batch = tiny_llm.generate(
+        [{"prompt_token_ids": [9, 9]}, {"prompt_token_ids": [5, 6, 7]}],
+        [others, params],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_string_prompts_and_chat_produce_text(tiny_llm):
+    out = tiny_llm.generate(
+        "Hello world", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
+    assert out[0].prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
+    assert len(out[0].outputs[0].token_ids) == 5
+    chat = tiny_llm.chat(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False
+    )
+    assert chat[0].outputs[0].finish_reason in ("stop", "length")
+    assert _drained(tiny_llm)
+
+
+def _generate_with_fault(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Prefill and one decode step, then flip a bit in the request's first page, then finish."""
+    engine = llm.llm_engine
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("faulty", prompt, params)
+    outputs = engine.step() + engine.step()
+    engine.device.inject_fault(engine.block_manager.get_block_table("faulty")[0])
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return next(o for o in outputs if o.finished).outputs[0].token_ids
+
+
+FAULT_PROMPT = [5, 6, 7, 8, 9, 10, 11]
+GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
+    engine = tiny_llm.llm_engine
+    clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
+    faults, preemptions = engine.device.num_faults_detected, engine.scheduler.num_preemptions
+    assert _generate_with_fault(tiny_llm, FAULT_PROMPT, GREEDY_8) == clean.outputs[0].token_ids
+    assert engine.device.num_faults_detected == faults + 1
+    assert engine.scheduler.num_preemptions == preemptions + 1
+    assert _drained(tiny_llm)
+
+
+def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(tiny_llm, monkeypatch):
+    clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
+    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "recover_kv_pages", lambda: [])
+    assert _generate_with_fault(tiny_llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
+    tiny_llm.llm_engine.device.take_faulted_pages()
+    assert _drained(tiny_llm)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_rejected(tiny_llm):
+    with pytest.raises(
+        RequestRejectedError, match=r"stop_token_ids 5000 is outside the vocabulary"
+    ):
+        tiny_llm.llm_engine.add_request("s", [1, 2], SamplingParams(stop_token_ids=[3, 5000]))
+    assert _drained(tiny_llm)
+
+
+def test_invalid_engine_settings_name_the_flag():
+    from pagedserve.config import EngineConfig
+
+    with pytest.raises(
+        ValueError, match=r"--block-size 0: Input should be greater than or equal to 1"
+    ):
+        EngineConfig.from_kwargs(block_size=0)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 1.5"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
+
+
+def test_invalid_llm_settings_name_the_keyword():
+    with pytest.raises(ValueError, match=r"block_size=0: Input should be greater than or equal"):
+        LLM(model="demo", block_size=0)
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds .* use max_model_len=2048"):
+        LLM(model="demo", max_model_len=4096, num_kv_pages=16)
+
+
+def test_n_more_than_max_num_seqs_is_rejected_with_both_numbers(tiny_llm):
+    limit = tiny_llm.llm_engine.config.scheduler.max_num_seqs
+    with pytest.raises(RequestRejectedError, match=rf"n={limit + 1} .*max.num.seqs {limit}"):
+        tiny_llm.llm_engine.add_request("n", [1, 2], SamplingParams(n=limit + 1))
+    assert _drained(tiny_llm)
+
+
+def test_forked_siblings_never_push_the_batch_past_max_num_seqs(tmp_path):
+    build_tiny_model_dir(tmp_path, "glm4", max_position_embeddings=128)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, num_kv_pages=32, max_num_seqs=3)
+    scheduler = llm.llm_engine.scheduler
+    schedule, batch_sizes = scheduler.schedule, []
+
+    def recorded():
+        out = schedule()
+        batch_sizes.append(max(len(scheduler.running), len(out.scheduled)))
+        return out
+
+    scheduler.schedule = recorded
+    params = [
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, max_tokens=4, ignore_eos=True),
+    ]
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [4, 4, 4, 4]
+    assert max(batch_sizes) == 3
+    assert _drained(llm)

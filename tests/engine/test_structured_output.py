@@ -1,0 +1,422 @@
+"""Structured output: every constrained answer of the demo model (which, unconstrained, rarely
+writes valid JSON) follows its schema, regex or choice; through the engine, the OpenAI API and
+SGLang's /generate; bad constraints are 400s naming the problem; preemption and n > 1 keep the
+grammar state right."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+# every string bounded, so that any answer fits in max_tokens and finishes by its own closing brace
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city"],
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+}
+PHONE = r"\d{3}-\d{4}"
+CHOICES = ["Paris", "London", "New York", "Tokyo"]
+PROMPTS = [f"Person {i}: write their record as JSON." for i in range(100)]
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    from pagedserve import LLM
+
+    return LLM("demo", max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def http():
+    from fastapi.testclient import TestClient
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16))
+    with TestClient(build_app(engine, "demo")) as client:
+        yield client
+
+
+def _params(**kwargs) -> SamplingParams:
+    so = {k: kwargs.pop(k) for k in ("json", "regex", "choice", "grammar") if k in kwargs}
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**so), **kwargs)
+
+
+def test_demo_model_without_a_schema_rarely_writes_json(demo_llm):
+    """The reference point: the constraint, not the model, makes the answers below valid."""
+    outs = demo_llm.generate(
+        PROMPTS[:20], SamplingParams(temperature=0.8, seed=0, max_tokens=120), use_tqdm=False
+    )
+    valid = 0
+    for out in outs:
+        try:
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    assert valid <= 2
+
+
+def test_100_json_schema_answers_all_validate(demo_llm):
+    params = _params(json=SCHEMA, temperature=0.8, seed=0, max_tokens=200)
+    outs = demo_llm.generate(PROMPTS, params, use_tqdm=False)
+    for out in outs:
+        choice = out.outputs[0]
+        assert choice.finish_reason == "stop", choice.text
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+    assert len({o.outputs[0].text for o in outs}) > 1  # sampled, not one forced answer
+
+
+def test_regex_and_choice_answers_all_match(demo_llm):
+    outs = demo_llm.generate(
+        PROMPTS[:30], _params(regex=PHONE, temperature=1.0, max_tokens=20), use_tqdm=False
+    )
+    assert all(re.fullmatch(PHONE, o.outputs[0].text) for o in outs)
+    outs = demo_llm.generate(
+        PROMPTS[:30], _params(choice=CHOICES, temperature=1.0, max_tokens=20), use_tqdm=False
+    )
+    assert all(o.outputs[0].text in CHOICES for o in outs)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_ebnf_grammar_constrains_the_answer(demo_llm):
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    outs = demo_llm.generate(
+        PROMPTS[:10], _params(grammar=grammar, temperature=1.0, max_tokens=10), use_tqdm=False
+    )
+    assert all(re.fullmatch(r"yes|no|maybe [0-9]", o.outputs[0].text) for o in outs)
+
+
+def test_n_greater_than_one_gives_every_sequence_its_own_valid_answer(demo_llm):
+    (out,) = demo_llm.generate(
+        PROMPTS[:1], _params(json=SCHEMA, n=4, temperature=1.0, max_tokens=200), use_tqdm=False
+    )
+    assert len(out.outputs) == 4
+    for choice in out.outputs:
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+
+
+def test_a_constrained_answer_cut_by_max_tokens_says_length(demo_llm):
+    (out,) = demo_llm.generate(
+        PROMPTS[:1], _params(json=SCHEMA, temperature=0.0, max_tokens=5), use_tqdm=False
+    )
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_json_whitespace_is_bounded():
+    """At most one space between JSON tokens: a run of spaces or newlines is not in the grammar."""
+    import llguidance
+
+    from pagedserve.engine.structured_output.backend_guidance import JSON_OPTIONS, strict_schema
+
+    schema = strict_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    tok = llguidance.LLTokenizer(_demo_tokenizer())
+    for text, ok in [
+        ('{"a": 1}', True),
+        ('{ "a" : 1 }', True),
+        ('{  "a": 1}', False),
+        ('{\n\n"a": 1}', False),
+        ('{"a": 1, "b": 2}', False),
+    ]:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        accepted = m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
+        assert accepted == ok, text
+
+
+def _demo_tokenizer() -> str:
+    from pagedserve.models import DEMO_MODEL_DIR
+
+    return str(DEMO_MODEL_DIR / "tokenizer.json")
+
+
+def test_bad_constraints_are_rejected_offline_with_the_reason(demo_llm):
+    (out,) = demo_llm.generate(["x"], _params(json={"not": {"type": "integer"}}), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "rejected"
+    assert '"not"' in out.error
+
+
+def test_preempted_constrained_requests_rebuild_their_grammar_state():
+    """A KV pool too small for all of them: requests are preempted mid-answer, recompute, and
+    their matchers are rebuilt from their output tokens; every answer still validates."""
+    from pagedserve import LLM
+
+    small = LLM("demo", num_kv_pages=24, block_size=16, max_num_seqs=8)
+    prompts = [p * 3 for p in PROMPTS[:8]]
+    outs = small.generate(
+        prompts, _params(json=SCHEMA, temperature=0.8, seed=1, max_tokens=200), use_tqdm=False
+    )
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_replayed_matcher_allows_the_same_tokens_as_the_live_one():
+    from pagedserve.engine.request import Request
+    from pagedserve.engine.structured_output.manager import StructuredOutputManager
+    from pagedserve.models import Tokenizer
+
+    tok = Tokenizer(DEMO_DIR())
+    manager = StructuredOutputManager(DEMO_DIR() / "tokenizer.json", 4096, tok.eos_token_ids)
+    so = StructuredOutputsParams(json=SCHEMA)
+    answer = tok.encode('{"name": "Ada", "age": 36, "role": "user", "tags": []', False)
+    live = Request("a", [1], SamplingParams(), structured_output=manager.request(so))
+    live.structured_output.grammar.result(timeout=30)
+    for t in answer:
+        live.append_output_token(t)
+        assert not manager.accept_token(live, t)
+    replayed = Request("b", [1], SamplingParams(), structured_output=manager.request(so))
+    replayed.output_token_ids = list(answer)
+    assert (manager.grammar_bitmask([live]) == manager.grammar_bitmask([replayed])).all()
+    manager.shutdown()
+
+
+def DEMO_DIR():
+    from pagedserve.models import DEMO_MODEL_DIR
+
+    return DEMO_MODEL_DIR
+
+
+def test_other_requests_keep_stepping_while_a_grammar_compiles(demo_llm, monkeypatch):
+    """A slow compile holds back only its own request."""
+    import threading
+
+    from pagedserve.engine.structured_output import manager as structured
+
+    engine = demo_llm.llm_engine
+    release = threading.Event()
+    original = structured.StructuredOutputManager._compile
+
+    def slow_compile(self, params):
+        release.wait(30)
+        return original(self, params)
+
+    monkeypatch.setattr(structured.StructuredOutputManager, "_compile", slow_compile)
+    engine.add_request("slow", [5, 6, 7], _params(regex="slow[0-9]{5}", max_tokens=8))
+    engine.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    finished = set()
+    while "plain" not in finished:
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert "slow" not in finished and engine.scheduler.waiting[0].request_id == "slow"
+    release.set()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                assert o.outputs[0].text.startswith("slow")
+
+
+# ---- the HTTP API -----------------------------------------------------------------------------
+def test_chat_response_format_json_schema_validates(http):
+    body = {
+        "messages": [{"role": "user", "content": "Describe a user as JSON."}],
+        "max_tokens": 200,
+        "temperature": 0.7,
+        "n": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}},
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+
+
+def test_completions_json_object_and_vllm_fields(http):
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 60, "n": 4, "response_format": {"type": "json_object"}},
+    )
+    for choice in r.json()["choices"]:  # any object: the model may not close a long string
+        assert choice["text"].startswith("{")
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["text"]), dict)
+    r = http.post(
+        "/v1/completions", json={"prompt": "Call", "max_tokens": 20, "guided_regex": PHONE}
+    )
+    assert re.fullmatch(PHONE, r.json()["choices"][0]["text"])
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "City", "max_tokens": 20, "structured_outputs": {"choice": CHOICES}},
+    )
+    assert r.json()["choices"][0]["text"] in CHOICES
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "City",
+            "max_tokens": 200,
+            "guided_json": json.dumps(SCHEMA),
+            "temperature": 0.5,
+        },
+    )
+    jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), SCHEMA)
+
+
+def test_streamed_constrained_answer_with_logprobs_and_stop_string(http):
+    body = {
+        "prompt": "Call",
+        "max_tokens": 20,
+        "guided_regex": PHONE,
+        "stream": True,
+        "logprobs": 2,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert re.fullmatch(PHONE, text)
+    for c in chunks:  # the masked-out tokens have no probability: logprobs are of allowed tokens
+        for lp in c["choices"][0]["logprobs"]["top_logprobs"]:
+            allowed = [t for t, v in lp.items() if v is not None and v > -1e30]
+            assert allowed and all(re.fullmatch(r"[0-9-]+", t) for t in allowed)
+    r = http.post("/v1/completions", json={**body, "stream": False, "stop": ["-"]})
+    assert re.fullmatch(r"\d{3}", r.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize(
+    "fields, param, words",
+    [
+        ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
+        ({"guided_json": {"type": "object", "not": {}}}, "guided_json", '"not"'),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            "json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+                }
+            },
+            "response_format",
+            "minimum",
+        ),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar", "foo"),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one constraint"),
+    ],
+)
+def test_bad_constraints_are_400s_naming_the_problem(http, fields, param, words):
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"]
+
+
+# ---- SGLang's /generate -----------------------------------------------------------------------
+def test_generate_with_json_schema_regex_and_batch(http):
+    r = http.post(
+        "/generate",
+        json={
+            "text": PROMPTS[:8],
+            "sampling_params": {
+                "max_new_tokens": 200,
+                "temperature": 0.8,
+                "json_schema": json.dumps(SCHEMA),
+            },
+        },
+    )
+    assert r.status_code == 200, r.text
+    results = r.json()
+    assert len(results) == 8
+    for res in results:
+        jsonschema.validate(json.loads(res["text"]), SCHEMA)
+        assert res["meta_info"]["finish_reason"]["type"] == "stop"
+        assert res["meta_info"]["completion_tokens"] == len(res["output_ids"])
+    r = http.post(
+        "/generate",
+        json={"text": "Call", "sampling_params": {"max_new_tokens": 20, "regex": PHONE}},
+    )
+    assert re.fullmatch(PHONE, r.json()["text"])
+    r = http.post("/generate", json={"text": "x", "sampling_params": {"regex": "(("}})
+    assert r.status_code == 400 and "unclosed group" in r.json()["error"]["message"]
+
+
+def test_generate_logprobs_are_sglang_tuples_matching_the_openai_api(http):
+    text = "The quick brown fox"
+    r = http.post(
+        "/generate",
+        json={
+            "text": text,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+        },
+    )
+    meta = r.json()["meta_info"]
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids
+    assert meta["input_token_logprobs"][0][0] is None  # the first token has no prediction
+    assert [e[1] for e in meta["output_token_logprobs"]] == r.json()["output_ids"]
+    ref = http.post(
+        "/v1/completions",
+        json={"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True},
+    ).json()
+    ref_lps = ref["choices"][0]["logprobs"]["token_logprobs"]
+    ours = [e[0] for e in meta["input_token_logprobs"] + meta["output_token_logprobs"]]
+    assert ours[1:] == pytest.approx(ref_lps[1:], abs=1e-4)
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+
+def test_generate_max_new_tokens_0_prefills_and_caches_the_prefix(http):
+    prefix = "A long shared prefix for the agent. " * 20
+    r = http.post("/generate", json={"text": prefix, "sampling_params": {"max_new_tokens": 0}})
+    res = r.json()
+    assert res["text"] == "" and res["output_ids"] == [] and res["meta_info"]["prompt_tokens"] > 64
+    assert res["meta_info"]["completion_tokens"] == 0
+    r = http.post(
+        "/generate", json={"text": prefix + "Next", "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert r.json()["meta_info"]["cached_tokens"] >= 64
+
+
+def test_generate_stream_sends_the_text_so_far_and_done(http):
+    body = {
+        "text": "Hello",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+    }
+    with http.stream("POST", "/generate", json=body) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    full = http.post("/generate", json={**body, "stream": False}).json()
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_model_and_server_info_and_flush_cache(http):
+    info = http.get("/get_model_info").json()
+    assert info["is_generation"] and info["model_path"]
+    assert info["chat_template_roles"]["roles"]["user"][0] == "<|user|>\n"
+    assert http.get("/server_info").json() == http.get("/get_server_info").json() | {
+        "internal_states": http.get("/server_info").json()["internal_states"]
+    }
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and "flushed" in r.text
