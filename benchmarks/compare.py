@@ -1,8 +1,14 @@
 """pagedserve against its peers on this machine, one after the other, on the same models.
 
-    python -m benchmarks.compare --setup          # once: llama.cpp (llama-cpp-python 0.3.36 from
-                                                  # PyPI, built here: ~6 min) in its own venv
-    python -m benchmarks.compare [--runs 3]       # the comparison; writes benchmarks/results/compare.json
+    python -m benchmarks.compare --setup [--isa avx2]  # once: llama.cpp (llama-cpp-python 0.3.36
+                                                       # from PyPI, built here: ~6 min) in its venv
+    python -m benchmarks.compare [--isa avx2] [--runs 3]
+        # the comparison; writes benchmarks/results/compare_<kernels>.json
+
+--isa picks the instruction set both systems run: `native` (the default) is pagedserve's best
+kernels for this CPU (--kernels auto) against llama.cpp built for this CPU (GGML_NATIVE); `avx2`
+is pagedserve's avx2 kernels against llama.cpp built for AVX2 + FMA + F16C only (GGML_NATIVE=OFF,
+AVX-512 and AVX-VNNI off), so that the AVX2 comparison can be made on an AVX-512 machine too.
 
 Measures (each figure the median of 5 timed repetitions after a warm-up; with --runs N the whole
 comparison repeats N times and the report gives the median and the range):
@@ -12,7 +18,8 @@ comparison repeats N times and the report gives the median and the range):
   (llama-cpp-python, 2 threads, converted with llama.cpp's own converter from the same
   checkpoint), on the ~122M and ~1B random GLM-4-0414 models of bench_models.py;
 - offline: 16 prompts of 16-128 tokens x 64 new tokens (greedy, no early stop), output tokens/s,
-  pagedserve INT4 against transformers `generate` in bf16, on the ~122M model.
+  pagedserve INT4 against transformers `generate` in its fastest dtype here (bf16 where the CPU
+  has AVX-512 BF16 or AMX, fp32 where bf16 is emulated, as on AVX2), on the ~122M model.
 
 No prefix caching across repetitions: every run computes its prompts, as the peers do.
 
@@ -61,7 +68,9 @@ def timed_median(run, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def worker_pagedserve(model: str, quantization: str, lm_head: str, batch: str) -> float:
+def worker_pagedserve(
+    model: str, quantization: str, lm_head: str, batch: str, kernels: str
+) -> float:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(
@@ -69,6 +78,7 @@ def worker_pagedserve(model: str, quantization: str, lm_head: str, batch: str) -
         dtype="bfloat16",
         quantization=quantization,
         quantize_lm_head=lm_head,
+        kernels=kernels,
         max_model_len=2048,
         enable_prefix_caching=False,  # every repetition computes its prompts, as the peers do
     )
@@ -79,11 +89,20 @@ def worker_pagedserve(model: str, quantization: str, lm_head: str, batch: str) -
     return len(prompts) * NEW_TOKENS / seconds
 
 
-def worker_transformers(model: str) -> float:
+def fastest_transformers_dtype() -> str:
+    """bf16 where the CPU computes it natively, else fp32 (GLM4.md: on AVX2, transformers made
+    40 tok/s in bf16 and 137 in fp32 on the same workload)."""
+    from benchmarks.results import machine
+
+    native_bf16 = {"avx512_bf16", "amx_bf16"} & set(machine()["isa_flags"])
+    return "bfloat16" if native_bf16 else "float32"
+
+
+def worker_transformers(model: str, dtype: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     prompts = offline_prompts()
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
@@ -123,24 +142,38 @@ print(new_tokens / statistics.median(times))
 
 
 # ---- llama.cpp: setup and conversion -------------------------------------------------------------
-def llama_paths(root: Path) -> tuple[Path, Path]:
-    venv = root / "llama-venv"
+# llama.cpp's CMake options for each --isa: native detects the CPU; avx2 is AVX2 + FMA + F16C
+# and nothing newer, whatever the CPU has.
+LLAMA_CMAKE_ARGS = {
+    "native": "",
+    "avx2": "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+    "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
+    "-DGGML_AVX_VNNI=OFF",
+}
+PAGEDSERVE_KERNELS = {"native": "auto", "avx2": "avx2"}
+
+
+def llama_paths(root: Path, isa: str = "native") -> tuple[Path, Path]:
+    venv = root / ("llama-venv" if isa == "native" else f"llama-venv-{isa}")
     converter = root / "llama-sdist" / f"llama_cpp_python-{LLAMA_VERSION}" / "vendor" / "llama.cpp"
     return venv, converter
 
 
-def setup_llama(root: Path) -> None:
-    venv, converter = llama_paths(root)
+def setup_llama(root: Path, isa: str) -> None:
+    venv, converter = llama_paths(root, isa)
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     print(
-        f"installing llama-cpp-python {LLAMA_VERSION} (compiles llama.cpp: ~6 min) ...", flush=True
+        f"installing llama-cpp-python {LLAMA_VERSION} for --isa {isa} (compiles llama.cpp: "
+        "~6 min) ...",
+        flush=True,
     )
     subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", f"llama-cpp-python=={LLAMA_VERSION}",
-         "torch==2.13.0", "transformers", "safetensors", "numpy", "sentencepiece"],
+        [str(venv / "bin" / "pip"), "install", "-q", "--no-cache-dir",
+         f"llama-cpp-python=={LLAMA_VERSION}", "torch==2.13.0", "transformers", "safetensors",
+         "numpy", "sentencepiece"],
         check=True,
-        env={"CMAKE_BUILD_PARALLEL_LEVEL": "2", **os.environ},
+        env={"CMAKE_BUILD_PARALLEL_LEVEL": "2", "CMAKE_ARGS": LLAMA_CMAKE_ARGS[isa], **os.environ},
     )  # fmt: skip
     sdist_dir = converter.parents[2]
     sdist_dir.mkdir(parents=True, exist_ok=True)
@@ -152,6 +185,13 @@ def setup_llama(root: Path) -> None:
     with tarfile.open(sdist_dir / f"llama_cpp_python-{LLAMA_VERSION}.tar.gz") as tar:
         tar.extractall(sdist_dir, filter="data")
     print(f"llama.cpp ready in {venv}")
+
+
+def llama_system_info(venv: Path) -> str:
+    """What llama.cpp says it was built for (``AVX2 = 1 | ...``): recorded with its figures."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True)
+    return out.stdout.strip()
 
 
 CONVERT = """
@@ -169,11 +209,12 @@ assert llama_cpp.llama_model_quantize(out_f16.encode(), out_q4.encode(), p) == 0
 """
 
 
-def gguf_q4_0(model: Path, root: Path) -> Path:
+def gguf_q4_0(model: Path, root: Path, isa: str) -> Path:
+    """The Q4_0 file (the same for every --isa: llama.cpp repacks it for the CPU as it loads)."""
     out = model / "q4_0.gguf"
     if out.exists():
         return out
-    venv, converter = llama_paths(root)
+    venv, converter = llama_paths(root, isa)
     print(f"converting {model.name} to GGUF Q4_0 with llama.cpp's converter ...", flush=True)
     subprocess.run(
         [str(venv / "bin" / "python"), "-c", CONVERT, str(converter), str(model),
@@ -185,8 +226,8 @@ def gguf_q4_0(model: Path, root: Path) -> Path:
     return out
 
 
-def llama_batch1(gguf: Path, root: Path) -> float:
-    venv, _ = llama_paths(root)
+def llama_batch1(gguf: Path, root: Path, isa: str) -> float:
+    venv, _ = llama_paths(root, isa)
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", LLAMA_WORKER, str(gguf), str(PROMPT_LEN),
          str(NEW_TOKENS), str(REPEATS)],
@@ -209,6 +250,7 @@ def run_worker(*args: str) -> float:
 
 def one_run(args: argparse.Namespace, root: Path) -> dict:
     rows = {}
+    kernels = PAGEDSERVE_KERNELS[args.isa]
     for name in args.models:
         model = build_model(name)
         key = f"batch1_{name}"
@@ -216,22 +258,24 @@ def one_run(args: argparse.Namespace, root: Path) -> dict:
         for q in args.quantization:
             print(f"[{key}] pagedserve {q} (lm_head {args.lm_head}) ...", flush=True)
             rows[key][f"pagedserve {q}"] = run_worker(
-                "pagedserve", str(model), q, args.lm_head, "1"
+                "pagedserve", str(model), q, args.lm_head, "1", kernels
             )
         if not args.skip_llama:
             print(f"[{key}] llama.cpp Q4_0 ...", flush=True)
-            rows[key]["llama.cpp"] = llama_batch1(gguf_q4_0(model, root), root)
+            rows[key]["llama.cpp"] = llama_batch1(gguf_q4_0(model, root, args.isa), root, args.isa)
     if "122m" in args.models:
         model = build_model("122m")
         rows["offline_122m"] = {}
         for q in args.quantization:
             print(f"[offline_122m] pagedserve {q} ...", flush=True)
             rows["offline_122m"][f"pagedserve {q}"] = run_worker(
-                "pagedserve", str(model), q, args.lm_head, "16"
+                "pagedserve", str(model), q, args.lm_head, "16", kernels
             )
         if not args.skip_transformers:
-            print("[offline_122m] transformers bf16 ...", flush=True)
-            rows["offline_122m"]["transformers"] = run_worker("transformers", str(model))
+            print(f"[offline_122m] transformers {args.transformers_dtype} ...", flush=True)
+            rows["offline_122m"]["transformers"] = run_worker(
+                "transformers", str(model), args.transformers_dtype
+            )
     for row in rows.values():
         ours = [k for k in row if k.startswith("pagedserve")]
         peers = [k for k in row if not k.startswith("pagedserve")]
@@ -242,8 +286,16 @@ def one_run(args: argparse.Namespace, root: Path) -> dict:
 PEER = {"batch1": "llama.cpp", "offline": "transformers"}
 
 
-def report(runs: list[dict], args: argparse.Namespace) -> dict:
-    figures: dict = {"lm_head": args.lm_head, "runs": runs, "summary": {}}
+def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build: str) -> dict:
+    figures: dict = {
+        "isa": args.isa,
+        "pagedserve_kernels": kernels,
+        "llama_cpp_build": llama_build,
+        "transformers_dtype": args.transformers_dtype,
+        "lm_head": args.lm_head,
+        "runs": runs,
+        "summary": {},
+    }
     print(f"\n{'measure':<14} {'system':<18} {'tok/s (median)':>15} {'range':>17}")
     for key in runs[0]:
         summary = {}
@@ -264,6 +316,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--setup", action="store_true", help="install llama.cpp for the comparison")
+    ap.add_argument(
+        "--isa",
+        default="native",
+        choices=sorted(LLAMA_CMAKE_ARGS),
+        help="the instruction set both systems run (see above)",
+    )
+    ap.add_argument(
+        "--transformers-dtype",
+        default=None,
+        choices=["bfloat16", "float32"],
+        help="transformers' dtype offline (default: its fastest here, bf16 only with native bf16)",
+    )
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison N times")
     ap.add_argument("--models", nargs="+", default=["122m", "1b"], choices=["122m", "1b"])
     ap.add_argument(
@@ -286,17 +350,24 @@ def main() -> None:
         return
     root = cache_root()
     if args.setup:
-        setup_llama(root)
+        setup_llama(root, args.isa)
         return
-    if not args.skip_llama and not (llama_paths(root)[0] / "bin" / "python").exists():
-        sys.exit("llama.cpp is not set up: run `python -m benchmarks.compare --setup` first "
-                 "(or pass --skip-llama)")  # fmt: skip
+    venv = llama_paths(root, args.isa)[0]
+    if not args.skip_llama and not (venv / "bin" / "python").exists():
+        sys.exit(f"llama.cpp is not set up for --isa {args.isa}: run `python -m benchmarks.compare "
+                 f"--setup --isa {args.isa}` first (or pass --skip-llama)")  # fmt: skip
+    args.transformers_dtype = args.transformers_dtype or fastest_transformers_dtype()
+    from pagedserve.hal.native import choose_kernels
+
+    kernels = choose_kernels(PAGEDSERVE_KERNELS[args.isa]).name
+    llama_build = "" if args.skip_llama else llama_system_info(venv)
+    print(f"pagedserve kernels: {kernels}; llama.cpp: {llama_build or 'skipped'}", flush=True)
     runs = []
     for i in range(args.runs):
         print(f"=== run {i + 1} of {args.runs}", flush=True)
         runs.append(one_run(args, root))
-    figures = report(runs, args)
-    path = write_result("compare", figures)
+    figures = report(runs, args, kernels, llama_build)
+    path = write_result(f"compare_{kernels}", figures)
     print(f"\nwrote {path}")
 
 

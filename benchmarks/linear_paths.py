@@ -1,18 +1,22 @@
 """Every path a linear layer can take on this CPU, by batch rows M, on real layer shapes:
 
-- native int4: pagedserve's kernel (``hal/csrc/linear.h``): weights stay INT4 in memory, each
-  packed tile is unpacked once per 8 rows and multiplied with vdpbf16ps (bf16 activations);
+- native int4: the kernel target's W4A16 (``hal/csrc/int4_<target>.h``): weights stay INT4 in
+  memory, each packed tile is unpacked once per pass of rows (avx512: 8 rows, vdpbf16ps on bf16
+  activations; avx2: 4 rows, vpmaddwd on int16 activations);
 - native w4a8: the same weights with activations rounded to int8 per row (``--quantization
-  w4a8``), multiplied with vpdpbusd;
-- aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--enforce-eager`` runs);
+  w4a8``), multiplied with vpdpbusd (avx512) or vpmaddubsw + vpmaddwd (avx2);
+- aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--kernels eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
 - native bf16 GEMV (up to 4 rows) and torch.mv (1 row): the dense few-row paths.
 
-    python -m benchmarks.linear_paths [--model 122m|1b] [--rows 1 4 8 16 32 64 128 512] [--output NAME]
+    python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2]
+        [--rows 1 2 4 8 16 32 64 128 512] [--output NAME]
 
-Prints microseconds per call and GFLOP/s, and writes both to benchmarks/results/NAME.json
-(default linear_paths_MODEL; give a run of other rows its own NAME, so that it does not replace
-the full run the README quotes).
+Each call reads a different copy of the layer, with 64 MB of copies in all, so that the weights
+come from memory as in a decode step of a whole model, not from the last-level cache. Prints
+microseconds per call and GFLOP/s, and writes both to benchmarks/results/NAME.json (default
+linear_paths_MODEL_KERNELS; give a run of other rows its own NAME, so that it does not replace the
+full run the README quotes).
 """
 
 from __future__ import annotations
@@ -54,43 +58,54 @@ def layer_shapes(model: str) -> list[tuple[str, int, int]]:
     ]
 
 
-def per_call_us(fn: Callable[[], torch.Tensor], min_seconds: float = 0.2) -> float:
-    for _ in range(2):
+COPIES_BYTES = 64 * 2**20  # more than a last-level cache holds
+
+
+def per_call_us(fns: list[Callable[[], torch.Tensor]], min_seconds: float = 0.2) -> float:
+    """Mean microseconds of a call, cycling through ``fns`` (one per copy of the weights)."""
+    for fn in fns[:2]:
         fn()
     iters, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_seconds:
-        fn()
+    while time.perf_counter() - start < min_seconds or iters < len(fns):
+        fns[iters % len(fns)]()
         iters += 1
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(n: int, k: int, rows: list[int]) -> dict[int, dict[str, float]]:
-    native = get_device("cpu")
+def measure(n: int, k: int, rows: list[int], kernels: str) -> dict[int, dict[str, float]]:
+    native = get_device("cpu", kernels=kernels)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
     q, s, z = quantize_rtn(w.float(), GROUP)
-    layer = native.prepare_int4(q, s, z, GROUP, "w") if native.native is not None else None
-    layer_a8 = native.prepare_int4(q, s, z, GROUP, "w", 8) if native.native is not None else None
-    aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    copies = range(max(1, COPIES_BYTES // (n * k // 2)))
+    dense_copies = [w.clone() for _ in range(max(1, COPIES_BYTES // (2 * n * k)))]
+    has_int4 = native.native is not None and hasattr(native.native, "int4_linear")
+    layers = [native.prepare_int4(q, s, z, GROUP, f"w{i}") for i in copies] if has_int4 else []
+    layers_a8 = (
+        [native.prepare_int4(q, s, z, GROUP, f"a{i}", 8) for i in copies] if has_int4 else []
+    )
+    aten = [
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1) for _ in copies
+    ]
     aten_sz = cpu_int4_scales_and_zeros(s, z)
 
     def paths(x: torch.Tensor) -> dict[str, float]:
         m = x.shape[0]
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         t = {
-            "aten int4": per_call_us(
-                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, aten, GROUP, aten_sz)
-            ),
-            "bf16 F.linear": per_call_us(lambda: F.linear(x, w)),
+            "aten int4": per_call_us([lambda a=a: mm(x, a, GROUP, aten_sz) for a in aten]),
+            "bf16 F.linear": per_call_us([lambda d=d: F.linear(x, d) for d in dense_copies]),
         }
-        if layer is not None:
-            t["native int4"] = per_call_us(lambda: native.linear(x, layer))
-            t["native w4a8"] = per_call_us(lambda: native.linear(x, layer_a8))
-            if m <= 4:
-                t["native bf16 GEMV"] = per_call_us(
-                    lambda: native.native.bf16_linear_few_rows(x, w, None)
-                )
+        if has_int4:
+            t["native int4"] = per_call_us([lambda la=la: native.linear(x, la) for la in layers])
+            t["native w4a8"] = per_call_us([lambda la=la: native.linear(x, la) for la in layers_a8])
+        if m <= 4 and hasattr(native.native, "bf16_linear_few_rows"):
+            gemv = native.native.bf16_linear_few_rows
+            t["native bf16 GEMV"] = per_call_us(
+                [lambda d=d: gemv(x, d, None) for d in dense_copies]
+            )
         if m == 1:
-            t["torch.mv"] = per_call_us(lambda: torch.mv(w, x[0]))
+            t["torch.mv"] = per_call_us([lambda d=d: torch.mv(d, x[0]) for d in dense_copies])
         return t
 
     return {m: paths(torch.randn(m, k, generator=g).to(torch.bfloat16)) for m in rows}
@@ -101,25 +116,35 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default="122m", choices=sorted(SHAPES))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    ap.add_argument(
+        "--kernels", default="auto", help="the kernel target (default: this CPU's best)"
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--output", default=None, help="results file name (default linear_paths_MODEL)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{args.threads} threads; microseconds per call (GFLOP/s)")
+    kernels = get_device("cpu", kernels=args.kernels).kernel_set
+    print(f"{kernels} kernels, {args.threads} threads; microseconds per call (GFLOP/s)")
     print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
     table = {}
     for name, n, k in layer_shapes(args.model):
         table[name] = {"n": n, "k": k, "rows": {}, "gflops": {}}
-        for m, t in measure(n, k, args.rows).items():
+        for m, t in measure(n, k, args.rows, kernels).items():
             gflops = {p: round(2 * m * n * k / us / 1e3, 1) for p, us in t.items()}
             table[name]["rows"][m] = {p: round(us, 1) for p, us in t.items()}
             table[name]["gflops"][m] = gflops
             cells = [f"{t[p]:9.0f} ({gflops[p]:5.0f})" if p in t else "-" for p in PATHS]
             print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells), flush=True)
     path = write_result(
-        args.output or f"linear_paths_{args.model}",
-        {"model": args.model, "threads": args.threads, "group_size": GROUP, "us_per_call": table},
+        args.output or f"linear_paths_{args.model}_{kernels}",
+        {
+            "model": args.model,
+            "kernels": kernels,
+            "threads": args.threads,
+            "group_size": GROUP,
+            "us_per_call": table,
+        },
     )
     print(f"wrote {path}")
 

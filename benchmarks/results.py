@@ -15,16 +15,29 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+# The CPU flags that decide which kernels run (ours and the peers'): every results file names them.
+ISA_FLAGS = (
+    "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "amx_bf16", "amx_int8", "asimd", "sve",
+)  # fmt: skip
+
+
 def machine() -> dict:
-    model = platform.processor()
+    model, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and model == platform.processor():
                 model = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith(("flags", "Features")) and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "system": platform.platform()}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "isa_flags": [f for f in ISA_FLAGS if f in flags],
+        "system": platform.platform(),
+    }
 
 
 def this_command() -> list[str]:

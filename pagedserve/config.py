@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class UsageContext(enum.Enum):
@@ -61,10 +61,21 @@ class SchedulerConfig(_Config):
     max_num_batched_tokens: int = Field(2048, ge=1)
 
 
+# --kernels: a CPU backend's native kernel target (hal/native.py), or plain PyTorch ops
+KERNEL_CHOICES = ("auto", "avx512", "avx2", "portable", "eager")
+
+
 class DeviceConfig(_Config):
     device: str = "kunlun-emu"
-    kernels: str = "auto"  # native.KERNEL_CHOICES: the CPU kernels' target, or eager
+    kernels: str = "auto"  # KERNEL_CHOICES: the CPU kernels' target, or eager
     enforce_eager: bool = False  # vLLM's flag: the same as kernels="eager"
+
+    @field_validator("kernels")
+    @classmethod
+    def _known_kernels(cls, value: str) -> str:
+        if value not in KERNEL_CHOICES:
+            raise ValueError(f"{value!r} is not one of {', '.join(KERNEL_CHOICES)}")
+        return value
 
     @property
     def kernel_choice(self) -> str:

@@ -155,6 +155,7 @@ class Worker:
         stats = {
             "name": dev.card_name,
             "backend": dev.backend,
+            "kernels": dev.kernel_set,
             "description": dev.preset.description,
             "tiers": dev.memory_stats(),
         }

@@ -61,6 +61,11 @@ class Device:
         return type(self)(self.preset)
 
     @property
+    def kernel_set(self) -> str:
+        """The kernels this backend runs (the CPU backends name their native target)."""
+        return "eager"
+
+    @property
     def num_faults_detected(self) -> int:
         return sum(self.faults.detected.values())
 

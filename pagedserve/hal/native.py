@@ -37,11 +37,12 @@ from types import ModuleType
 
 import torch
 
+from pagedserve.config import KERNEL_CHOICES
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "bindings.cpp"  # includes the headers beside it
-KERNEL_CHOICES = ("auto", "avx512", "avx2", "portable", "eager")
 
 # What x86-64-v3 lets a compiler emit (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE, and v2's SSE4.2,
 # POPCNT, CMPXCHG16B, LAHF), by their /proc/cpuinfo names.

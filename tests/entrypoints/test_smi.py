@@ -52,6 +52,17 @@ def test_smi_table_and_detail_views(capsys, live_server):
     assert "Device 0" in detail and "Faults detected" in detail
 
 
+def test_smi_names_the_kernels_the_device_runs(capsys, live_server):
+    # the CPU backends name the instruction-set target auto chose on this machine
+    from pagedserve.hal.native import choose_kernels
+
+    expected = choose_kernels("auto").name
+    device = json.loads(_smi(capsys, live_server, "--json"))[0]
+    assert device["kernels"] == expected
+    assert f"{expected} kernels)" in _smi(capsys, live_server)
+    assert f"Kernels               : {expected}" in _smi(capsys, live_server, "-q", "-d", "0")
+
+
 def test_smi_reports_an_unreachable_server(capsys):
     from pagedserve.testing import free_port
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from pagedserve.config import KERNEL_CHOICES
 from pagedserve.entrypoints.cli.utils import offer, subparser
 from pagedserve.presets import preset_names
 
@@ -27,7 +28,7 @@ logger = logging.getLogger("pagedserve.serve")
 ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
-    "num_kv_pages", "enable_prefix_caching", "seed", "device", "enforce_eager",
+    "num_kv_pages", "enable_prefix_caching", "seed", "device", "kernels", "enforce_eager",
     "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
     "dist_init_addr", "dist_timeout",
 )  # fmt: skip
@@ -181,11 +182,19 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
         help="seconds to wait at start-up for every rank to join the rendezvous (default 60)",
     )
     a(
+        "--kernels",
+        default=None,
+        choices=KERNEL_CHOICES,
+        help="the CPU backends' native kernels: auto takes the best instruction set this CPU "
+        "executes (avx512: AVX-512 BF16 + VNNI; avx2: AVX2 + FMA + F16C; portable: plain C++), "
+        "built once per machine and cached; eager runs plain PyTorch ops (default auto)",
+    )
+    a(
         "--enforce-eager",
         action="store_true",
         default=None,
-        help="run plain PyTorch ops instead of the native CPU kernels that are compiled once per "
-        "machine and cached (slower; for debugging and for machines without a C++ compiler)",
+        help="the same as --kernels eager (vLLM's flag): plain PyTorch ops, for debugging and for "
+        "machines without a C++ compiler",
     )
 
     a(

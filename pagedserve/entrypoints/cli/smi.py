@@ -72,7 +72,8 @@ def format_summary(devices: list[dict]) -> str:
     for i, d in enumerate(devices):
         kv, req = d.get("kv_pages", {}), d.get("requests", {})
         head = (
-            f"{i:>2}  {d.get('name', '?')} ({d.get('backend', '?')})  model {d.get('model', '-')}"
+            f"{i:>2}  {d.get('name', '?')} ({d.get('backend', '?')}, {d.get('kernels', '?')} kernels)"
+            f"  model {d.get('model', '-')}"
         )
         lines.append(f"| {head:<84} |")
         for name, tier in d.get("tiers", {}).items():
@@ -111,6 +112,7 @@ def format_detail(device: dict, index: int) -> str:
         f"Device {index}",
         f"    Name                  : {device.get('name')}",
         f"    Backend               : {device.get('backend')}",
+        f"    Kernels               : {device.get('kernels', '-')}",
         f"    Description           : {device.get('description', '-')}",
         f"    Model                 : {device.get('model', '-')}",
         "    Memory tiers",
