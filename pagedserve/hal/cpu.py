@@ -241,7 +241,7 @@ class CpuDevice(Device):
         )
 
         def decoder_layer(h, residual, rope, meta, kv):
-            plan = meta.scratch.get("cpu") or meta.scratch.setdefault("cpu", _AttentionPlan(meta))
+            plan = self._attention_plan(meta)
             cos_sin, positions = rope
             return layer.forward(
                 h,
@@ -253,6 +253,7 @@ class CpuDevice(Device):
                 meta.slot_mapping,
                 plan.pages,
                 plan.seq_lens,
+                plan.query_start_loc,
             )
 
         return decoder_layer
@@ -284,7 +285,7 @@ class CpuDevice(Device):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = meta.scratch.get("cpu") or meta.scratch.setdefault("cpu", _AttentionPlan(meta))
+        plan = self._attention_plan(meta)
         native = self.native is not None and q.shape[-1] % 16 == 0 and q.shape[-1] <= 128
         if plan.all_decode:
             return self._decode_attention(q, k_cache, v_cache, plan, scale, native)
@@ -302,9 +303,34 @@ class CpuDevice(Device):
     def _decode_attention(self, q, k_cache, v_cache, plan, scale, native: bool) -> torch.Tensor:
         if native and q.dtype == k_cache.dtype:
             return self.native.paged_attention_decode(
-                q.contiguous(), k_cache, v_cache, plan.pages, plan.seq_lens, scale
-            )
+                q.contiguous(), k_cache, v_cache, plan.pages, plan.seq_lens,
+                plan.query_start_loc, scale,
+            )  # fmt: skip
+        if plan.decode_query_rows > 1:  # (only the native kernel takes several rows)
+            return self._prefill_each(q, k_cache, v_cache, plan, scale)
         return decode_attention(q, k_cache, v_cache, plan, scale).to(q.dtype)
+
+    @staticmethod
+    def _prefill_each(q, k_cache, v_cache, plan, scale) -> torch.Tensor:
+        out = torch.empty_like(q)
+        starts = plan.query_start_loc.tolist()
+        for b, (table, ctx) in enumerate(zip(plan.pages, plan.seq_lens.tolist())):
+            rows = slice(starts[b], starts[b + 1])
+            k, v = gather_context(k_cache, table, ctx), gather_context(v_cache, table, ctx)
+            out[rows] = prefill_attention(q[rows], k, v, scale).to(q.dtype)
+        return out
+
+    @property
+    def fused_layer_max_query_rows(self) -> int:
+        """The most query rows per sequence a forward may have for the fused decoder layer (a
+        decode row and its draft tokens)."""
+        return getattr(self.native, "FEW_QUERY_ROWS", 1)
+
+    def _attention_plan(self, meta: AttentionMetadata) -> _AttentionPlan:
+        plan = meta.scratch.get("cpu")
+        if plan is None:
+            plan = meta.scratch["cpu"] = _AttentionPlan(meta, self.fused_layer_max_query_rows)
+        return plan
 
 
 def _complex_rotary(cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -313,26 +339,33 @@ def _complex_rotary(cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 
 
 class _AttentionPlan:
-    """What every layer of one forward pass shares: which rows decode, their pages and lengths;
-    the eager path's gather indices and mask are made only if it runs."""
+    """What every layer of one forward pass shares: which sequences decode (at most
+    ``decode_query_rows`` query rows each: a decode row, and its draft tokens where the kernel
+    takes several), their rows, pages and lengths; the others are prefills, over their gathered
+    context. The eager path's gather indices and mask are made only if it runs."""
 
-    def __init__(self, meta: AttentionMetadata):
+    def __init__(self, meta: AttentionMetadata, decode_query_rows: int = 1):
         qs = meta.query_start_loc
         query_lens = meta.query_lens
-        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        decode = [i for i, n in enumerate(query_lens) if n <= decode_query_rows]
         self.prefills = [
             (slice(qs[i], qs[i + 1]), meta.block_tables[i], meta.seq_lens[i])
             for i, n in enumerate(query_lens)
-            if n > 1
+            if n > decode_query_rows
         ]
+        self.decode_query_rows = max((query_lens[i] for i in decode), default=1)
         self.all_decode = len(decode) == len(query_lens)
         self.decode_rows = None
         self.block_size = meta.block_size
+        starts = [0]
+        for i in decode:
+            starts.append(starts[-1] + query_lens[i])
+        self.query_start_loc = torch.tensor(starts, dtype=torch.long)
         if self.all_decode:
             self.pages = meta.block_tables
             self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.long)
         elif decode:
-            self.decode_rows = torch.tensor([qs[i] for i in decode])
+            self.decode_rows = torch.tensor([r for i in decode for r in range(qs[i], qs[i + 1])])
             self.seq_lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.long)
             self.pages = meta.block_tables[decode]
 

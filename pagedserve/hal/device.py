@@ -322,6 +322,9 @@ class Device:
         """
         return None
 
+    # the most query rows per sequence a forward may have for ``fused_decoder_layer``'s kernel
+    fused_layer_max_query_rows = 1
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Per row, the index of the first largest value (greedy sampling)."""
         return logits.argmax(dim=-1)

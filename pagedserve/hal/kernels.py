@@ -34,6 +34,11 @@ class AttentionMetadata:
         return [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
 
     @property
+    def max_query_len(self) -> int:
+        qs = self.query_start_loc
+        return max(qs[i + 1] - qs[i] for i in range(len(qs) - 1))
+
+    @property
     def is_decode_only(self) -> bool:
         return self.query_start_loc[-1] == self.num_seqs
 

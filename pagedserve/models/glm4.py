@@ -242,9 +242,9 @@ class GlmForCausalLM:
         h = self._embed(input_ids)
         rope = dev.rotary_at(self.cos_sin, positions)  # the same for every layer
         residual = None
-        decode_only = meta.is_decode_only
+        fusable = meta.max_query_len <= dev.fused_layer_max_query_rows  # decode (and drafts)
         for i, layer in enumerate(self.layers):
-            fused = self.fused_layers[i] if decode_only else None
+            fused = self.fused_layers[i] if fusable else None
             if fused is not None:  # the backend's one-call kernel for the same computation
                 h, residual = fused(h, residual, rope, meta, kv_cache[i])
             else:

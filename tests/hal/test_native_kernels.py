@@ -134,6 +134,25 @@ def test_paged_attention_equals_reference(kernel_set, dtype, block_size, heads, 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 2, 128)])
+def test_paged_attention_over_a_few_query_rows_per_sequence_equals_reference(
+    kernel_set, dtype, heads, kv_heads, head_dim
+):
+    # a decode row with its draft tokens: each sequence's last rows attend causally, on the native
+    # targets in the decode kernel itself (up to its FEW_QUERY_ROWS), beside a long prefill
+    lens, query_lens = [9, 4, 40, 23, 61], [2, 4, 8, 1, 30]
+    q, kc, vc, meta = paged_batch(lens, query_lens, 4, heads, kv_heads, head_dim, dtype, seed=3)
+    ref = kernels.paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)
+    dev = _device(kernel_set)
+    torch.testing.assert_close(
+        dev.paged_attention(q, kc, vc, meta, head_dim**-0.5), ref, **_tol(dtype)
+    )
+    few = [n for n in query_lens if n <= dev.fused_layer_max_query_rows]
+    assert (dev.fused_layer_max_query_rows == 8) == (kernel_set != "eager") and len(few) >= 1
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 @pytest.mark.parametrize("abits", [16, 8])

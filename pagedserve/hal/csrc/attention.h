@@ -1,5 +1,5 @@
-// Paged attention for decoding rows (one query per sequence), straight from the pages; written
-// once against the vector API.
+// Paged attention for decoding rows (one query per sequence, or a few with draft tokens),
+// straight from the pages; written once against the vector API.
 #pragma once
 
 #include "vec.h"
@@ -74,56 +74,67 @@ constexpr int largest_divisor_at_most(int n, int limit) {
   return 1;
 }
 
-// One (sequence, KV head): its `group` query heads read each key and value of the sequence once,
-// straight from the pages (no gather), with an exact fp32 softmax.
+// One (sequence, KV head): its `rows` query rows (the last `rows` positions of a context of
+// `seq_len`: one when decoding, a few with draft tokens) times its `group` query heads read each key
+// and value of the sequence once, straight from the pages (no gather), with an exact fp32
+// softmax; row i attends to the first seq_len - rows + 1 + i positions (causal).
 template <typename T, int D>
-void decode_attention_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* pages,
-                           int64_t seq_len, int64_t block_size, int64_t num_kv_heads,
-                           int64_t kv_head, int64_t group, float scale, T* out,
+void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const T* k_cache,
+                           const T* v_cache, const int64_t* pages, int64_t seq_len,
+                           int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
+                           int64_t group, float scale, T* out, int64_t out_stride,
                            std::vector<float>& scores, std::vector<int64_t>& offsets) {
-  const int64_t stride = (seq_len + kLanes - 1) / kLanes * kLanes;
-  scores.resize(group * stride);
+  const int64_t stride = (seq_len + kLanes - 1) / kLanes * kLanes, vectors = rows * group;
+  scores.resize(vectors * stride);
   token_offsets(pages, seq_len, block_size, num_kv_heads, kv_head, D, offsets);
-  for (int64_t h = 0; h < group; ++h) {
-    for (int64_t t0 = 0; t0 < seq_len; t0 += kLanes) {
-      const Vec s = score_block<T, D>(q + h * D, k_cache, offsets.data() + t0,
-                                      std::min<int64_t>(kLanes, seq_len - t0));
-      vec::store(scores.data() + h * stride + t0, vec::mul(s, vec::set1(scale)));
+  // query vector j: row j / group, head j % group
+  const auto query = [&](int64_t j) { return q + (j / group) * q_stride + (j % group) * D; };
+  for (int64_t j = 0; j < vectors; ++j) {
+    const int64_t visible = seq_len - rows + 1 + j / group;
+    float* s = scores.data() + j * stride;
+    for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
+      const Vec block = score_block<T, D>(query(j), k_cache, offsets.data() + t0,
+                                          std::min<int64_t>(kLanes, visible - t0));
+      vec::store(s + t0, vec::mul(block, vec::set1(scale)));
     }
-    softmax_inplace(scores.data() + h * stride, seq_len);
+    softmax_inplace(s, visible);
+    std::fill(s + visible, s + seq_len, 0.f);  // the positions after this row's own
   }
   // softmax(scores) . V with the accumulators in registers: a pass covers kDims vectors of the
-  // head dim for kHeads query heads, within three quarters of the target's registers.
+  // head dim for kHeads query vectors, within three quarters of the target's registers.
   constexpr int kBudget = vec::kRegisters * 3 / 4, DV = D / kLanes;
   constexpr int kDims = largest_divisor_at_most(DV, kBudget);
   constexpr int kHeads = kDims >= kBudget ? 1 : kBudget / kDims;
-  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
-    const int64_t hn = std::min<int64_t>(kHeads, group - h0);
+  for (int64_t j0 = 0; j0 < vectors; j0 += kHeads) {
+    const int64_t hn = std::min<int64_t>(kHeads, vectors - j0);
+    const int64_t last = seq_len - rows + 1 + (j0 + hn - 1) / group;  // what the last one sees
     for (int d0 = 0; d0 < DV; d0 += kDims) {
       Vec acc[kHeads][kDims];
       for (int h = 0; h < kHeads; ++h)
         for (int d = 0; d < kDims; ++d) acc[h][d] = vec::zero();
-      for (int64_t t = 0; t < seq_len; ++t) {
+      for (int64_t t = 0; t < last; ++t) {
         const T* v = v_cache + offsets[t] + d0 * kLanes;
         Vec vv[kDims];
         for (int d = 0; d < kDims; ++d) vv[d] = vec::load(v + d * kLanes);
         for (int h = 0; h < kHeads; ++h) {
           if (h >= hn) break;
-          const Vec p = vec::set1(scores[(h0 + h) * stride + t]);
+          const Vec p = vec::set1(scores[(j0 + h) * stride + t]);
           for (int d = 0; d < kDims; ++d) acc[h][d] = vec::fmadd(p, vv[d], acc[h][d]);
         }
       }
-      for (int64_t h = 0; h < hn; ++h)
-        for (int d = 0; d < kDims; ++d)
-          vec::store(out + (h0 + h) * D + (d0 + d) * kLanes, acc[h][d]);
+      for (int64_t h = 0; h < hn; ++h) {
+        const int64_t j = j0 + h;
+        T* o = out + (j / group) * out_stride + (j % group) * D + d0 * kLanes;
+        for (int d = 0; d < kDims; ++d) vec::store(o + d * kLanes, acc[h][d]);
+      }
     }
   }
 }
 
 template <typename T>
-using DecodeTaskFn = void (*)(const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, float, T*, std::vector<float>&,
-                              std::vector<int64_t>&);
+using DecodeTaskFn = void (*)(const T*, int64_t, int64_t, const T*, const T*, const int64_t*,
+                              int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int64_t,
+                              std::vector<float>&, std::vector<int64_t>&);
 
 template <typename T>
 DecodeTaskFn<T> decode_task_for(int64_t D) {
@@ -139,20 +150,33 @@ DecodeTaskFn<T> decode_task_for(int64_t D) {
   }
 }
 
+// The most query rows per sequence this kernel takes (a decode row and its draft tokens); longer
+// chunks are prefills, which run SDPA over the gathered context.
+constexpr int64_t kFewQueryRows = 8;
+
+// q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], at the
+// last positions of its context of seq_lens[b] tokens (one row each when decoding).
 inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                         const at::Tensor& seq_lens, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+                                         const at::Tensor& seq_lens,
+                                         const at::Tensor& query_start_loc, double scale) {
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
   TORCH_CHECK(D % 16 == 0 && D <= 128, "paged_attention_decode: head_dim must be 16..128, x16");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "paged_attention_decode: block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == B + 1,
+              "paged_attention_decode: block_tables, seq_lens, query_start_loc [B + 1]: int64");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && q.scalar_type() == k_cache.scalar_type(),
               "paged_attention_decode: q rows of contiguous heads, in the cache's dtype");
   const int64_t q_stride = q.stride(0);
-  auto out = at::empty({B, H, D}, q.options());
+  auto out = at::empty({T_, H, D}, q.options());
   const auto* tables = block_tables.data_ptr<int64_t>();
   const auto* lens = seq_lens.data_ptr<int64_t>();
+  const auto* starts = query_start_loc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(starts[b + 1] - starts[b] >= 1 && starts[b + 1] - starts[b] <= kFewQueryRows &&
+                    starts[b + 1] - starts[b] <= lens[b],
+                "paged_attention_decode: 1 to ", kFewQueryRows, " query rows per sequence");
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "decode_attn", [&] {
     const auto* qp = q.data_ptr<scalar_t>();
@@ -164,10 +188,10 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
       thread_local std::vector<float> scores;
       thread_local std::vector<int64_t> offsets;
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / KV, kvh = i % KV;
-        task(qp + b * q_stride + kvh * group * D, kc, vc, tables + b * max_blocks, lens[b],
-             block_size, KV, kvh, group, float(scale), op + (b * H + kvh * group) * D, scores,
-             offsets);
+        const int64_t b = i / KV, kvh = i % KV, start = starts[b];
+        task(qp + start * q_stride + kvh * group * D, q_stride, starts[b + 1] - start, kc, vc,
+             tables + b * max_blocks, lens[b], block_size, KV, kvh, group, float(scale),
+             op + (start * H + kvh * group) * D, H * D, scores, offsets);
       }
     });
   });

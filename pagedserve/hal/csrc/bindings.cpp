@@ -42,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("silu_and_mul", &silu_and_mul);
   m.def("rotary_and_write_kv", &rotary_and_write_kv);
+  m.attr("FEW_QUERY_ROWS") = kFewQueryRows;
   m.def("paged_attention_decode", &paged_attention_decode);
   m.def("argmax_rows", &argmax_rows);
 #if PAGEDSERVE_HAS_INT4
