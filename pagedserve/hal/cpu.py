@@ -33,7 +33,7 @@ from pagedserve.hal.int4 import (
     quantize_activations_int8,
 )
 from pagedserve.hal.int8 import Int8Linear
-from pagedserve.hal.kernels import AttentionMetadata, gather_context
+from pagedserve.hal.kernels import AttentionMetadata, dequantize_kv, gather_context
 from pagedserve.hal.native import KernelChoice, choose_kernels
 
 logger = logging.getLogger(__name__)
@@ -195,10 +195,14 @@ class CpuDevice(Device):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        if self.native is None or qkv.dtype != k_cache.dtype or not qkv.is_contiguous():
+        if (
+            self.native is None
+            or k_cache.dtype not in (qkv.dtype, torch.int8)
+            or not qkv.is_contiguous()
+        ):
             return super().rotary_and_write_kv(qkv, num_heads, rope, k_cache, v_cache, slot_mapping)
         cos_sin, positions = rope
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_kv_heads, head_dim = k_cache.shape[2], qkv.shape[-1]
         self.native.rotary_and_write_kv(
             qkv,
             positions,
@@ -301,7 +305,7 @@ class CpuDevice(Device):
         return out
 
     def _decode_attention(self, q, k_cache, v_cache, plan, scale, native: bool) -> torch.Tensor:
-        if native and q.dtype == k_cache.dtype:
+        if native and k_cache.dtype in (q.dtype, torch.int8):
             return self.native.paged_attention_decode(
                 q.contiguous(), k_cache, v_cache, plan.pages, plan.seq_lens,
                 plan.query_start_loc, scale,
@@ -400,9 +404,13 @@ def decode_attention(
     """
     B, H, D = q.shape
     num_kv, num_blocks = k_cache.shape[2], len(plan.flat_pages) // B
-    context = (B, num_blocks * k_cache.shape[1], num_kv, D)
-    k = k_cache.index_select(0, plan.flat_pages).view(context)[:, : plan.max_ctx].transpose(1, 2)
-    v = v_cache.index_select(0, plan.flat_pages).view(context)[:, : plan.max_ctx].transpose(1, 2)
+    context = (B, num_blocks * k_cache.shape[1], num_kv, k_cache.shape[3])
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, KV, C, D]
+        rows = cache.index_select(0, plan.flat_pages).view(context)[:, : plan.max_ctx]
+        return (dequantize_kv(rows) if cache.dtype == torch.int8 else rows).transpose(1, 2)
+
+    k, v = gather(k_cache), gather(v_cache)
     # Each KV head's query heads act as a query of length H/KV: no GQA expansion, no causal mask.
     out = F.scaled_dot_product_attention(
         q.to(k.dtype).view(B, num_kv, H // num_kv, D), k, v, attn_mask=plan.allowed, scale=scale

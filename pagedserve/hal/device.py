@@ -137,7 +137,9 @@ class Device:
         dtype: torch.dtype,
         attr: MemoryAttr | None = None,
     ) -> torch.Tensor:
-        """The KV page pool: [layers, 2 (K, V), num_pages, block_size, kv_heads, head_dim].
+        """The KV page pool: [layers, 2 (K, V), num_pages, block_size, kv_heads, row], with row
+        ``kernels.kv_row_width(head_dim, dtype)``: the head's values, and for an INT8 cache
+        (``dtype=torch.int8``) their scale.
 
         Page frame ``p`` is index ``p`` of dim 2: one page holds ``block_size`` tokens of every layer.
         """
@@ -148,7 +150,14 @@ class Device:
                 "uncached and decode slows down; set kv_memory_attr: cached in the device preset",
                 self.name,
             )
-        shape = (num_layers, 2, num_pages, block_size, num_kv_heads, head_dim)
+        shape = (
+            num_layers,
+            2,
+            num_pages,
+            block_size,
+            num_kv_heads,
+            kernels.kv_row_width(head_dim, dtype),
+        )
         self.kv_cache = self.empty(shape, dtype, "kv", "kv_cache", attr)
         self.kv_memory_attr = attr
         return self.kv_cache

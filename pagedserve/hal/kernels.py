@@ -84,6 +84,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([rotated.to(x.dtype), x[..., rot:]], dim=-1)
 
 
+# An INT8 KV cache keeps each token's head as head_dim int8 values and their fp32 scale in the
+# same row (so that a page holds everything its tokens need: copies, swaps and gathers move rows
+# as they are): [..., head_dim + KV_SCALE_BYTES] int8, ``value = code * scale``, the scale the
+# head's largest magnitude / 127, per token and head.
+KV_SCALE_BYTES = 4
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """The last dimension of a KV cache of ``dtype``: head_dim, or head_dim + its int8 scale."""
+    return head_dim + KV_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] -> INT8 KV rows [..., head_dim + 4]: round(x / scale), and the fp32 scale."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    codes = torch.round(xf / scale).clamp(-127, 127).to(torch.int8)
+    return torch.cat([codes, scale.view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor) -> torch.Tensor:
+    """INT8 KV rows [..., head_dim + 4] -> fp32 [..., head_dim]."""
+    codes, scale = rows[..., :-KV_SCALE_BYTES], rows[..., -KV_SCALE_BYTES:]
+    return codes.float() * scale.contiguous().view(torch.float32)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -91,18 +117,22 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store each new token's K and V at its slot. Caches: [num_pages, block_size, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Store each new token's K and V at its slot. Caches: [num_pages, block_size, kv_heads,
+    kv_row_width(head_dim, dtype)]; an INT8 cache quantizes them per token and head."""
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        rows = quantize_kv(x) if cache.dtype == torch.int8 else x.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows)
 
 
 def gather_context(
     cache: torch.Tensor, block_table: torch.Tensor, context_len: int
 ) -> torch.Tensor:
-    """The first ``context_len`` tokens of one sequence, [context_len, kv_heads, head_dim]."""
+    """The first ``context_len`` tokens of one sequence, [context_len, kv_heads, head_dim] (fp32
+    from an INT8 cache)."""
     block_size = cache.shape[1]
     num_blocks = -(-context_len // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
+    rows = cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
+    return dequantize_kv(rows) if cache.dtype == torch.int8 else rows
 
 
 def paged_attention(

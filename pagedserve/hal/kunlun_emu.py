@@ -35,7 +35,8 @@ class KunlunEmuDevice(CpuDevice):
         reported by ``take_faulted_pages``.
         """
         assert self.kv_cache is not None, "inject_fault before the KV cache was allocated"
-        _flip_top_bit(self.kv_cache[layer, 0, page].view(-1)[:1])
+        first = self.kv_cache[layer, 0, page].view(-1)
+        _flip_top_bit(first[:4] if first.dtype == torch.int8 else first[:1])  # INT8: 4 codes
         self._faulted_pages.add(page)
         self.faults.injected["kv_page"] += 1
 

@@ -65,6 +65,17 @@ def test_kv_pool_is_numbered_page_frames_from_the_kv_tier():
     assert dev.kv_memory_attr is MemoryAttr.CACHED
 
 
+def test_an_int8_kv_pool_keeps_each_heads_scale_in_its_row_and_its_faults_are_detected():
+    # head_dim 8 int8 codes + a 4-byte scale: 12 bytes a token and head instead of 32 in fp32
+    dev = _small_device(kv="1MiB", weight="1MiB", host="1MiB")
+    kv = dev.allocate_kv_cache(2, 16, 4, 2, 8, torch.int8)
+    assert kv.shape == (2, 2, 16, 4, 2, 12) and kv.dtype == torch.int8
+    assert dev.tiers["kv"].used == 2 * 2 * 16 * 4 * 2 * 12
+    before = kv[1, 0, 5].clone()
+    dev.inject_fault(page=5, layer=1)
+    assert not torch.equal(kv[1, 0, 5], before) and dev.take_faulted_pages() == [5]
+
+
 def test_shared_hbm_pays_weights_before_kv_pages():
     preset = DevicePreset.from_dict(
         "t",

@@ -134,6 +134,58 @@ def test_paged_attention_equals_reference(kernel_set, dtype, block_size, heads, 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 2, 16, 8), (12, 2, 64, 32)])
+def test_rotary_and_a_write_into_an_int8_kv_cache_equal_reference(
+    kernel_set, dtype, heads, kv_heads, head_dim, rotary_dim
+):
+    # INT8 KV rows: each token and head's codes and their fp32 scale, as kernels.quantize_kv
+    dev = _device(kernel_set)
+    g = torch.Generator().manual_seed(4)
+    cos_sin = kernels.rotary_cos_sin(rotary_dim, 10000.0, 256)
+    positions, slots = torch.tensor([3, 90, 200]), torch.tensor([9, 0, 30])
+    qkv = torch.randn(3, heads + 2 * kv_heads, head_dim, generator=g).to(dtype) * 3
+    width = kernels.kv_row_width(head_dim, torch.int8)
+    assert width == head_dim + 4
+    caches = [torch.zeros(2, 16, kv_heads, width, dtype=torch.int8) for _ in range(4)]
+    dev.rotary_and_write_kv(
+        qkv.clone(), heads, dev.rotary_at(cos_sin, positions), caches[0], caches[1], slots
+    )
+    ref = qkv.clone()
+    rotated = kernels.apply_rotary(
+        ref[:, : heads + kv_heads], *kernels.rotary_at(cos_sin, positions)
+    )
+    kernels.write_kv(rotated[:, heads:], ref[:, heads + kv_heads :], caches[2], caches[3], slots)
+    for got, expected in ((caches[0], caches[2]), (caches[1], caches[3])):
+        codes, ref_codes = got[..., :head_dim].int(), expected[..., :head_dim].int()
+        assert (codes - ref_codes).abs().max() <= (1 if dtype == torch.float32 else 2)
+        flat = got.view(-1, kv_heads, width)[slots]
+        torch.testing.assert_close(
+            kernels.dequantize_kv(flat),
+            kernels.dequantize_kv(expected.view(-1, kv_heads, width)[slots]),
+            atol=0.05,
+            rtol=0.02,
+        )
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (12, 2, 64), (32, 2, 128)])
+def test_paged_attention_over_an_int8_kv_cache_equals_reference(
+    kernel_set, dtype, heads, kv_heads, head_dim
+):
+    # decode rows, drafts and a prefill read INT8 rows: the native kernels straight from the pages
+    lens, query_lens = [9, 1, 17, 33, 70], [1, 1, 17, 6, 1]
+    q, kc, vc, meta = paged_batch(
+        lens, query_lens, 4, heads, kv_heads, head_dim, dtype, seed=5, cache_dtype=torch.int8
+    )
+    ref = kernels.paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)  # on the dequantized rows
+    got = _device(kernel_set).paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (32, 2, 128)])
 def test_paged_attention_over_a_few_query_rows_per_sequence_equals_reference(
     kernel_set, dtype, heads, kv_heads, head_dim

@@ -8,9 +8,18 @@ from pagedserve.hal import kernels
 
 
 def paged_batch(
-    seq_lens, query_lens, block_size=4, heads=4, kv_heads=2, head_dim=8, dtype=torch.float32, seed=0
+    seq_lens,
+    query_lens,
+    block_size=4,
+    heads=4,
+    kv_heads=2,
+    head_dim=8,
+    dtype=torch.float32,
+    seed=0,
+    cache_dtype=None,
 ):
-    """q [T, heads, D] for the flat batch, K and V caches with random pages, and its metadata."""
+    """q [T, heads, D] for the flat batch, K and V caches with random pages (in ``cache_dtype``,
+    default q's; ``torch.int8``: INT8 KV rows), and its metadata."""
     g = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens)
     num_pages = max_blocks * len(seq_lens) + 3
@@ -18,6 +27,8 @@ def paged_batch(
         torch.randn(num_pages, block_size, kv_heads, head_dim, generator=g).to(dtype)
         for _ in range(2)
     )
+    if cache_dtype == torch.int8:
+        kc, vc = kernels.quantize_kv(kc), kernels.quantize_kv(vc)
     pages = torch.randperm(num_pages, generator=g)[: max_blocks * len(seq_lens)]
     qsl = [0]
     for n in query_lens:

@@ -6,24 +6,38 @@
 
 namespace pagedserve {
 
-// Where each token's key (and value) of one KV head starts in the caches, page by page.
+// An INT8 KV cache row (kernels.py): head_dim int8 codes, then their fp32 scale.
+constexpr int64_t kKvScaleBytes = 4;
+template <typename KT>
+constexpr int64_t kv_row_width(int64_t D) {
+  return std::is_same_v<KT, int8_t> ? D + kKvScaleBytes : D;
+}
+inline float kv_row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  return s;
+}
+
+// Where each token's key (and value) of one KV head starts in the caches (rows of `width`
+// elements), page by page.
 inline void token_offsets(const int64_t* pages, int64_t seq_len, int64_t block_size,
-                          int64_t num_kv_heads, int64_t kv_head, int64_t D,
+                          int64_t num_kv_heads, int64_t kv_head, int64_t width,
                           std::vector<int64_t>& offsets) {
   offsets.resize(seq_len);
   for (int64_t t = 0, b = 0; t < seq_len; ++b)
     for (int64_t slot = pages[b] * block_size; slot < (pages[b] + 1) * block_size && t < seq_len;
          ++slot, ++t)
-      offsets[t] = (slot * num_kv_heads + kv_head) * D;
+      offsets[t] = (slot * num_kv_heads + kv_head) * width;
 }
 
 // q . k for kLanes tokens at once (fewer at the end of the context: n). bf16: exact products of
 // pairs (vdpbf16ps where the target has it), summed in fp32 (q comes out of a bf16 layer, so it
-// is already bf16). fp32 and fp16: fp32 FMAs. D is a compile-time head dim so that the loops
-// unroll into registers.
-template <typename T, int D>
-inline Vec score_block(const T* q, const T* k_cache, const int64_t* offsets, int64_t n) {
-  constexpr bool kPairs = std::is_same_v<T, BFloat16> && D % (2 * kLanes) == 0;
+// is already bf16). fp32 and fp16: fp32 FMAs; an INT8 cache's codes widened, the dot product
+// times each token's scale. D is a compile-time head dim so that the loops unroll into registers.
+template <typename T, typename KT, int D>
+inline Vec score_block(const T* q, const KT* k_cache, const int64_t* offsets, int64_t n) {
+  constexpr bool kPairs =
+      std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16> && D % (2 * kLanes) == 0;
   Vec partial[kLanes];
   if constexpr (kPairs) {
     constexpr int kVecs = D / (2 * kLanes);
@@ -32,7 +46,7 @@ inline Vec score_block(const T* q, const T* k_cache, const int64_t* offsets, int
     for (int j = 0; j < kLanes; ++j) {
       partial[j] = vec::zero();
       if (j >= n) continue;
-      const T* k = k_cache + offsets[j];
+      const KT* k = k_cache + offsets[j];
       for (int d = 0; d < kVecs; ++d)
         partial[j] = vec::dot_pairs(partial[j], qv[d], vec::load_pairs(k + d * 2 * kLanes));
     }
@@ -43,11 +57,17 @@ inline Vec score_block(const T* q, const T* k_cache, const int64_t* offsets, int
     for (int j = 0; j < kLanes; ++j) {
       partial[j] = vec::zero();
       if (j >= n) continue;
-      const T* k = k_cache + offsets[j];
+      const KT* k = k_cache + offsets[j];
       for (int d = 0; d < kVecs; ++d) partial[j] = vec::fmadd(qv[d], vec::load(k + d * kLanes), partial[j]);
     }
   }
-  return vec::sum_lanes(partial);
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    alignas(64) float scales[kLanes] = {};
+    for (int j = 0; j < n; ++j) scales[j] = kv_row_scale(k_cache + offsets[j], D);
+    return vec::mul(vec::sum_lanes(partial), vec::load(scales));
+  } else {
+    return vec::sum_lanes(partial);
+  }
 }
 
 inline void softmax_inplace(float* s, int64_t n) {
@@ -78,27 +98,29 @@ constexpr int largest_divisor_at_most(int n, int limit) {
 // `seq_len`: one when decoding, a few with draft tokens) times its `group` query heads read each key
 // and value of the sequence once, straight from the pages (no gather), with an exact fp32
 // softmax; row i attends to the first seq_len - rows + 1 + i positions (causal).
-template <typename T, int D>
-void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const T* k_cache,
-                           const T* v_cache, const int64_t* pages, int64_t seq_len,
+template <typename T, typename KT, int D>
+void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const KT* k_cache,
+                           const KT* v_cache, const int64_t* pages, int64_t seq_len,
                            int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
                            int64_t group, float scale, T* out, int64_t out_stride,
                            std::vector<float>& scores, std::vector<int64_t>& offsets) {
   const int64_t stride = (seq_len + kLanes - 1) / kLanes * kLanes, vectors = rows * group;
   scores.resize(vectors * stride);
-  token_offsets(pages, seq_len, block_size, num_kv_heads, kv_head, D, offsets);
+  token_offsets(pages, seq_len, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), offsets);
   // query vector j: row j / group, head j % group
   const auto query = [&](int64_t j) { return q + (j / group) * q_stride + (j % group) * D; };
   for (int64_t j = 0; j < vectors; ++j) {
     const int64_t visible = seq_len - rows + 1 + j / group;
     float* s = scores.data() + j * stride;
     for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
-      const Vec block = score_block<T, D>(query(j), k_cache, offsets.data() + t0,
+      const Vec block = score_block<T, KT, D>(query(j), k_cache, offsets.data() + t0,
                                           std::min<int64_t>(kLanes, visible - t0));
       vec::store(s + t0, vec::mul(block, vec::set1(scale)));
     }
     softmax_inplace(s, visible);
     std::fill(s + visible, s + seq_len, 0.f);  // the positions after this row's own
+    if constexpr (std::is_same_v<KT, int8_t>)  // each value row's scale, into its weight
+      for (int64_t t = 0; t < visible; ++t) s[t] *= kv_row_scale(v_cache + offsets[t], D);
   }
   // softmax(scores) . V with the accumulators in registers: a pass covers kDims vectors of the
   // head dim for kHeads query vectors, within three quarters of the target's registers.
@@ -113,7 +135,7 @@ void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const T* 
       for (int h = 0; h < kHeads; ++h)
         for (int d = 0; d < kDims; ++d) acc[h][d] = vec::zero();
       for (int64_t t = 0; t < last; ++t) {
-        const T* v = v_cache + offsets[t] + d0 * kLanes;
+        const KT* v = v_cache + offsets[t] + d0 * kLanes;
         Vec vv[kDims];
         for (int d = 0; d < kDims; ++d) vv[d] = vec::load(v + d * kLanes);
         for (int h = 0; h < kHeads; ++h) {
@@ -131,22 +153,22 @@ void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const T* 
   }
 }
 
-template <typename T>
-using DecodeTaskFn = void (*)(const T*, int64_t, int64_t, const T*, const T*, const int64_t*,
+template <typename T, typename KT>
+using DecodeTaskFn = void (*)(const T*, int64_t, int64_t, const KT*, const KT*, const int64_t*,
                               int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int64_t,
                               std::vector<float>&, std::vector<int64_t>&);
 
-template <typename T>
-DecodeTaskFn<T> decode_task_for(int64_t D) {
+template <typename T, typename KT>
+DecodeTaskFn<T, KT> decode_task_for(int64_t D) {
   switch (D) {
-    case 16: return decode_attention_task<T, 16>;
-    case 32: return decode_attention_task<T, 32>;
-    case 48: return decode_attention_task<T, 48>;
-    case 64: return decode_attention_task<T, 64>;
-    case 80: return decode_attention_task<T, 80>;
-    case 96: return decode_attention_task<T, 96>;
-    case 112: return decode_attention_task<T, 112>;
-    default: return decode_attention_task<T, 128>;
+    case 16: return decode_attention_task<T, KT, 16>;
+    case 32: return decode_attention_task<T, KT, 32>;
+    case 48: return decode_attention_task<T, KT, 48>;
+    case 64: return decode_attention_task<T, KT, 64>;
+    case 80: return decode_attention_task<T, KT, 80>;
+    case 96: return decode_attention_task<T, KT, 96>;
+    case 112: return decode_attention_task<T, KT, 112>;
+    default: return decode_attention_task<T, KT, 128>;
   }
 }
 
@@ -155,19 +177,23 @@ DecodeTaskFn<T> decode_task_for(int64_t D) {
 constexpr int64_t kFewQueryRows = 8;
 
 // q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], at the
-// last positions of its context of seq_lens[b] tokens (one row each when decoding).
+// last positions of its context of seq_lens[b] tokens (one row each when decoding). The caches are
+// in q's dtype, or INT8 rows (codes and scale) read as they are.
 inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                          const at::Tensor& v_cache, const at::Tensor& block_tables,
                                          const at::Tensor& seq_lens,
                                          const at::Tensor& query_start_loc, double scale) {
   const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(D % 16 == 0 && D <= 128, "paged_attention_decode: head_dim must be 16..128, x16");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == B + 1,
               "paged_attention_decode: block_tables, seq_lens, query_start_loc [B + 1]: int64");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && q.scalar_type() == k_cache.scalar_type(),
-              "paged_attention_decode: q rows of contiguous heads, in the cache's dtype");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D &&
+                  (int8_cache || q.scalar_type() == k_cache.scalar_type()) &&
+                  k_cache.size(3) == (int8_cache ? D + kKvScaleBytes : D),
+              "paged_attention_decode: q rows of contiguous heads, caches in q's dtype or INT8");
   const int64_t q_stride = q.stride(0);
   auto out = at::empty({T_, H, D}, q.options());
   const auto* tables = block_tables.data_ptr<int64_t>();
@@ -179,21 +205,26 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                 "paged_attention_decode: 1 to ", kFewQueryRows, " query rows per sequence");
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "decode_attn", [&] {
-    const auto* qp = q.data_ptr<scalar_t>();
-    const auto* kc = k_cache.data_ptr<scalar_t>();
-    const auto* vc = v_cache.data_ptr<scalar_t>();
-    auto* op = out.data_ptr<scalar_t>();
-    const auto task = decode_task_for<scalar_t>(D);
-    at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
-      thread_local std::vector<float> scores;
-      thread_local std::vector<int64_t> offsets;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / KV, kvh = i % KV, start = starts[b];
-        task(qp + start * q_stride + kvh * group * D, q_stride, starts[b + 1] - start, kc, vc,
-             tables + b * max_blocks, lens[b], block_size, KV, kvh, group, float(scale),
-             op + (start * H + kvh * group) * D, H * D, scores, offsets);
-      }
-    });
+    const auto run = [&](const auto* kc, const auto* vc) {
+      using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
+      const auto* qp = q.data_ptr<scalar_t>();
+      auto* op = out.data_ptr<scalar_t>();
+      const auto task = decode_task_for<scalar_t, KT>(D);
+      at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
+        thread_local std::vector<float> scores;
+        thread_local std::vector<int64_t> offsets;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / KV, kvh = i % KV, start = starts[b];
+          task(qp + start * q_stride + kvh * group * D, q_stride, starts[b + 1] - start, kc, vc,
+               tables + b * max_blocks, lens[b], block_size, KV, kvh, group, float(scale),
+               op + (start * H + kvh * group) * D, H * D, scores, offsets);
+        }
+      });
+    };
+    if (int8_cache)
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -85,25 +85,40 @@ inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // ---- rotary embedding and the KV-cache write ----------------------------------------------------
 
+// One head of an INT8 KV cache (kernels.quantize_kv): round(x / scale) in -127..127 with
+// scale = max(amax, 1e-8) / 127, then the fp32 scale after the codes.
+template <typename T>
+void quantize_kv_row(const T* x, int64_t D, int8_t* row) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(float(x[d])));
+  const float scale = std::max(amax, 1e-8f) / 127.f;
+  for (int64_t d = 0; d < D; ++d)
+    row[d] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(float(x[d]) / scale))));
+  std::memcpy(row + D, &scale, sizeof scale);
+}
+
 // qkv [T, (H + 2 KV) * D]: rotates the first `rot` dims of every q and k head in place (GPT-J
 // style, adjacent pairs, fp32 math as the reference), then stores k and v at their slots of the
-// [pages, block_size, KV, D] caches.
+// [pages, block_size, KV, D] caches (in qkv's dtype), or of INT8 caches [.., D + 4].
 inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
                                 const at::Tensor& cos_sin, at::Tensor& k_cache,
                                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   const int64_t T_ = qkv.size(0), rot = cos_sin.size(1), half = rot / 2;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(qkv.is_contiguous() && qkv.numel() == T_ * row, "rotary_and_write_kv: qkv shape");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "rotary_and_write_kv: cache dtype");
+  TORCH_CHECK(int8_cache || k_cache.scalar_type() == qkv.scalar_type(),
+              "rotary_and_write_kv: the caches are in qkv's dtype or INT8");
   const auto* pos = positions.data_ptr<int64_t>();
   const auto* slots = slot_mapping.data_ptr<int64_t>();
   const float* cs = cos_sin.data_ptr<float>();
   const int64_t kv_row = num_kv_heads * head_dim;
   DISPATCH_ACTIVATION_TYPES(qkv.scalar_type(), "rotary", [&] {
     auto* x = qkv.data_ptr<scalar_t>();
-    auto* kc = k_cache.data_ptr<scalar_t>();
-    auto* vc = v_cache.data_ptr<scalar_t>();
+    // (for an INT8 cache, these are its rows as bytes: only the write below differs)
+    auto* kc = reinterpret_cast<scalar_t*>(k_cache.data_ptr());
+    auto* vc = reinterpret_cast<scalar_t*>(v_cache.data_ptr());
     at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const float* cos = cs + pos[t] * rot;
@@ -118,9 +133,20 @@ inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
           }
         }
         const int64_t slot = slots[t];
-        std::memcpy(kc + slot * kv_row, xt + num_heads * head_dim, kv_row * sizeof(scalar_t));
-        std::memcpy(vc + slot * kv_row, xt + (num_heads + num_kv_heads) * head_dim,
-                    kv_row * sizeof(scalar_t));
+        const scalar_t* k = xt + num_heads * head_dim;
+        const scalar_t* v = xt + (num_heads + num_kv_heads) * head_dim;
+        if (int8_cache) {
+          const int64_t width = head_dim + 4;  // codes and scale: kernels.kv_row_width
+          auto* krow = reinterpret_cast<int8_t*>(kc) + slot * num_kv_heads * width;
+          auto* vrow = reinterpret_cast<int8_t*>(vc) + slot * num_kv_heads * width;
+          for (int64_t h = 0; h < num_kv_heads; ++h) {
+            quantize_kv_row(k + h * head_dim, head_dim, krow + h * width);
+            quantize_kv_row(v + h * head_dim, head_dim, vrow + h * width);
+          }
+        } else {
+          std::memcpy(kc + slot * kv_row, k, kv_row * sizeof(scalar_t));
+          std::memcpy(vc + slot * kv_row, v, kv_row * sizeof(scalar_t));
+        }
       }
     });
   });

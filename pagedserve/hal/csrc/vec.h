@@ -2,7 +2,8 @@
 // by PAGEDSERVE_TARGET at compile time (native.py builds one library per target). Each target's
 // Vec holds kLanes fp32 lanes; loads and stores convert from and to the activation dtypes.
 //
-//   zero set1 load store load_first store_first keep_first    fp32 lanes <-> memory
+//   zero set1 load store load_first store_first keep_first    fp32 lanes <-> memory (load also
+//                                                              widens int8 codes)
 //   add sub mul div max fmadd fnmadd exp                       lane-wise arithmetic
 //   reduce_add reduce_max sum_lanes nan_lanes equal_lanes      across lanes
 //   load_pairs dot_pairs                                       bf16 dot products (vdpbf16ps)

@@ -26,6 +26,9 @@ inline Vec load(const BFloat16* p) {  // bf16 is the top half of an fp32: wideni
 inline Vec load(const Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
+inline Vec load(const int8_t* p) {  // an INT8 KV row's codes, widened
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v.v); }
 // fp32 -> bf16 rounding to nearest even, NaN -> quiet NaN (0x7FC0): c10's round_to_nearest_even.
 inline void store(BFloat16* p, Vec v) {

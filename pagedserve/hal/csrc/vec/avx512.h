@@ -26,6 +26,9 @@ inline Vec load(const BFloat16* p) {
 inline Vec load(const Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+inline Vec load(const int8_t* p) {  // an INT8 KV row's codes, widened
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v.v); }
 inline void store(BFloat16* p, Vec v) {  // round to nearest even, as PyTorch
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v.v));
