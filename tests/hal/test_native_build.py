@@ -9,6 +9,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -134,3 +135,32 @@ def test_a_build_is_keyed_by_its_target_and_flags_not_by_the_machine_it_was_made
     assert native.build_key(avx2) != key and "-mavxvnni" in native.target_cflags(avx2)
     assert native.build_key(native.TARGETS["portable"]).startswith("portable-")
     assert all("-march=native" not in native.target_cflags(t) for t in native.TARGETS.values())
+
+
+def _unrunnable_builds() -> list[tuple[str, tuple[str, ...]]]:
+    """The targets (and AVX-VNNI's branch of avx2) this CPU cannot execute, with their flags."""
+    builds = [(n, ()) for n, t in native.TARGETS.items() if native.missing_flags(t)]
+    if "avx_vnni" not in native.cpu_flags():
+        builds.append(("avx2", ("-mavxvnni",)))
+    return builds
+
+
+@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
+@pytest.mark.parametrize("name,extra", _unrunnable_builds())
+def test_a_target_this_cpu_cannot_execute_still_compiles(name, extra):
+    # what the CPU cannot run is never built to run here, but its source must still compile: a
+    # syntax check with the target's own flags, so that an AVX2 machine's CI sees avx512 breakage
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler")
+    from torch.utils import cpp_extension
+
+    target = native.TARGETS[name]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    includes.append(f"-I{sysconfig.get_paths()['include']}")
+    cmd = [
+        os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only",
+        "-DTORCH_EXTENSION_NAME=syntax_check", *native.target_cflags(target), *extra, *includes,
+        str(native.SOURCE),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
