@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pagedserve.engine.memory_plan import KV_DTYPE_BYTES, explain, tune
+from pagedserve.engine.memory_plan import DEFAULT_DEVICE, KV_DTYPE_BYTES, explain, tune
 from pagedserve.entrypoints.cli.utils import offer
 from pagedserve.presets import preset_names
 
@@ -24,8 +24,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer(model, ["demo", *preset_names("models")])
     device = parser.add_argument(
         "--device",
-        required=True,
-        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
+        default=DEFAULT_DEVICE,
+        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file "
+        "(default: %(default)s, as for serve)",
     )
     offer(device, preset_names("devices"))
     parser.add_argument(
