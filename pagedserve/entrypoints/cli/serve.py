@@ -327,9 +327,8 @@ def _build_engine(args: argparse.Namespace):
     from pagedserve.engine.async_engine import AsyncLLMEngine
 
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    engine = AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
-    logger.info("engine ready: %s", engine.description)
-    return engine
+    # the engine core logs its device, pages and concurrency once it has loaded: not again here
+    return AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
 
 
 def _serve_node(args: argparse.Namespace) -> int:
