@@ -32,6 +32,47 @@ def test_help_shows_the_default_of_every_option_that_has_one(command):
     assert checked
 
 
+def _shown_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    return re.sub(r"\s+", " ", parser._get_formatter()._expand_help(action))
+
+
+def _engine_defaults() -> dict:
+    from pagedserve.config import EngineConfig
+
+    sections = [field.annotation for field in EngineConfig.model_fields.values()]
+    return {name: f.default for section in sections for name, f in section.model_fields.items()}
+
+
+def _as_shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def test_serve_help_names_the_default_of_every_flag_as_the_engine_has_it():
+    """README: `serve --help` lists each flag with its default. A flag left unset takes the
+    engine's own default, so that is the one its help must name."""
+    from pagedserve.entrypoints.cli.serve import ENGINE_ARGS
+
+    serve = subparser(build_parser(), "serve")
+    engine = _engine_defaults()
+    for action in serve._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            continue  # -h
+        shown = _shown_help(serve, action)
+        assert "default" in shown, f"serve {action.option_strings[0]} names no default: {shown!r}"
+        if action.dest in ENGINE_ARGS and engine[action.dest] is not None:
+            want = _as_shown(engine[action.dest])
+            assert want in shown, f"serve {action.option_strings[0]}: {want} not in {shown!r}"
+
+
+@pytest.mark.parametrize("argv", [[], *([command] for command in [*COMMANDS, "completion"])])
+def test_help_is_plain_text_without_rest_markup(argv):
+    parser = build_parser() if not argv else subparser(build_parser(), argv[0])
+    text = parser.format_help()
+    assert "``" not in text, text
+
+
 def test_serve_help_shows_host_and_port_defaults():
     text = re.sub(r"\s+", " ", subparser(build_parser(), "serve").format_help())
     assert (
