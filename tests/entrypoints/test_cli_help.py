@@ -49,21 +49,22 @@ def _as_shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def test_serve_help_names_the_default_of_every_flag_as_the_engine_has_it():
+@pytest.mark.parametrize("command", ["serve", "tune"])
+def test_help_names_the_default_of_every_flag_as_the_engine_has_it(command):
     """README: `serve --help` lists each flag with its default. A flag left unset takes the
-    engine's own default, so that is the one its help must name."""
+    engine's own default, so that is the one its help must name; tune plans for serve's."""
     from pagedserve.entrypoints.cli.serve import ENGINE_ARGS
 
-    serve = subparser(build_parser(), "serve")
+    parser = subparser(build_parser(), command)
     engine = _engine_defaults()
-    for action in serve._actions:
-        if not action.option_strings or action.default is argparse.SUPPRESS:
-            continue  # -h
-        shown = _shown_help(serve, action)
-        assert "default" in shown, f"serve {action.option_strings[0]} names no default: {shown!r}"
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS or action.required:
+            continue  # -h; tune's --model
+        flag, shown = action.option_strings[0], _shown_help(parser, action)
+        assert "default" in shown, f"{command} {flag} names no default: {shown!r}"
         if action.dest in ENGINE_ARGS and engine[action.dest] is not None:
             want = _as_shown(engine[action.dest])
-            assert want in shown, f"serve {action.option_strings[0]}: {want} not in {shown!r}"
+            assert want in shown, f"{command} {flag}: {want} not in {shown!r}"
 
 
 @pytest.mark.parametrize("argv", [[], *([command] for command in [*COMMANDS, "completion"])])
