@@ -75,7 +75,9 @@ def test_installed_tune_finds_the_model_and_device_presets(wheel_venv):
     installed = json.loads(out)
     in_tree = tune("glm-4-9b-chat", "kunlun-xpu-32g")
     assert installed["model"] == "glm-4-9b-chat" and installed["device"] == "kunlun-xpu-32g"
-    assert installed["max_num_seqs"] == in_tree.max_num_seqs
+    # what the presets give (the pool's host bound follows this machine's free RAM of the moment)
+    assert installed["weight_bytes"] == in_tree.weight_bytes
+    assert installed["kv_pool_limits"]["memory budget"] == in_tree.kv_pool_limits["memory budget"]
     assert installed["kv_bytes_per_token"] == in_tree.kv_bytes_per_token == 40960
 
 
