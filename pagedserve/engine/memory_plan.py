@@ -285,11 +285,16 @@ def tune(
     max_num_seqs = min(MAX_NUM_SEQS_CAP, batched, num_pages // pages_per_seq)
     if max_num_seqs == 0:
         needed = pages_per_seq * block_size * per_token
+        advice = (
+            "free memory on this machine, whose RAM holds the emulated pool, or lower "
+            "--max-model-len"
+            if bound == "host memory"
+            else "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
         raise TuneError(
             f"not even one sequence of --max-model-len {max_model_len} fits: it needs "
-            f"{format_bytes(needed)} of KV cache, the pool gets {format_bytes(pool)} (the {bound}'s bound; "
-            f"{format_bytes(needed - pool)} missing); lower --max-model-len, raise "
-            "--gpu-memory-utilization or --tensor-parallel-size"
+            f"{format_bytes(needed)} of KV cache, the pool gets {format_bytes(pool)} (set by "
+            f"the {bound}; {format_bytes(needed - pool)} missing); {advice}"
         )
     result = TuneResult(
         model=name,
