@@ -51,7 +51,7 @@ def served(flags: list[str], log_path) -> dict:
         models = httpx.get(url + "/v1/models", timeout=30).json()
     cards = device if isinstance(device, list) else [device]
     logged = re.findall(r"max concurrency at max_model_len ([\d.]+)x", log_path.read_text())
-    assert len(logged) == 1, log_path.read_text()[-3000:]
+    assert len(logged) == 1, log_path.read_text()[-3000:]  # the start-up line, once, not twice
     return {
         "pages": {card["kv_pages"]["total"] for card in cards},
         "weights": [card["tiers"]["weight"]["used_bytes"] for card in cards],
