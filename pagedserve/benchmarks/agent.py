@@ -20,6 +20,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pagedserve.benchmarks.request import check_reachable
 from pagedserve.lang import Runtime, function, gen, select
 
 SYSTEM = (
@@ -89,6 +90,11 @@ def _take_ttft() -> float | None:
 
 
 def run_agent_bench(args) -> int:
+    try:
+        check_reachable(args.base_url)
+    except ValueError as exc:
+        print(f"pagedserve bench: error: {exc}", file=sys.stderr)
+        return 2
     runtime = TimedRuntime(args.base_url, api_key=args.api_key, timeout=args.timeout)
     program = agent_program(16, 64)
     concurrency = args.max_concurrency or 8

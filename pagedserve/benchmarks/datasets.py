@@ -165,12 +165,15 @@ def prefix_repetition_dataset(
     return out
 
 
+SHAREGPT_NEEDS_PATH = (
+    "--dataset sharegpt needs --dataset-path FILE.json (ShareGPT format: a list "
+    'of {"conversations": [{"from": "human", "value": ...}, ...]})'
+)
+
+
 def sharegpt_dataset(args: argparse.Namespace, prompts: PromptBuilder) -> list[SampleRequest]:
     if not args.dataset_path:
-        raise ValueError(
-            "--dataset sharegpt needs --dataset-path FILE.json (ShareGPT format: a list "
-            'of {"conversations": [{"from": "human", "value": ...}, ...]})'
-        )
+        raise ValueError(SHAREGPT_NEEDS_PATH)
     data = json.loads(Path(args.dataset_path).read_text())
     pairs = [
         (c["conversations"][0]["value"], c["conversations"][1]["value"])

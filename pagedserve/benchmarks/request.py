@@ -16,6 +16,22 @@ from pagedserve.benchmarks.datasets import SampleRequest
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
+def unreachable(base_url: str, exc: Exception) -> ValueError:
+    """What to say when nothing answers at ``--base-url``: no request could succeed."""
+    return ValueError(
+        f"cannot reach a server at {base_url} ({type(exc).__name__}: {exc}); is it running? "
+        "Start one with `pagedserve serve`, or give its address with --base-url"
+    )
+
+
+def check_reachable(base_url: str) -> None:
+    """``unreachable`` unless something answers HTTP at ``base_url`` (any status will do)."""
+    try:
+        httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0, trust_env=False)
+    except httpx.TransportError as exc:
+        raise unreachable(base_url, exc) from None
+
+
 @dataclass(slots=True)
 class RequestFuncOutput:
     success: bool = False

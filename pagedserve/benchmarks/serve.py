@@ -38,6 +38,7 @@ from pagedserve.benchmarks.datasets import (
     DATASETS,
     DEFAULT_RANDOM_INPUT_LEN,
     DEFAULT_RANDOM_OUTPUT_LEN,
+    SHAREGPT_NEEDS_PATH,
     PromptBuilder,
     PromptTokenizer,
     SampleRequest,
@@ -51,6 +52,7 @@ from pagedserve.benchmarks.request import (
     RequestFuncOutput,
     request_body,
     send_request,
+    unreachable,
 )
 from pagedserve.presets import DEMO_MODEL
 
@@ -110,6 +112,9 @@ async def run_benchmark(
 
 
 def check_args(args: argparse.Namespace) -> None:
+    """What can be refused before the server is asked anything."""
+    if args.dataset == "sharegpt" and not args.dataset_path:
+        raise ValueError(SHAREGPT_NEEDS_PATH)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts {args.num_prompts} must be at least 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -134,6 +139,9 @@ def server_model(args: argparse.Namespace, http: httpx.Client) -> None:
     """Fill in ``--model`` (when not given) and the server's ``max_model_len`` from /v1/models."""
     try:
         response = http.get("/v1/models")
+    except httpx.TransportError as exc:
+        raise unreachable(args.base_url, exc) from None
+    try:
         response.raise_for_status()
         cards = response.json()["data"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
@@ -154,8 +162,8 @@ def server_model(args: argparse.Namespace, http: httpx.Client) -> None:
 
 
 def prompt_tokenizer(args: argparse.Namespace, http: httpx.Client) -> PromptTokenizer | None:
-    if args.tokenizer:
-        return local_tokenizer(args.tokenizer)
+    """The server's own tokenizer, else --model's when it is local (``--tokenizer`` is read
+    before the server is asked)."""
     server = ServerTokenizer(http, args.served_model_name or args.model)
     if server.works():
         note(f"prompt lengths measured with {args.base_url}/tokenize")
@@ -232,8 +240,9 @@ def main(args: argparse.Namespace) -> int:
     with http:
         try:
             check_args(args)
+            given = local_tokenizer(args.tokenizer) if args.tokenizer else None
             server_model(args, http)
-            prompts = PromptBuilder(prompt_tokenizer(args, http))
+            prompts = PromptBuilder(given if given is not None else prompt_tokenizer(args, http))
             fit_lengths(args)
             samples = DATASETS[args.dataset](args, prompts)
         except (ValueError, OSError, httpx.HTTPError) as exc:

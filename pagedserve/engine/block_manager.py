@@ -66,6 +66,13 @@ class BlockManager:
         return self.allocator.num_free_pages
 
     @property
+    def num_cached_free_pages(self) -> int:
+        """Free pages that still hold a cached prefix block: a later request with that prefix
+        reuses one, a new page evicts it. The others of ``num_free_pages`` hold nothing."""
+        refs = self.allocator.ref_counts
+        return sum(1 for page in self.page_to_cached_block if refs[page] == 0)
+
+    @property
     def usage(self) -> float:
         return self.allocator.usage
 

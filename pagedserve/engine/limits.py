@@ -10,7 +10,13 @@ from pagedserve.sampling_params import SamplingParams
 
 
 class RequestRejectedError(ValueError):
-    """A request that can never be served with this engine's limits; the message gives the numbers."""
+    """A request that can never be served with this engine's limits; the message gives the numbers,
+    ``param`` the request field at fault, and ``too_long`` whether the request is longer than the
+    engine can hold (the server's ``context_length_exceeded``) rather than invalid."""
+
+    def __init__(self, message: str, param: str = "prompt", too_long: bool = False):
+        super().__init__(message)
+        self.param, self.too_long = param, too_long
 
 
 @dataclass(frozen=True)
@@ -50,17 +56,18 @@ class EngineLimits:
             raise RequestRejectedError(
                 f"n={params.n} sequences cannot run at once with "
                 f"{self.usage_context.name_of('max_num_seqs')} {self.max_num_seqs}; lower n or "
-                f"{self.usage_context.start_with} a larger {self.usage_context.name_of('max_num_seqs')}"
+                f"{self.usage_context.start_with} a larger {self.usage_context.name_of('max_num_seqs')}",
+                "n",
             )
         vocab = self.vocab_size
-        for what, ids in (
-            ("prompt token id", prompt_ids),
-            ("stop_token_ids", params.stop_token_ids),
+        for what, param, ids in (
+            ("prompt token id", "prompt", prompt_ids),
+            ("stop_token_ids", "stop_token_ids", params.stop_token_ids),
         ):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestRejectedError(
-                    f"{what} {bad[0]} is outside the vocabulary [0, {vocab})"
+                    f"{what} {bad[0]} is outside the vocabulary [0, {vocab})", param
                 )
         ctx = self.usage_context
         if total > self.max_model_len:
@@ -68,7 +75,8 @@ class EngineLimits:
                 f"this request needs {total} tokens ({n_prompt} in the prompt + max_tokens "
                 f"{params.max_tokens}), but max_model_len is {self.max_model_len}; shorten the "
                 f"prompt, lower max_tokens, or {ctx.start_with} a larger "
-                f"{ctx.name_of('max_model_len')}"
+                f"{ctx.name_of('max_model_len')}",
+                too_long=True,
             )
         if not self.can_fit(total):
             capacity = self.num_kv_pages * self.block_size
@@ -78,5 +86,6 @@ class EngineLimits:
                 f"({self.num_kv_pages} pages of {self.block_size}); lower max_tokens or "
                 f"{ctx.start_with} more KV cache (a higher "
                 f"{ctx.name_of('gpu_memory_utilization')}, more {ctx.name_of('num_kv_pages')} "
-                f"or a larger {ctx.name_of('device')})"
+                f"or a larger {ctx.name_of('device')})",
+                too_long=True,
             )

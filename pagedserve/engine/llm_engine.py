@@ -405,13 +405,13 @@ class LLMEngine:
         tensor-parallel size > 1, one such record per card (every card holds the same pages; the
         faults and the weight patrol are rank 0's, the only card they run on)."""
         bm, dev = self.block_manager, self.device
-        used = bm.num_pages - bm.num_free_pages
+        cached = bm.num_cached_free_pages
         shared = {
-            "kv_pages": {
+            "kv_pages": {  # in_use + cached + free == total
                 "total": bm.num_pages,
-                "in_use": used,
-                "cached": len(bm.page_to_cached_block),
-                "free": bm.num_free_pages,
+                "in_use": bm.num_pages - bm.num_free_pages,
+                "cached": cached,  # free, holding a prefix block a later request may reuse
+                "free": bm.num_free_pages - cached,
                 "block_size": self.block_size,
                 "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
             },

@@ -1,26 +1,30 @@
 """The memory plan behind ``pagedserve tune``: the weights, the KV cache and the batch limits of a
-model on a device, worked out before anything is loaded (what ``Worker.init_kv_cache`` finds at
-start-up, as vLLM's ``kv_cache_utils`` checks it there). The model's shapes are read by the engine's
-own parser (``models/config.py``), the device's cards and memory by the HAL's
-(``hal/device_preset.py``), and a token's KV bytes come from the formula the engine sizes its pages
-by (``GlmConfig.kv_bytes_per_token``). No torch here.
+model on a device, worked out before anything is loaded, by the rules ``pagedserve serve`` then
+sizes itself by. The model's shapes are read by the engine's own parser (``models/config.py``), the
+device's cards and memory by the HAL's (``hal/device_preset.py``), a token's KV bytes come from the
+formula the engine sizes its pages by (``GlmConfig.kv_bytes_per_token``), and the pool from the
+rule the HAL allocates it by (``kv_pool_limits``). No torch here.
 
 All figures are per tensor-parallel rank, in bytes:
 
-- weights: every parameter counted. Embeddings, lm_head, norms and biases stay 16-bit. With
-  ``--quantization int4`` every q/k/v/o, gate_up and down projection costs 0.5 byte per weight plus
-  one 16-bit scale and one 16-bit zero per group of ``--quant-group-size`` inputs per output
-  (0.625 byte per weight at group 32). Tensor parallelism splits q/o and the MLP by ``tp``, k/v by
-  kv head (replicated when ``tp`` exceeds the kv heads, as vLLM does), and the vocabulary of
-  embed_tokens and lm_head (vocab-parallel); norms are replicated.
+- weights: every parameter counted, as the weight tier holds them. Embeddings, lm_head, norms and
+  biases stay 16-bit. With ``--quantization int4`` every q/k/v/o, gate_up and down projection
+  costs 0.5 byte per weight plus one 16-bit scale and one 16-bit zero per group of
+  ``--quant-group-size`` inputs per output (0.625 byte per weight at group 32). Tensor parallelism
+  splits q/o and the MLP by ``tp``, k/v by kv head (replicated when ``tp`` exceeds the kv heads,
+  as vLLM does), and the vocabulary of embed_tokens and lm_head (vocab-parallel); norms are
+  replicated. They must fit the card's weight tier.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
   bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
   KV-cache formula gave about 4.6 GB; that figure is too low).
-- reserve: activations ``max_num_batched_tokens x (2 hidden + q + 2 kv + attn_out + 3 intermediate,
-  per rank) x 4 bytes`` + fp32 logits for ``min(max_num_batched_tokens, 256)`` rows x vocab +
-  a workspace of ``min(256 MiB, budget / 16)``.
-- KV pages: ``floor((memory x gpu_memory_utilization - weights - reserve) / (block_size x
-  kv_bytes_per_token))``; ``max_num_seqs = min(256, pages // ceil(max_model_len / block_size))``.
+- the KV pool: the least of the KV tier, ``memory x gpu_memory_utilization - weights`` on a card
+  whose tiers share one HBM (``memory_bytes``), and, on a device in host memory (``cpu``,
+  ``kunlun-emu``), half this machine's free RAM. Activations are not budgeted: the engine does not
+  take them from the device's tiers.
+- KV pages: ``floor(pool / (block_size x kv_bytes_per_token))``; the concurrency they allow at
+  ``max_model_len`` is ``pages x block_size / max_model_len`` (what ``serve`` logs at start-up),
+  and ``max_num_seqs = min(256, max_num_batched_tokens, pages // ceil(max_model_len /
+  block_size))``.
 - ``max_num_batched_tokens`` defaults to 2048 (vLLM v1's API-server default, with chunked prefill);
   ``max_num_seqs`` never exceeds it, so every running sequence can decode in one step.
 """
@@ -34,15 +38,20 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.config import SchedulerConfig
-from pagedserve.hal.device_preset import DevicePreset, load_device_preset
+from pagedserve.config import DeviceConfig, SchedulerConfig
+from pagedserve.hal.device_preset import (
+    DevicePreset,
+    host_memory_limit,
+    kv_pool_limits,
+    load_device_preset,
+)
+from pagedserve.hal.memory import format_bytes
 from pagedserve.models.config import GlmConfig, load_config
 from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
 MAX_NUM_SEQS_CAP = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig.model_fields["max_num_batched_tokens"].default
-WORKSPACE_CAP = 256 * 2**20
-ACTIVATION_BYTES = 4
+DEFAULT_DEVICE = DeviceConfig.model_fields["device"].default  # serve's --device
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 SERVE_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -55,7 +64,9 @@ class TuneError(ValueError):
 class TuneResult:
     model: str
     model_arg: str
+    served_model_name: str
     device: str
+    device_arg: str
     tensor_parallel_size: int
     quantization: str
     quant_group_size: int
@@ -64,18 +75,16 @@ class TuneResult:
     max_model_len: int
     gpu_memory_utilization: float
     memory_bytes: int
-    memory_budget_bytes: int
     weight_bytes: int
     weight_bytes_16bit: int
     weight_bytes_linear: int
     kv_bytes_per_token: int
     kv_bytes_per_seq: int
-    activation_reserve_bytes: int
-    logits_reserve_bytes: int
-    workspace_bytes: int
-    reserve_bytes: int
-    kv_bytes_available: int
+    kv_pool_limits: dict[str, int]  # each bound on the pool's bytes ("kv tier", ...)
+    kv_pool_bound: str  # the one that sets the pool
+    kv_pool_bytes: int
     num_kv_pages: int
+    max_concurrency: float  # max_model_len sequences the pages hold, as serve logs it
     pages_per_seq: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -190,47 +199,40 @@ def weight_bytes(
     return params_16 * dtype_bytes, model.num_hidden_layers * per_layer_linear
 
 
-def activation_reserve(model: GlmConfig, tp: int, max_num_batched_tokens: int) -> tuple[int, int]:
-    """(activation bytes of one layer's forward over the token budget, fp32 logits bytes)."""
-    q_out = model.num_attention_heads * model.head_dim // tp
-    kv_out = model.num_kv_heads_per_rank(tp) * model.head_dim
-    per_token = 2 * model.hidden_size + 2 * q_out + 2 * kv_out + 3 * model.intermediate_size // tp
-    activations = max_num_batched_tokens * per_token * ACTIVATION_BYTES
-    logits_rows = min(max_num_batched_tokens, MAX_NUM_SEQS_CAP)
-    return activations, logits_rows * model.vocab_size * ACTIVATION_BYTES
-
-
 # ---- the tuner
 
 
 def _smallest_fitting_tp(
-    model: GlmConfig,
-    device: DevicePreset,
-    budget: int,
-    quantization: str,
-    group_size: int,
-    batched: int,
+    model: GlmConfig, device: DevicePreset, quantization: str, group_size: int, dtype_bytes: int
 ) -> int | None:
-    """The fewest cards (within the node) whose share of the weights and reserve fits each card."""
+    """The fewest cards (within the node) whose share of the weights each card holds."""
     for tp in range(2, (device.cards or 64) + 1):
         try:
             check_tensor_parallel("", model, tp)
+            weights = sum(weight_bytes(model, tp, quantization, group_size, dtype_bytes))
         except TuneError:
             continue
-        w16, wlin = weight_bytes(model, tp, quantization, group_size, 2)
-        activations, logits = activation_reserve(model, tp, batched)
-        if w16 + wlin + activations + logits + min(WORKSPACE_CAP, budget // 16) < budget:
+        if _weights_fit(device, weights, 1.0):
             return tp
     return None
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _weights_fit(device: DevicePreset, weights: int, utilization: float) -> bool:
+    """Whether the weight tier holds them and the card keeps room for KV pages after them."""
+    tier = device.tiers["weight"]
+    room = kv_pool_limits(device, weights, utilization)
+    return (not tier or weights <= tier) and min(room.values()) > 0
+
+
+def _host_limit(device: DevicePreset, given: float | None) -> float:
+    if not device.in_host_memory:
+        return float("inf")
+    return host_memory_limit() if given is None else given
 
 
 def tune(
     model_arg: str,
-    device_arg: str,
+    device_arg: str = DEFAULT_DEVICE,
     tensor_parallel_size: int = 1,
     max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.9,
@@ -239,9 +241,11 @@ def tune(
     block_size: int = 16,
     quant_group_size: int = 32,
     max_num_batched_tokens: int | None = None,
+    host_limit: float | None = None,
 ) -> TuneResult:
+    """The plan ``serve`` would start with. ``host_limit``: the bytes an emulated pool may take
+    from this machine (default: half its free RAM, as ``serve`` reads it)."""
     (name, model), device = load_model(model_arg), load_device(device_arg)
-    memory = card_memory_bytes(device)
     tp = tensor_parallel_size
     check_tensor_parallel(name, model, tp)
     if device.cards is not None and tp > device.cards:
@@ -265,38 +269,39 @@ def tune(
         )
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    budget = int(memory * gpu_memory_utilization)
-    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, min(dtype_bytes, 2))
-    activations, logits = activation_reserve(model, tp, batched)
-    workspace = min(WORKSPACE_CAP, budget // 16)
-    reserve = activations + logits + workspace
+    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, dtype_bytes)
     weights = w16 + wlin
-    if weights + reserve >= budget:
-        fits = _smallest_fitting_tp(model, device, budget, quantization, quant_group_size, batched)
-        advice = f"use --tensor-parallel-size {fits}" if fits else "raise --tensor-parallel-size"
-        raise TuneError(
-            f"the weights do not fit: {name} needs {_gib(weights)} of weights per rank "
-            f"+ {_gib(reserve)} reserve, but one card of {device.name} gives {_gib(budget)} "
-            f"({_gib(memory)} x {gpu_memory_utilization}); {advice}, use "
-            "--quantization int4, or pick a larger device"
-        )
+    if not _weights_fit(device, weights, gpu_memory_utilization):
+        fewest = _smallest_fitting_tp(model, device, quantization, quant_group_size, dtype_bytes)
+        raise _weights_do_not_fit(name, device, weights, gpu_memory_utilization, tp, fewest)
     per_token = model.kv_bytes_per_token(model.num_kv_heads_per_rank(tp), dtype_bytes)
-    kv_available = budget - weights - reserve
-    num_pages = kv_available // (block_size * per_token)
+    limits = kv_pool_limits(
+        device, weights, gpu_memory_utilization, host_limit=_host_limit(device, host_limit)
+    )
+    bound = min(limits, key=limits.__getitem__)
+    pool = int(limits[bound])
+    num_pages = pool // (block_size * per_token)
     pages_per_seq = math.ceil(max_model_len / block_size)
     max_num_seqs = min(MAX_NUM_SEQS_CAP, batched, num_pages // pages_per_seq)
     if max_num_seqs == 0:
-        missing = pages_per_seq * block_size * per_token - kv_available
+        needed = pages_per_seq * block_size * per_token
+        advice = (
+            "free memory on this machine, whose RAM holds the emulated pool, or lower "
+            "--max-model-len"
+            if bound == "host memory"
+            else "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
         raise TuneError(
             f"not even one sequence of --max-model-len {max_model_len} fits: it needs "
-            f"{_gib(pages_per_seq * block_size * per_token)} of KV cache, "
-            f"{_gib(kv_available)} is left after weights and reserve ({_gib(missing)} missing); "
-            "lower --max-model-len, raise --gpu-memory-utilization or --tensor-parallel-size"
+            f"{format_bytes(needed)} of KV cache, the pool gets {format_bytes(pool)} (set by "
+            f"the {bound}; {format_bytes(needed - pool)} missing); {advice}"
         )
     result = TuneResult(
         model=name,
         model_arg=model_arg,
+        served_model_name=_served_name(model_arg, name),
         device=device.name,
+        device_arg=device_arg,
         tensor_parallel_size=tp,
         quantization=quantization,
         quant_group_size=quant_group_size,
@@ -304,25 +309,43 @@ def tune(
         block_size=block_size,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
-        memory_bytes=memory,
-        memory_budget_bytes=budget,
+        memory_bytes=card_memory_bytes(device),
         weight_bytes=weights,
         weight_bytes_16bit=w16,
         weight_bytes_linear=wlin,
         kv_bytes_per_token=per_token,
         kv_bytes_per_seq=per_token * max_model_len,
-        activation_reserve_bytes=activations,
-        logits_reserve_bytes=logits,
-        workspace_bytes=workspace,
-        reserve_bytes=reserve,
-        kv_bytes_available=kv_available,
+        kv_pool_limits={k: int(v) for k, v in limits.items()},
+        kv_pool_bound=bound,
+        kv_pool_bytes=pool,
         num_kv_pages=num_pages,
+        max_concurrency=num_pages * block_size / max_model_len,
         pages_per_seq=pages_per_seq,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
     )
     result.launch_script = launch_script(result)
     return result
+
+
+def _weights_do_not_fit(
+    name: str, device: DevicePreset, weights: int, utilization: float, tp: int, fewest: int | None
+) -> TuneError:
+    advice = f"use --tensor-parallel-size {fewest}" if fewest else "raise --tensor-parallel-size"
+    tier = device.tiers["weight"] or math.inf
+    room = min(tier, device.memory_bytes * utilization or math.inf)
+    return TuneError(
+        f"the weights do not fit: {name} needs {format_bytes(weights)} of weights per rank at "
+        f"--tensor-parallel-size {tp}, and one card of {device.name} holds "
+        f"{format_bytes(int(room))} of weights with KV pages beside them; {advice}, use "
+        "--quantization int4, or pick a larger device"
+    )
+
+
+def _served_name(model_arg: str, name: str) -> str:
+    """The model name the launch script serves: ``demo`` for the demo model, as the README's
+    requests send it; the directory's or the preset's name otherwise."""
+    return DEMO_MODEL if model_arg in (DEMO_MODEL, DEMO_MODEL_PRESET) else name
 
 
 # ---- output
@@ -337,15 +360,21 @@ def _serve_model(result: TuneResult) -> str:
     return "${MODEL_DIR:?set MODEL_DIR}"
 
 
+def _serve_device(result: TuneResult) -> str:
+    """What the launch script passes to ``serve --device``: the preset's name, or its file."""
+    path = Path(result.device_arg)
+    return str(path.resolve()) if path.is_file() else result.device
+
+
 def serve_args(result: TuneResult) -> list[str]:
     model = _serve_model(result)
     args = [
         "--model",
         model,
         "--served-model-name",
-        result.model,
+        result.served_model_name,
         "--device",
-        result.device,
+        _serve_device(result),
         "--dtype",
         SERVE_DTYPE[result.kv_dtype],
         "--tensor-parallel-size",
@@ -386,38 +415,33 @@ def launch_script(result: TuneResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+POOL_BOUNDS = {
+    "kv tier": "the preset's kv tier",
+    "memory budget": "memory x gpu_memory_utilization - weights",
+    "host memory": "half this machine's free RAM (the device lives in host memory)",
+}
+
+
 def explain(result: TuneResult) -> str:
-    r = result
+    r, size = result, format_bytes
     linear = (
         f"0.5 B/weight + 2x2 B per group of {r.quant_group_size}"
         if r.quantization == "int4"
         else "16-bit"
     )
     rows = [
-        ("device memory", _gib(r.memory_bytes), f"{r.device} preset memory_bytes"),
-        (
-            "budget",
-            _gib(r.memory_budget_bytes),
-            f"memory x gpu_memory_utilization {r.gpu_memory_utilization}",
-        ),
+        ("device memory", size(r.memory_bytes), f"{r.device}: one card's memory"),
         (
             "weights (16-bit part)",
-            _gib(r.weight_bytes_16bit),
+            size(r.weight_bytes_16bit),
             "embed_tokens + lm_head (vocab-parallel), norms, qkv bias",
         ),
         (
             "weights (linear part)",
-            _gib(r.weight_bytes_linear),
+            size(r.weight_bytes_linear),
             f"q/k/v/o, gate_up, down split over tp={r.tensor_parallel_size}: {linear}",
         ),
-        ("weights per rank", _gib(r.weight_bytes), f"{r.weight_bytes} bytes"),
-        (
-            "activation reserve",
-            _gib(r.activation_reserve_bytes),
-            "batched_tokens x (2h + 2q + 2kv + 3i per rank) x 4 B",
-        ),
-        ("logits reserve", _gib(r.logits_reserve_bytes), "min(batched_tokens, 256) x vocab x 4 B"),
-        ("workspace", _gib(r.workspace_bytes), "min(256 MiB, budget / 16)"),
+        ("weights per rank", size(r.weight_bytes), f"{r.weight_bytes} bytes"),
         (
             "KV bytes per token",
             f"{r.kv_bytes_per_token} B",
@@ -425,11 +449,27 @@ def explain(result: TuneResult) -> str:
         ),
         (
             "KV per max-model-len seq",
-            _gib(r.kv_bytes_per_seq),
-            f"{r.max_model_len} tokens x KV bytes per token (exact; the Kunlun XPU deployment guide's KV-cache formula gave ~4.6 GB)",
+            size(r.kv_bytes_per_seq),
+            f"{r.max_model_len} tokens x KV bytes per token",
         ),
-        ("KV bytes available", _gib(r.kv_bytes_available), "budget - weights - reserve"),
-        ("num KV pages", str(r.num_kv_pages), f"floor(available / ({r.block_size} x KV/token))"),
+        *(
+            (
+                f"KV pool bound: {name}",
+                size(limit),
+                POOL_BOUNDS[name] + (" <- the pool" if name == r.kv_pool_bound else ""),
+            )
+            for name, limit in r.kv_pool_limits.items()
+        ),
+        (
+            "num KV pages",
+            str(r.num_kv_pages),
+            f"floor(pool / ({r.block_size} x KV bytes per token))",
+        ),
+        (
+            "max concurrency",
+            f"{r.max_concurrency:.2f}x",
+            "pages x block_size / max_model_len: full-length sequences at once",
+        ),
         ("pages per sequence", str(r.pages_per_seq), "ceil(max_model_len / block_size)"),
         ("--max-num-seqs", str(r.max_num_seqs), "min(256, batched tokens, pages // pages per seq)"),
         (
@@ -444,9 +484,17 @@ def explain(result: TuneResult) -> str:
         f"kv {r.kv_dtype}, block {r.block_size}, max_model_len {r.max_model_len}"
     )
     body = [f"{a:<{width[0]}}  {b:>{width[1]}}  {c}" for a, b, c in rows]
+    return "\n".join([head, "-" * len(head), *body, _fits_line(r)])
+
+
+def _fits_line(r: TuneResult) -> str:
     cards = f"{r.tensor_parallel_size} cards" if r.tensor_parallel_size > 1 else "one card"
-    fits = (
-        f"fits on {cards} of {r.device}: {_gib(r.weight_bytes)} of weights and "
+    line = (
+        f"fits on {cards} of {r.device}: {format_bytes(r.weight_bytes)} of weights and "
         f"{r.num_kv_pages} KV pages on each"
     )
-    return "\n".join([head, "-" * len(head), *body, fits])
+    if r.kv_pool_bound == "host memory":
+        card = min(v for k, v in r.kv_pool_limits.items() if k != "host memory")
+        pages = card // (r.block_size * r.kv_bytes_per_token)
+        line += f"; this machine's RAM sets the pool: the card alone would hold {pages} pages"
+    return line

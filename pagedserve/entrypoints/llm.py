@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.llm_engine import LLMEngine, RequestRejectedError
@@ -17,9 +20,44 @@ logger = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # serve's
+
+
+class _TqdmHandler(logging.Handler):
+    """pagedserve's records, with their level and logger, for a script that set up no logging of
+    its own (Python would print the bare message). Written with ``tqdm.write``, so a progress bar
+    is redrawn whole below the line instead of being cut by it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.root.handlers:  # the application's own logging has it (no line twice)
+            return
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _route_logging() -> None:
+    package = logging.getLogger("pagedserve")
+    if not any(isinstance(h, _TqdmHandler) for h in package.handlers):
+        handler = _TqdmHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        package.addHandler(handler)
+
+
+@contextmanager
+def _logging_above_the_bar() -> Iterator[None]:
+    """The application's console handlers write above the bar while it runs."""
+    if not logging.root.handlers:
+        yield  # _TqdmHandler does
+        return
+    with logging_redirect_tqdm(tqdm_class=tqdm):
+        yield
+
 
 class LLM:
     def __init__(self, model: str = "demo", **kwargs: Any):
+        _route_logging()
         context = UsageContext.LLM_CLASS
         config = EngineConfig.from_kwargs(context, model=model, **kwargs)
         self.llm_engine = LLMEngine(config, context)
@@ -106,7 +144,8 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         finished = dict(rejected)
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        with _logging_above_the_bar(), bar:
             bar.update(len(rejected))
             while engine.has_unfinished_requests():
                 for out in engine.step():

@@ -18,7 +18,6 @@ the machine can execute to the references in ``kernels.py`` and ``int4.py``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from functools import cached_property
 
@@ -59,14 +58,6 @@ class CpuDevice(Device):
         """This target's own INT4 layout for ``abits`` activations; None: PyTorch's kernel."""
         name = "INT4_A8_LAYOUT" if abits == 8 else "INT4_LAYOUT"
         return getattr(self.native, name, None) or None
-
-    def host_memory_limit(self) -> float:
-        """Half of the host's free RAM: a preset larger than this machine must not swap it to death."""
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            return float("inf")
-        return free / 2
 
     # ---- int4 ---------------------------------------------------------------------------------
     def prepare_int4(

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.hal import int4, kernels
-from pagedserve.hal.device_preset import DevicePreset
+from pagedserve.hal.device_preset import DevicePreset, host_memory_limit, kv_pool_limits
 from pagedserve.hal.faults import (
     FaultCounts,
     UnrecoverableFaultError,
@@ -111,21 +111,19 @@ class Device:
         self.weight_tensors = {k: v for k, v in self.weight_tensors.items() if v is not t}
 
     def num_kv_pages_available(self, page_bytes: int, utilization: float) -> int:
-        """How many KV pages fit in ``utilization`` of the device memory, after the weights.
-
-        With a shared HBM (``memory_bytes``) the weights are paid from the same budget, as vLLM's
-        ``--gpu-memory-utilization`` does; otherwise the KV tier is its own budget.
-        """
+        """How many KV pages fit in ``utilization`` of the device memory, after the weights
+        (``kv_pool_limits``: the rule ``pagedserve tune`` plans by)."""
         kv, weight = self.tiers["kv"], self.tiers["weight"]
-        budget = kv.capacity * utilization - kv.used
-        if self.preset.memory_bytes:
-            shared = self.preset.memory_bytes * utilization - kv.used - weight.used
-            budget = min(kv.capacity - kv.used, shared)
-        return max(int(min(budget, self.host_memory_limit()) // page_bytes), 0)
+        limits = kv_pool_limits(
+            self.preset, weight.used, utilization, kv.used, self.host_memory_limit()
+        )
+        return max(int(min(limits.values()) // page_bytes), 0)
 
     def host_memory_limit(self) -> float:
-        """Bytes a pool may take from this machine; emulated devices live in host RAM."""
-        return float("inf")
+        """Bytes a pool may take from this machine: half its free RAM where the device's memory
+        is the host's (``cpu``, ``kunlun-emu``), so that a preset larger than the machine does
+        not swap it to death; unbounded otherwise."""
+        return host_memory_limit() if self.preset.in_host_memory else float("inf")
 
     def allocate_kv_cache(
         self,

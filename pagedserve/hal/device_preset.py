@@ -5,6 +5,7 @@ plans from the same presets the HAL builds its devices from.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import yaml
@@ -38,6 +39,10 @@ BUILTIN_PRESETS: dict[str, dict] = {
 }
 
 
+# The backends whose device memory is this machine's RAM: their KV pool is also capped by it.
+HOST_MEMORY_BACKENDS = frozenset({"cpu", "kunlun-emu"})
+
+
 @dataclass
 class DevicePreset:
     name: str
@@ -63,6 +68,11 @@ class DevicePreset:
             )
         return list(range(tp_size, self.cards))
 
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether this device's memory is the host's RAM (an emulation, or plain CPU)."""
+        return self.backend in HOST_MEMORY_BACKENDS
+
     @classmethod
     def from_dict(cls, name: str, d: dict) -> DevicePreset:
         tiers = {k: parse_bytes(v) for k, v in (d.get("tiers") or {}).items()}
@@ -77,6 +87,43 @@ class DevicePreset:
             memory_bytes=parse_bytes(d.get("memory_bytes", 0)),
             cards=parse_cards(d.get("cards", 1)),
         )
+
+
+def host_memory_limit() -> float:
+    """Half of this machine's free RAM: what a KV pool in host memory may take (inf where the
+    OS does not say)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return float("inf")
+    return free / 2
+
+
+def kv_pool_limits(
+    preset: DevicePreset,
+    weight_bytes: int,
+    utilization: float,
+    kv_used: int = 0,
+    host_limit: float = float("inf"),
+) -> dict[str, float]:
+    """Each bound on the bytes of one card's KV page pool; the pool takes the least of them.
+
+    ``Device.num_kv_pages_available`` sizes the pool by this rule at start-up and ``pagedserve
+    tune`` plans by it, so the two agree. With a shared HBM (``memory_bytes``) the weights are paid
+    from the same budget, as vLLM's ``--gpu-memory-utilization`` does, and the KV tier caps what is
+    left; otherwise the KV tier is its own budget. An emulated card also stops at ``host_limit``.
+    """
+    kv = preset.tiers["kv"]
+    if preset.memory_bytes:
+        limits = {
+            "kv tier": kv - kv_used,
+            "memory budget": preset.memory_bytes * utilization - kv_used - weight_bytes,
+        }
+    else:
+        limits = {"kv tier": kv * utilization - kv_used}
+    if host_limit != float("inf"):
+        limits["host memory"] = host_limit
+    return limits
 
 
 def available_presets() -> list[str]:

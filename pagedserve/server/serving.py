@@ -17,6 +17,7 @@ from jinja2.exceptions import TemplateError
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.limits import RequestRejectedError
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
@@ -110,7 +111,7 @@ class OpenAIServing:
 
     def encode_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
-            return [(prompt, self.require_tokenizer().encode(prompt))]
+            return [self._encode_text(prompt, "prompt")]
         if not prompt:
             raise bad_request(
                 "prompt is empty; send a string, a list of strings or token ids", "prompt"
@@ -118,8 +119,15 @@ class OpenAIServing:
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
         if isinstance(prompt[0], str):
-            return [(p, self.require_tokenizer().encode(p)) for p in prompt]
+            return [self._encode_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
         return [(None, list(p)) for p in prompt]
+
+    def _encode_text(self, text: str, where: str) -> Prompt:
+        """An empty text is a 400, as vLLM's server answers it, although GLM-4's tokenizer would
+        give it the ``[gMASK]<sop>`` prefix to start from."""
+        if not text:
+            raise bad_request(f"{where} is an empty string; send some text", "prompt")
+        return text, self.require_tokenizer().encode(text)
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
         tok = self.require_tokenizer()
@@ -135,12 +143,15 @@ class OpenAIServing:
         return text, tok.encode(text, add_special_tokens=False)
 
     def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
+        """A 400 naming the field at fault; ``context_length_exceeded`` only for a request longer
+        than the engine holds, as OpenAI's API answers it."""
         limits = self.engine.limits
         for _, ids in prompts:
             try:
                 limits.check_request(ids, params)
-            except ValueError as e:
-                raise bad_request(str(e), "prompt", "context_length_exceeded") from e
+            except RequestRejectedError as e:
+                code = "context_length_exceeded" if e.too_long else None
+                raise bad_request(str(e), e.param, code) from e
 
     # ---- running ------------------------------------------------------------------------------
     def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):

@@ -227,9 +227,17 @@ def test_prefix_repetition_prompts_share_prefixes():
     assert len(samples) == 8 and len(prefixes) == 2
 
 
-def test_unreachable_server_fails_every_request(tmp_path):
-    code, result = _run(f"http://127.0.0.1:{free_port()}", tmp_path, "--num-prompts", "2")
-    assert code == 1 and result["completed"] == 0 and result["failed"] == 2
+@pytest.mark.parametrize(
+    "flags", [[], ["--model", "m"], ["--dataset", "agent"]], ids=["no-model", "model", "agent"]
+)
+def test_a_server_that_is_down_is_named_before_any_request(tmp_path, capsys, flags):
+    url = f"http://127.0.0.1:{free_port()}"
+    out = tmp_path / "result.json"
+    argv = ["--base-url", url, "--num-prompts", "2", "--output-file", str(out), *flags]
+    assert run_bench(add_bench_args(argparse.ArgumentParser()).parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach a server at {url}" in err and "pagedserve serve" in err
+    assert "pass --model" not in err and not out.exists()
 
 
 def test_poisson_arrivals_have_the_requested_mean_rate():

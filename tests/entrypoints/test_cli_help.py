@@ -32,6 +32,48 @@ def test_help_shows_the_default_of_every_option_that_has_one(command):
     assert checked
 
 
+def _shown_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    return re.sub(r"\s+", " ", parser._get_formatter()._expand_help(action))
+
+
+def _engine_defaults() -> dict:
+    from pagedserve.config import EngineConfig
+
+    sections = [field.annotation for field in EngineConfig.model_fields.values()]
+    return {name: f.default for section in sections for name, f in section.model_fields.items()}
+
+
+def _as_shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@pytest.mark.parametrize("command", ["serve", "tune"])
+def test_help_names_the_default_of_every_flag_as_the_engine_has_it(command):
+    """README: `serve --help` lists each flag with its default. A flag left unset takes the
+    engine's own default, so that is the one its help must name; tune plans for serve's."""
+    from pagedserve.entrypoints.cli.serve import ENGINE_ARGS
+
+    parser = subparser(build_parser(), command)
+    engine = _engine_defaults()
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS or action.required:
+            continue  # -h; tune's --model
+        flag, shown = action.option_strings[0], _shown_help(parser, action)
+        assert "default" in shown, f"{command} {flag} names no default: {shown!r}"
+        if action.dest in ENGINE_ARGS and engine[action.dest] is not None:
+            want = _as_shown(engine[action.dest])
+            assert want in shown, f"{command} {flag}: {want} not in {shown!r}"
+
+
+@pytest.mark.parametrize("argv", [[], *([command] for command in [*COMMANDS, "completion"])])
+def test_help_is_plain_text_without_rest_markup(argv):
+    parser = build_parser() if not argv else subparser(build_parser(), argv[0])
+    text = parser.format_help()
+    assert "``" not in text, text
+
+
 def test_serve_help_shows_host_and_port_defaults():
     text = re.sub(r"\s+", " ", subparser(build_parser(), "serve").format_help())
     assert (

@@ -39,15 +39,20 @@ def test_smi_json_shows_kv_pages_that_change_while_requests_run(capsys, live_ser
     request.join(60)
     assert busy is not None, "smi never saw a KV page in use"
     assert busy["requests"]["running"] == 1
-    assert busy["kv_pages"]["free"] == 256 - busy["kv_pages"]["in_use"]
     after = json.loads(_smi(capsys, live_server, "--json"))[0]
     assert after["kv_pages"]["in_use"] == 0
+    assert after["kv_pages"]["cached"] > 0  # the request's full blocks stay in the prefix cache
+    for snap in (idle, busy, after):
+        kv = snap["kv_pages"]
+        assert kv["in_use"] + kv["cached"] + kv["free"] == kv["total"] == 256
     assert after["generation_tokens_total"] >= idle["generation_tokens_total"] + 200
 
 
 def test_smi_table_and_detail_views(capsys, live_server):
     table = _smi(capsys, live_server)
     assert "KV pages" in table and "tok/s" in table and "faults detected" in table
+    widths = {len(line) for line in table.splitlines()}
+    assert widths == {88}, table  # every row as wide as the border, the title's included
     detail = _smi(capsys, live_server, "-q", "-d", "0")
     assert "Device 0" in detail and "Faults detected" in detail
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from pagedserve.engine import memory_plan as tune_mod
-from pagedserve.engine.memory_plan import TuneError, tune
+from pagedserve.engine.memory_plan import TuneError, explain, tune
 from pagedserve.entrypoints.cli.tune import add_tune_args, run_tune
 from pagedserve.hal.memory import parse_bytes
 
@@ -49,6 +50,13 @@ def _parse(argv: list[str]):
     return add_tune_args(argparse.ArgumentParser()).parse_args(argv)
 
 
+@pytest.fixture(autouse=True)
+def roomy_host(monkeypatch):
+    """Plans as on a machine with RAM to spare, whatever else runs on this one: an emulated pool
+    is bounded by its device alone (the host's bound has tests that pass ``host_limit``)."""
+    monkeypatch.setattr(tune_mod, "host_memory_limit", lambda: float("inf"))
+
+
 def test_glm4_9b_chat_on_kunlun_matches_hand_computation(capsys):
     code = run_tune(
         _parse(
@@ -72,16 +80,15 @@ def test_glm4_9b_chat_on_kunlun_matches_hand_computation(capsys):
     assert out["weight_bytes"] == _hand_9b_weights(tp=1, int4=True)
     assert 7.0 * GIB < out["weight_bytes"] < 7.1 * GIB
 
-    budget = int(32 * GIB * 0.9)
-    batched = 2048
-    activations = batched * (2 * H + 2 * NH * D + 2 * KV * D + 3 * INTER) * 4
-    logits = 256 * V * 4
-    reserve = activations + logits + 256 * 2**20
-    kv_available = budget - out["weight_bytes"] - reserve
-    pages = kv_available // (16 * 40960)
+    # one HBM of 32 GiB: the weights are paid from 0.9 of it, the rest is the pool (the KV
+    # tier is the whole HBM, so it does not bind)
+    pool = int(32 * GIB * 0.9 - out["weight_bytes"])
+    assert out["kv_pool_bound"] == "memory budget" and out["kv_pool_bytes"] == pool
+    pages = pool // (16 * 40960)
     assert out["num_kv_pages"] == pages
     assert out["max_num_seqs"] == pages // (131072 // 16) == 4
-    assert out["max_num_batched_tokens"] == batched
+    assert out["max_concurrency"] == pages * 16 / 131072
+    assert out["max_num_batched_tokens"] == 2048
     assert set(out) >= {
         "kv_bytes_per_token",
         "weight_bytes",
@@ -90,6 +97,60 @@ def test_glm4_9b_chat_on_kunlun_matches_hand_computation(capsys):
         "max_num_batched_tokens",
         "launch_script",
     }
+
+
+def test_the_kv_tier_caps_the_pool_of_the_default_device():
+    r = tune("demo", host_limit=float("inf"))  # serve's default device, kunlun-emu
+    assert r.device == "kunlun-emu" and r.kv_pool_limits["kv tier"] == 2 * GIB
+    assert r.kv_pool_bound == "kv tier"
+    assert r.num_kv_pages == 2 * GIB // (16 * r.kv_bytes_per_token) == 65536
+    assert r.max_concurrency == 65536 * 16 / 2048 == 512
+    assert r.max_num_seqs == 256  # vLLM's cap, below the 512 sequences the pages hold
+
+
+def test_an_emulated_pool_stops_at_half_the_hosts_free_ram_and_says_so():
+    host = 3 * GIB
+    r = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=32768, host_limit=host)
+    assert r.kv_pool_bound == "host memory" and r.kv_pool_bytes == host
+    assert r.num_kv_pages == host // (16 * 40960)
+    text = explain(r)
+    assert "this machine's RAM sets the pool" in text
+    card = int(32 * GIB * 0.9 - r.weight_bytes) // (16 * 40960)
+    assert f"the card alone would hold {card} pages" in text
+
+
+def test_a_host_too_small_for_one_sequence_is_named_as_the_bound():
+    with pytest.raises(TuneError, match=r"set by the host memory.*free memory on this machine"):
+        tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=131072, host_limit=4 * GIB)
+
+
+def test_a_device_outside_host_memory_has_no_host_bound():
+    r = tune("glm-4-9b-chat", "cuda-h200", max_model_len=8192, host_limit=1.0)
+    assert "host memory" not in r.kv_pool_limits
+
+
+def test_tune_model_demo_plans_for_serves_default_device(capsys):
+    from pagedserve.entrypoints.cli.main import main
+
+    assert main(["tune", "--model", "demo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "kunlun-emu"
+    assert "--device kunlun-emu" in out["launch_script"]
+
+
+def test_the_explanation_quotes_no_other_models_figures():
+    text = explain(tune("demo", host_limit=float("inf")))
+    assert "4.6 GB" not in text and "5.00 GiB" not in text
+    assert "4.00 MiB  2048 tokens x KV bytes per token" in text  # the demo's own: 2 KiB a token
+
+
+def test_the_launch_script_serves_the_model_name_the_readmes_requests_send():
+    readme = (ROOT / "README.md").read_text()
+    sent = set(re.findall(r'"model": "([^"]+)"', readme))
+    assert sent == {"demo"}
+    assert "--served-model-name demo" in tune("demo").launch_script
+    nine_b = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=8192)
+    assert "--served-model-name glm-4-9b-chat" in nine_b.launch_script
 
 
 def test_tensor_parallel_splits_weights_and_replicates_kv_heads():
@@ -247,7 +308,7 @@ def test_module_entry_point_runs():
             "--model",
             "glm-4-9b-chat",
             "--device",
-            "kunlun-xpu-32g",
+            "cuda-h200",  # a card whose pool no host RAM bounds: the same answer on any machine
             "--max-model-len",
             "131072",
         ],

@@ -90,6 +90,19 @@ def test_shared_hbm_pays_weights_before_kv_pages():
     assert dev.num_kv_pages_available(1024, utilization=1.0) == 512
 
 
+def test_an_emulated_pool_is_capped_by_half_the_hosts_free_ram(monkeypatch):
+    from pagedserve.hal import device as device_module
+    from pagedserve.hal.device import Device
+
+    monkeypatch.setattr(device_module, "host_memory_limit", lambda: 300 * 1024.0)
+    dev = _small_device(kv="1MiB", weight="1MiB", host="1MiB")
+    assert dev.num_kv_pages_available(1024, utilization=1.0) == 300  # not the tier's 1024
+    assert get_device("cpu").host_memory_limit() == 300 * 1024.0
+    cuda = Device(DevicePreset.from_dict("g", {"backend": "cuda", "tiers": {"kv": "1MiB"}}))
+    assert cuda.host_memory_limit() == float("inf")  # a GPU's memory is its own
+    assert cuda.num_kv_pages_available(1024, utilization=1.0) == 1024
+
+
 def test_uncached_kv_pool_logs_a_warning(caplog):
     dev = _small_device(kv="1MiB", weight="1MiB", host="1MiB")
     with caplog.at_level(logging.WARNING):

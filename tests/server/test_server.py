@@ -280,10 +280,29 @@ def test_prompt_too_long_is_400_with_both_numbers(openai_client, live_server):
     assert "300" in e.value.message and "256" in e.value.message
 
 
-def test_bad_token_ids_and_empty_prompt_are_400(openai_client):
-    for prompt in ([10**6], []):
-        with pytest.raises(openai.BadRequestError):
-            openai_client.completions.create(model="tiny", prompt=prompt)
+def _bad_request(openai_client, **fields) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.completions.create(model="tiny", **{"max_tokens": 4, **fields})
+    return e.value.body
+
+
+def test_a_token_id_outside_the_vocabulary_is_400_naming_its_field(openai_client):
+    error = _bad_request(openai_client, prompt=[10**6])
+    assert "prompt token id 1000000 is outside the vocabulary [0, 320)" in error["message"]
+    assert error["param"] == "prompt" and error["code"] is None  # invalid, not too long
+    error = _bad_request(openai_client, prompt=PROMPT, extra_body={"stop_token_ids": [10**6]})
+    assert error["param"] == "stop_token_ids" and error["code"] is None
+
+
+def test_a_prompt_too_long_for_the_model_is_context_length_exceeded(openai_client):
+    error = _bad_request(openai_client, prompt=[5] * 200, max_tokens=100)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("prompt", ["", [], [PROMPT, ""], [[]]])
+def test_an_empty_prompt_is_400_as_vllm_answers_it(openai_client, prompt):
+    error = _bad_request(openai_client, prompt=prompt)
+    assert error["param"] == "prompt" and "empty" in error["message"]
 
 
 def test_missing_or_wrong_api_key_is_401(live_server):

@@ -150,7 +150,7 @@ def test_serve_parser_accepts_the_compose_command(compose):
 
 
 def test_serve_parser_accepts_the_tune_launch_script():
-    result = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=32768)
+    result = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=32768, host_limit=float("inf"))
     script = result.launch_script.replace('"${MODEL_DIR:?set MODEL_DIR}"', "/models/m")
     command = script.split("exec pagedserve ", 1)[1].replace("\\\n", " ").replace('"$@"', "")
     argv = shlex.split(command)

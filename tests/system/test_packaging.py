@@ -71,10 +71,12 @@ def test_installed_tune_finds_the_model_and_device_presets(wheel_venv):
 
     bin_dir, env, workdir = wheel_venv
     cmd = [str(bin_dir / "pagedserve"), "tune", "--model", "glm-4-9b-chat"]
-    out = _run([*cmd, "--device", "kunlun-xpu-32g", "--json"], cwd=workdir, env=env).stdout
+    # a GPU preset: its pool is bounded by the card alone, not by this machine's free RAM
+    out = _run([*cmd, "--device", "cuda-h200", "--json"], cwd=workdir, env=env).stdout
     installed = json.loads(out)
-    in_tree = tune("glm-4-9b-chat", "kunlun-xpu-32g")
-    assert installed["model"] == "glm-4-9b-chat" and installed["device"] == "kunlun-xpu-32g"
+    in_tree = tune("glm-4-9b-chat", "cuda-h200")
+    assert installed["model"] == "glm-4-9b-chat" and installed["device"] == "cuda-h200"
+    assert installed["num_kv_pages"] == in_tree.num_kv_pages
     assert installed["max_num_seqs"] == in_tree.max_num_seqs
     assert installed["kv_bytes_per_token"] == in_tree.kv_bytes_per_token == 40960
 

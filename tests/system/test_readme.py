@@ -98,10 +98,21 @@ def test_readme_curl_example_runs(readme_server, index):
         assert out.startswith("data:") and out.rstrip().endswith("data: [DONE]")
 
 
+def _per_request(text: str) -> str:
+    """A completion's text without the two fields that differ from request to request."""
+    text = re.sub(r'"id": "cmpl-[0-9a-f]+"', '"id": "cmpl-..."', text)
+    return re.sub(r'"created": \d+', '"created": ...', text).strip()
+
+
 def test_readme_shows_the_demo_models_real_completion(readme_server):
+    """Character for character what the example prints, all but its id and creation time."""
     _, port = readme_server
-    out = _run(["bash", "-c", on_port(curl_examples()[0], port)], timeout=120).stdout
+    example = curl_examples()[0]
+    assert example.endswith("| python3 -m json.tool")  # the JSON shown is laid out by it
+    out = _run(["bash", "-c", f"set -o pipefail; {on_port(example, port)}"], timeout=120).stdout
     assert json.loads(out)["choices"][0]["text"] == shown_completion()
+    shown = re.search(r"```json\n(.*?)```", README.read_text(), flags=re.S).group(1)
+    assert _per_request(out) == _per_request(shown)
 
 
 def test_the_server_scores_the_heldout_slice_as_training_recorded(readme_server):

@@ -15,6 +15,14 @@ import pagedserve
 from pagedserve.entrypoints.cli.serve import add_serve_args, apply_config_file, run_serve
 from pagedserve.entrypoints.cli.utils import HelpFormatter, document_defaults
 
+# What `pagedserve --help` says: this module's docstring as a reader of a terminal sees it (no reST)
+DESCRIPTION = """\
+A paged LLM inference engine for GLM-4 with an OpenAI-compatible server. Commands: serve, smi,
+tune, bench, quantize, eval-quant, completion; pagedserve COMMAND --help for each.
+
+serve's flags are vLLM's names (with SGLang's --mem-fraction-static and --tp-size as aliases) so
+that a vLLM launch script works unchanged."""
+
 # The subcommands whose modules are imported only when named (the others need torch or more):
 # (name, help, module, the function that adds its flags, the function that runs it).
 LAZY_COMMANDS = (
@@ -70,7 +78,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         chosen = next((a for a in argv if not a.startswith("-")), "")
 
     parser = argparse.ArgumentParser(
-        prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="pagedserve",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"pagedserve {pagedserve.__version__}"

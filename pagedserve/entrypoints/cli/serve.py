@@ -50,7 +50,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--config",
         metavar="FILE",
         help="YAML file of serve flags (keys are flag names, with dashes "
-        "or underscores); flags on the command line override it",
+        "or underscores); flags on the command line override it (default: none)",
     )
     groups = {title: parser.add_argument_group(title, text) for title, text in SERVE_GROUPS.items()}
     _add_model_args(groups["Model"].add_argument)
@@ -75,7 +75,7 @@ def _add_model_args(a: Callable[..., argparse.Action]) -> None:
         "--dtype",
         default=None,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="activation / 16-bit weight dtype (auto: the checkpoint's)",
+        help="activation / 16-bit weight dtype (default auto: the checkpoint's)",
     )
     a(
         "--quantization",
@@ -83,9 +83,15 @@ def _add_model_args(a: Callable[..., argparse.Action]) -> None:
         default=None,
         help="weight quantization at load: int4 (group-wise round-to-nearest, bf16 activations) "
         "or w4a8 (the same weights, activations rounded to int8 per token: integer dot products, "
-        "about twice the arithmetic rate); a quantized checkpoint's own setting is used by default",
+        "about twice the arithmetic rate) (default: the checkpoint's own, so none for a 16-bit "
+        "checkpoint)",
     )
-    a("--quant-group-size", type=int, default=None, help="int4 group size: 32, 64 or 128")
+    a(
+        "--quant-group-size",
+        type=int,
+        default=None,
+        help="int4 group size of --quantization: 32, 64 or 128 (default 32)",
+    )
     a(
         "--quantize-lm-head",
         choices=["none", "int8", "int4"],
@@ -100,7 +106,7 @@ def _add_model_args(a: Callable[..., argparse.Action]) -> None:
         default=None,
         help="longest prompt + output in tokens (default: the model's context)",
     )
-    a("--seed", type=int, default=None, help="random seed of the engine")
+    a("--seed", type=int, default=None, help="random seed of the engine (default 0)")
 
 
 def _add_cache_args(a: Callable[..., argparse.Action]) -> None:
@@ -113,7 +119,12 @@ def _add_cache_args(a: Callable[..., argparse.Action]) -> None:
         help="fraction of device memory that weights plus KV cache may take, as in vLLM; on a "
         "preset without a shared memory_bytes, of its KV tier (default 0.9)",
     )
-    a("--num-kv-pages", type=int, default=None, help="exact KV page count (overrides the fraction)")
+    a(
+        "--num-kv-pages",
+        type=int,
+        default=None,
+        help="exact KV page count (default: as many as --gpu-memory-utilization leaves room for)",
+    )
     a(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -327,9 +338,8 @@ def _build_engine(args: argparse.Namespace):
     from pagedserve.engine.async_engine import AsyncLLMEngine
 
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
-    engine = AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
-    logger.info("engine ready: %s", engine.description)
-    return engine
+    # the engine core logs its device, pages and concurrency once it has loaded: not again here
+    return AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
 
 
 def _serve_node(args: argparse.Namespace) -> int:

@@ -68,7 +68,8 @@ def _tier_line(tier: dict) -> str:
 
 def format_summary(devices: list[dict]) -> str:
     bar = "+" + "-" * 86 + "+"
-    lines = [bar, f"| pagedserve smi{time.strftime('%Y-%m-%d %H:%M:%S'):>71} |", bar]
+    title = f"pagedserve smi{time.strftime('%Y-%m-%d %H:%M:%S'):>70}"
+    lines = [bar, f"| {title:<84} |", bar]
     for i, d in enumerate(devices):
         kv, req = d.get("kv_pages", {}), d.get("requests", {})
         head = (

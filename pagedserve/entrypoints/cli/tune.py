@@ -9,7 +9,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pagedserve.engine.memory_plan import KV_DTYPE_BYTES, explain, tune
+from pagedserve.engine.memory_plan import (
+    DEFAULT_DEVICE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    KV_DTYPE_BYTES,
+    explain,
+    tune,
+)
 from pagedserve.entrypoints.cli.utils import offer
 from pagedserve.presets import preset_names
 
@@ -24,8 +30,9 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     offer(model, ["demo", *preset_names("models")])
     device = parser.add_argument(
         "--device",
-        required=True,
-        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file",
+        default=DEFAULT_DEVICE,
+        help=f"device preset ({', '.join(preset_names('devices'))}) or a preset YAML file "
+        "(default: %(default)s, as for serve)",
     )
     offer(device, preset_names("devices"))
     parser.add_argument(
@@ -45,11 +52,26 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--quantization", choices=["int4", "none"], default="int4")
     parser.add_argument("--quant-group-size", type=int, default=32)
-    parser.add_argument("--kv-dtype", choices=list(KV_DTYPE_BYTES), default="bf16")
+    parser.add_argument(
+        "--kv-dtype",
+        choices=list(KV_DTYPE_BYTES),
+        default="bf16",
+        help="dtype of the KV cache and the 16-bit weights (serve's --dtype)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"token budget of one engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, serve's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--write", metavar="FILE", default=None, help="write a launch script")
+    parser.add_argument(
+        "--write",
+        metavar="FILE",
+        default=None,
+        help="write the launch script to FILE too (default: print it only)",
+    )
     return parser
 
 

@@ -7,11 +7,16 @@ import argparse
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already names one."""
+    """Every option's help ends with its default, unless the help already names one; a switch
+    that takes no value is off unless given."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not _has_default(action) or "default" in text:
+        if "default" in text or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.default in (None, False):
+            return f"{text} (default: off)"
+        if not _has_default(action):
             return text
         return f"{text} (default: %(default)s)"
 
