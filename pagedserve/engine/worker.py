@@ -170,25 +170,24 @@ class Worker:
         if not swap + cached:
             return
         nbytes = (swap + cached) * self.page_bytes
-        limit = self.device.host_memory_limit()
         name = self.usage_context.name_of
+        asked = (
+            f"{name('swap_space')} {cache.swap_space:g} GiB and {name('host_prefix_cache')} "
+            f"{cache.host_prefix_cache:g} GiB ({format_bytes(nbytes)})"
+        )
+        tier, limit = self.device.tiers["host"], self.device.host_memory_limit()
+        if tier.capacity and nbytes > tier.free:
+            raise ValueError(
+                f"{asked} do not fit the host tier of {self.device.name}: "
+                f"{format_bytes(tier.free)} free of {format_bytes(tier.capacity)}; lower them or "
+                "use a device preset with a larger host tier"
+            )
         if nbytes > limit:
             raise ValueError(
-                f"{name('swap_space')} {cache.swap_space:g} and {name('host_prefix_cache')} "
-                f"{cache.host_prefix_cache:g} GiB ask for {format_bytes(nbytes)} of host memory; "
-                f"this machine can give {format_bytes(int(limit))}: lower them"
+                f"{asked} ask for more host memory than this machine can give "
+                f"({format_bytes(int(limit))}); lower them"
             )
-        try:
-            self.device.allocate_host_kv_cache(swap + cached)
-        except DeviceOutOfMemoryError:
-            tier = self.device.tiers["host"]
-            raise ValueError(
-                f"{name('swap_space')} {cache.swap_space:g} and {name('host_prefix_cache')} "
-                f"{cache.host_prefix_cache:g} GiB ({format_bytes(nbytes)}) do not fit the host "
-                f"tier of {self.device.name}: {format_bytes(tier.free)} free of "
-                f"{format_bytes(tier.capacity)}; lower them or use a device preset with a larger "
-                "host tier"
-            ) from None
+        self.device.allocate_host_kv_cache(swap + cached)
         self.num_swap_frames, self.num_host_cache_frames = swap, cached
 
     def device_stats(self) -> dict:
