@@ -158,6 +158,11 @@ class LLMEngine:
     def _int8_kv(self) -> bool:
         return self.config.cache.kv_cache_dtype == "int8"
 
+    @property
+    def _kv_cache_dtype_name(self) -> str:
+        """``int8``, or the model's dtype that a 16-bit cache keeps (``bfloat16``)."""
+        return "int8" if self._int8_kv else str(self.dtype).removeprefix("torch.")
+
     def _describe_host_tier(self) -> str:
         host = self.block_manager.host
         if host is None:
@@ -479,9 +484,8 @@ class LLMEngine:
                 "free": bm.num_free_pages - cached,
                 "block_size": self.block_size,
                 "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
-                "kv_cache_dtype": "int8"
-                if self._int8_kv
-                else str(self.dtype).removeprefix("torch."),
+                "kv_cache_dtype": self._kv_cache_dtype_name,
+                "bytes_per_token": self.kv_bytes_per_token(),
             },
             **self._host_pages(),
             "requests": {
