@@ -182,24 +182,20 @@ def copy_pages(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
 
 # The host tier's page frames are page-major, [num_frames, layers, 2, block_size, kv_heads, row]
 # (SGLang HiCache's page_first layout): one frame is one contiguous block of memory, so a page
-# goes to or from the host tier as one copy, whatever the number of layers.
+# goes to or from the host tier as one copy, whatever the number of layers. One copy_ per page:
+# on the CPU 15-30 us a page of the 122M model, where a gather with index_put took 50-350 (a
+# busy 2-core machine).
 def swap_out_pages(
     kv_cache: torch.Tensor, host_cache: torch.Tensor, moves: list[tuple[int, int]]
 ) -> None:
     """Copy whole KV pages (all layers, K and V) into host frames: (device page, host frame)."""
-    if not moves:
-        return
-    src = torch.tensor([p for p, _ in moves], device=kv_cache.device)
-    dst = torch.tensor([f for _, f in moves], device=host_cache.device)
-    host_cache[dst] = kv_cache[:, :, src].movedim(2, 0).to(host_cache.device)
+    for page, frame in moves:
+        host_cache[frame].copy_(kv_cache[:, :, page])
 
 
 def swap_in_pages(
     kv_cache: torch.Tensor, host_cache: torch.Tensor, moves: list[tuple[int, int]]
 ) -> None:
     """Copy host frames back into KV pages: (host frame, device page)."""
-    if not moves:
-        return
-    src = torch.tensor([f for f, _ in moves], device=host_cache.device)
-    dst = torch.tensor([p for _, p in moves], device=kv_cache.device)
-    kv_cache[:, :, dst] = host_cache[src].movedim(0, 2).to(kv_cache.device)
+    for frame, page in moves:
+        kv_cache[:, :, page].copy_(host_cache[frame])
