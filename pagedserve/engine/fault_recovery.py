@@ -76,9 +76,10 @@ class FaultRecovery:
         if not frames:
             return
         affected = set(self.block_manager.drop_host_frames(frames))
+        why = "a host-tier KV fault" if fault else "a failed step's page moves"
         for req in self.scheduler.swapped:
             if req.request_id in affected:
-                logger.warning("host-tier KV fault under %s: recomputing it", req.request_id)
+                logger.warning("%s under %s: recomputing it", why, req.request_id)
                 self.scheduler.recompute_swapped(req)
         if fault:
             self.device.faults.recovered["kv_page"] += len(frames)

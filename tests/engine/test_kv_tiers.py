@@ -131,6 +131,34 @@ def test_the_same_host_fault_undetected_would_corrupt_the_answer(swapping, clean
     assert _drained(swapping)
 
 
+def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monkeypatch):
+    """A failed step's page moves may not have run: the victim it swapped out recomputes rather
+    than come back from frames nobody wrote (here the swap-out itself fails)."""
+    from pagedserve.hal.faults import DeviceKernelError
+
+    llm = _llm(tiny_dir, device="cpu", preemption_mode="swap")
+    engine = llm.llm_engine
+    swap_out = engine.device.swap_out
+
+    def fail_once(moves):
+        if not moves:  # every step calls it; the first one that copies fails
+            return swap_out(moves)
+        monkeypatch.setattr(engine.device, "swap_out", swap_out)
+        raise DeviceKernelError("the copy to the host tier failed")
+
+    monkeypatch.setattr(engine.device, "swap_out", fail_once)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (failed,) = engine.take_failed()
+    assert failed[0] == "r0" and "the copy to the host tier failed" in failed[1]
+    (done,) = [o for o in outputs if o.finished]
+    assert done.request_id == "r1" and done.outputs[0].token_ids == clean[1]
+    assert engine.scheduler.num_swapped_preemptions == 1 and _drained(llm)
+
+
 def test_a_later_turn_finds_its_history_in_the_host_tier(tiny_dir, clean):
     """A conversation's blocks, evicted from the KV tier by another one, come back by copy."""
     llm = _llm(tiny_dir, swap=0, cache=32)
