@@ -145,7 +145,9 @@ class LLMEngine:
         max_concurrency = self.num_kv_pages * self.block_size / self.max_model_len
         tp = self.config.parallel.tensor_parallel_size
         cards = f" (rank 0 of tensor-parallel size {tp})" if tp > 1 else ""
-        kv_dtype = "int8 + a scale per token and head" if self._int8_kv else str(self.dtype)
+        kv_dtype = (
+            "int8 + a scale per token and head" if self._int8_kv else self._kv_cache_dtype_name
+        )
         return (
             f"device {self.device.describe()}{cards}; model {self.model_path.name} "
             f"({self.model_config.architecture}, {self.dtype}); KV cache {self.num_kv_pages} pages "
