@@ -189,7 +189,8 @@ class BlockManager:
         """The longest verified prefix of full blocks cached in either tier, and the tokens it
         covers: per block its KV page, or a ``HostBlock`` where only the host tier has it.
 
-        Leaves at least one token to compute. Call at admission, before ``allocate_slots``.
+        Leaves at least one token to compute. Call at admission, before ``allocate_slots``; a
+        lookup counts in the hit rate once the admission succeeds (``record_prefix_lookup``).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -203,15 +204,23 @@ class BlockManager:
             if block is None:
                 break
             blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, req: SequenceLike, blocks: Sequence[ComputedBlock]) -> None:
+        """Count an admitted request's lookup in the hit rates (``blocks``: what
+        ``get_computed_blocks`` found): its prompt tokens queried, the ones found in either tier,
+        and of those that missed the KV tier, the ones the host tier had. Only an admission
+        counts, so a request that waits for pages and looks up again is not counted twice (the
+        over-count vLLM's issue 43736 reports)."""
+        if not self.enable_prefix_caching:
+            return
         num_hit_tokens = len(blocks) * self.block_size
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         if self.host is not None and self.host.caches:
             num_device = sum(isinstance(b, int) for b in blocks) * self.block_size
-            num_host = num_hit_tokens - num_device
             self.host_prefix_cache_queries += req.num_tokens - num_device
-            self.host_prefix_cache_hits += num_host
-        return blocks, num_hit_tokens
+            self.host_prefix_cache_hits += num_hit_tokens - num_device
 
     def uncache_page(self, page: int) -> None:
         """Forget the block a page caches (its contents are no longer trusted)."""

@@ -136,12 +136,15 @@ class Scheduler:
     def _allocate_waiting(self, req: Request, budget: int) -> int | None:
         """Pages for a waiting request's prefix hits and first tokens: how many tokens it gets
         this step, or None when the pages do not suffice."""
-        computed_blocks, num_hit = [], 0
-        if req.sampling_params.prompt_logprobs is None:  # cached positions would have none
-            computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
+        bm, computed_blocks, num_hit = self.block_manager, [], 0
+        look_up = req.sampling_params.prompt_logprobs is None  # cached positions would have none
+        if look_up:
+            computed_blocks, num_hit = bm.get_computed_blocks(req)
         n = min(req.num_tokens - num_hit, budget)
-        if not self.block_manager.allocate_slots(req, n, computed_blocks):
+        if not bm.allocate_slots(req, n, computed_blocks):
             return None
+        if look_up:
+            bm.record_prefix_lookup(req, computed_blocks)
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
         return n

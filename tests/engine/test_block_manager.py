@@ -45,6 +45,7 @@ def admit(bm: BlockManager, req, num_new_tokens: int | None = None) -> bool:
         num_new_tokens = req.num_tokens - num_hit
     if not bm.allocate_slots(req, num_new_tokens, pages):
         return False
+    bm.record_prefix_lookup(req, pages)
     req.num_computed_tokens = num_hit + num_new_tokens
     return True
 
@@ -132,6 +133,7 @@ def test_prefix_hit_across_two_requests_with_equal_prefixes():
     pages, num_hit = bm.get_computed_blocks(b)
     assert pages == bm.get_block_table("a")[:2] and num_hit == 8
     assert bm.allocate_slots(b, b.num_tokens - num_hit, pages)
+    bm.record_prefix_lookup(b, pages)
     assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2]
     assert bm.get_block_table("b")[2] not in bm.get_block_table("a")
     assert [bm.allocator.refcount(p) for p in pages] == [2, 2]
@@ -296,12 +298,22 @@ def test_blocks_after_a_prefix_hit_are_cached_too():
     assert count_hits(bm, [1, 2, 5, 6, 9]) == 4
 
 
-def test_hit_counters_accumulate_over_lookups():
+def test_hit_counters_accumulate_over_admissions():
     bm = BlockManager(16, 4)
     assert admit(bm, Seq("a", list(range(9))))
-    for _ in range(2):
-        assert count_hits(bm, list(range(9))) == 8
+    for rid in ("b", "c"):
+        assert admit(bm, Seq(rid, list(range(9))))
     assert bm.prefix_cache_hits == 16 and bm.prefix_cache_queries == 27
+
+
+def test_a_lookup_whose_admission_fails_is_not_counted():
+    """A request that waits for pages looks its prefix up again at every try: only the try that
+    admits it counts (vLLM's issue 43736: a hit rate inflated by retries)."""
+    bm = BlockManager(4, 4)
+    assert admit(bm, Seq("a", list(range(9))))  # 3 of the 4 pages
+    assert not admit(bm, Seq("b", list(range(8)) + list(range(100, 110))))  # needs 3 more
+    assert count_hits(bm, list(range(9))) == 8  # a bare lookup: not counted either
+    assert bm.prefix_cache_hits == 0 and bm.prefix_cache_queries == 9
 
 
 def test_a_child_forked_before_its_first_full_block_caches_that_block_when_full():
@@ -498,9 +510,9 @@ def test_an_evicted_prefix_block_spills_to_the_host_and_a_hit_copies_it_back():
     blocks, num_hit = bm.get_computed_blocks(Seq("c", list(range(9))))
     assert num_hit == 8 and all(isinstance(b, HostBlock) for b in blocks)
     assert [b.frame for b in blocks] == [spilled[pages[0]], spilled[pages[1]]]
-    assert bm.host_prefix_cache_hits == 8 and bm.host_prefix_cache_queries == queries + 9
     c = Seq("c", list(range(9)))
     assert admit(bm, c) and c.num_computed_tokens == 9
+    assert bm.host_prefix_cache_hits == 8 and bm.host_prefix_cache_queries == queries + 9
     _, loads = bm.take_pending_swaps()
     assert [f for f, _ in loads] == [b.frame for b in blocks]
     assert [p for _, p in loads] == bm.get_block_table("c")[:2]

@@ -10,7 +10,9 @@ when and of the waiting queue's order, and checks the scheduler's decisions agai
   ``max_num_batched_tokens`` scheduled tokens, running requests included;
 - a request gets fewer tokens than it needs only when the token budget is spent (so a prompt
   longer than the budget is chunked over several steps, and no budget is left idle);
-- running requests go first, in admission order; waiting ones are admitted in queue order;
+- running requests go first, in admission order; waiting ones are admitted in queue order; the
+  prefix-cache counters count each admission's lookup once, however often the queue's head
+  waited for pages;
 - when pages run out, the requests preempted are the most recently admitted running ones; each
   is swapped out to the host tier (its computed tokens kept) or freed to recompute (back to 0),
   as the preemption mode says and the host tier's room allows;
@@ -86,6 +88,7 @@ class Driver:
     preemptions_of: dict[str, int] = field(default_factory=dict, repr=False)
     first_scheduled: dict[str, float] = field(default_factory=dict, repr=False)
     num_preemptions: int = 0
+    prefix_lookups: list[int] = field(default_factory=lambda: [0, 0])  # tokens queried, hit
 
     def __post_init__(self) -> None:
         host_cache = self.num_host_cache_frames if self.enable_prefix_caching else 0
@@ -320,11 +323,15 @@ class Driver:
             assert r.num_cached_tokens == r.num_computed_tokens, "prefix hit not recorded"
             if r.sampling_params.prompt_logprobs is not None:
                 assert r.num_cached_tokens == 0, "cached positions would have no prompt logprobs"
+            elif self.enable_prefix_caching:  # each admission's lookup counts once
+                self.prefix_lookups[0] += r.num_tokens
+                self.prefix_lookups[1] += r.num_cached_tokens
             assert r.num_computed_tokens % self.block_size == 0
             if r.num_preemptions == 0 and r is self.group_of(r).seqs[0]:
                 self.first_admissions.append(r)
                 assert r.first_scheduled_time is not None
                 self.first_scheduled[r.request_id] = r.first_scheduled_time
+        assert [self.bm.prefix_cache_queries, self.bm.prefix_cache_hits] == self.prefix_lookups
         assert self.admitted == sched.running
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
