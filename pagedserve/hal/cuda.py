@@ -2,8 +2,9 @@
 
 Pages move to and from the host tier (pinned host memory) on a copy stream of their own: the
 host thread enqueues them and goes on to enqueue the step's forward pass, which waits for them on
-the GPU (it may write the pages that are being read out, and reads the pages coming in), not on
-the host.
+the GPU, not on the host. Pages going out are first gathered into one staging tensor on the GPU;
+the forward pass (which may write those pages again) waits for that gather only, and the copies to
+the host run beside it. Pages coming in are read by the forward pass: it waits for them whole.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ class CudaDevice(Device):
         with torch.cuda.stream(stream):
             src = torch.tensor([p for p, _ in moves], device=self.torch_device)
             staged = self.kv_cache[:, :, src].movedim(2, 0).contiguous()
+            gathered = stream.record_event()
             for i, (_, frame) in enumerate(moves):  # one contiguous frame each
                 self.host_kv_cache[frame].copy_(staged[i], non_blocking=True)
-        torch.cuda.current_stream(self.torch_device).wait_stream(stream)
+        # ``staged`` belongs to the copy stream's pool: nothing reuses it before these copies end
+        torch.cuda.current_stream(self.torch_device).wait_event(gathered)
 
     def swap_in(self, moves: list[tuple[int, int]]) -> None:
         if not moves:
