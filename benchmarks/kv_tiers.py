@@ -70,11 +70,13 @@ class Turn:
     answer: list[int] = field(default_factory=list)
 
 
-def user_messages(args: argparse.Namespace) -> list[list[list[int]]]:
-    """Per conversation, per turn: its new tokens (ids clear of the special tokens)."""
+def user_messages(args: argparse.Namespace, vocab_size: int) -> list[list[list[int]]]:
+    """Per conversation, per turn: its new tokens (ids clear of the special tokens, in the
+    model's vocabulary)."""
     rng = random.Random(args.seed)
+    high = min(7900, vocab_size)
     return [
-        [[rng.randrange(100, 7900) for _ in range(args.user_tokens)] for _ in range(args.turns)]
+        [[rng.randrange(100, high) for _ in range(args.user_tokens)] for _ in range(args.turns)]
         for _ in range(args.conversations)
     ]
 
@@ -261,7 +263,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = str(build_model(args.model))
-    messages = user_messages(args)
+    messages = user_messages(args, load_config(model).vocab_size)
     results = {}
     for mode in args.modes:
         results[mode] = run_mode(args, mode, model, messages)

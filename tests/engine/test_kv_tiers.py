@@ -1,7 +1,7 @@
 """The engine across its memory tiers: swapped-out sequences and a host prefix cache (their
-figures, a fault in a host frame recovered by recompute, settings that cannot work), the auto
-preemption mode's choice by measured cost, and the INT8 KV cache (its page size, its greedy
-tokens against a 16-bit cache)."""
+figures, a fault in a host frame recovered by recompute, settings that cannot work, the multi-turn
+benchmark's workload at a tiny size), the auto preemption mode's choice by measured cost, and the
+INT8 KV cache (its page size, its greedy tokens against a 16-bit cache)."""
 
 from __future__ import annotations
 
@@ -234,6 +234,34 @@ def test_the_server_names_its_flags(capsys):
     err = capsys.readouterr().err
     assert "--preemption-mode 'swap' needs host memory to swap to" in err
     assert "start the server with --swap-space GiB as well" in err
+
+
+def test_the_multi_turn_benchmark_answers_alike_in_every_mode_and_recomputes_less(tiny_dir):
+    """benchmarks/kv_tiers.py's workload at a tiny size, in float32: every mode gives every turn
+    the same greedy answer; swap recomputes nothing a preemption freed, and a host prefix cache
+    gives the later turns their histories back by copy."""
+    import argparse
+
+    from benchmarks import kv_tiers
+
+    args = argparse.Namespace(
+        conversations=4, turns=3, user_tokens=20, max_tokens=8, fast_tier=0.34,
+        dtype="float32", quantization="none", device="cpu", seed=0,
+    )  # fmt: skip
+    messages = kv_tiers.user_messages(args, vocab_size=320)
+    modes = ("recompute", "swap", "swap+host-cache")  # the benchmark's default
+    results = {mode: kv_tiers.run_mode(args, mode, str(tiny_dir), messages) for mode in modes}
+    kv_tiers.compare_answers(results)
+    assert {m: r["parted_turns_tokens_in_common"] for m, r in results.items()} == {
+        m: {} for m in modes
+    }
+    recompute, swap, host = (results[m] for m in modes)
+    assert all(r["turns"] == 12 for r in results.values())
+    assert recompute["preemption_tokens_recomputed"] > 0 and recompute["swapped_preemptions"] == 0
+    assert swap["swapped_preemptions"] == swap["preemptions"] > 0
+    assert swap["preemption_tokens_recomputed"] == 0
+    assert host["host_prefix_cache_hit_tokens"] > 0
+    assert host["recomputed_tokens"] < swap["recomputed_tokens"] < recompute["recomputed_tokens"]
 
 
 # ---- auto: by measured cost ------------------------------------------------------------------
