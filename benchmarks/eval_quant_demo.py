@@ -2,11 +2,17 @@
 its bf16 weights by ``pagedserve eval-quant``, and how long each quantization took.
 
     python -m benchmarks.eval_quant_demo [--model demo] [--threads N] [--output NAME]
+        [--candidates NAME ...]
 
 For AWQ W4A16, AWQ W4A8 and RTN W4A16 it runs what the README tells a user to run,
 
     pagedserve quantize --model-path demo --output-path DST --quant-method awq|rtn --abits 16|8
     pagedserve eval-quant --reference demo --candidate DST --json OUT
+
+and for the INT8 KV cache (the KV row: nothing to quantize, the model against itself with its
+keys and values rounded as ``serve --kv-cache-dtype int8`` stores them)
+
+    pagedserve eval-quant --reference demo --candidate demo --kv-cache-dtype int8 --json OUT
 
 in this process (so the quantize time is the quantization, not Python's start-up), into a
 temporary directory, and writes benchmarks/results/eval_quant_demo.json: per candidate the
@@ -34,10 +40,11 @@ from pagedserve.entrypoints.cli.quantize import (
     run_quantize,
 )
 
-CANDIDATES = {
-    "AWQ W4A16": ("awq", 16),
-    "AWQ W4A8": ("awq", 8),
-    "RTN W4A16": ("rtn", 16),
+CANDIDATES = {  # (quant method, abits, kv cache dtype); no method: the 16-bit weights
+    "AWQ W4A16": ("awq", 16, "auto"),
+    "AWQ W4A8": ("awq", 8, "auto"),
+    "RTN W4A16": ("rtn", 16, "auto"),
+    "INT8 KV cache": (None, 16, "int8"),
 }
 
 
@@ -50,9 +57,10 @@ def quantize(model: str, out: Path, method: str, abits: int) -> float:
     return time.perf_counter() - start
 
 
-def eval_quant(model: str, candidate: Path, out_json: Path) -> dict:
+def eval_quant(model: str, candidate: Path | str, out_json: Path, kv_cache_dtype: str) -> dict:
     """``pagedserve eval-quant`` of ``candidate`` against ``model``: its --json record."""
     argv = ["--reference", model, "--candidate", str(candidate), "--json", str(out_json)]
+    argv += ["--kv-cache-dtype", kv_cache_dtype]
     run_eval_quant(add_eval_quant_args(argparse.ArgumentParser()).parse_args(argv))
     return json.loads(out_json.read_text())
 
@@ -62,21 +70,31 @@ def main() -> None:
     parser.add_argument("--model", default="demo", help="16-bit model directory, or demo")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--output", default="eval_quant_demo", help="results file name")
+    parser.add_argument(
+        "--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES),
+        help="the rows to measure (default: all)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     candidates = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (method, abits) in CANDIDATES.items():
-            out = Path(tmp) / f"{method}-a{abits}"
-            seconds = quantize(args.model, out, method, abits)
-            size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
-            result = eval_quant(args.model, out, Path(tmp) / f"{method}-a{abits}.json")
-            candidates[name] = {
-                "quantize_seconds": round(seconds, 1),
-                "directory_mb": round(size_mb, 1),
-                **result,
-            }
+        for name in args.candidates:
+            method, abits, kv_cache_dtype = CANDIDATES[name]
+            report = Path(tmp) / f"{method}-a{abits}-{kv_cache_dtype}.json"
+            if method is None:  # the KV row: the model against itself
+                result = eval_quant(args.model, args.model, report, kv_cache_dtype)
+                candidates[name] = result
+            else:
+                out = Path(tmp) / f"{method}-a{abits}"
+                seconds = quantize(args.model, out, method, abits)
+                size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+                result = eval_quant(args.model, out, report, kv_cache_dtype)
+                candidates[name] = {
+                    "quantize_seconds": round(seconds, 1),
+                    "directory_mb": round(size_mb, 1),
+                    **result,
+                }
             print(name, candidates[name], flush=True)
     figures = {
         "model": args.model,

@@ -49,16 +49,46 @@ class ModelConfig(_Config):
     served_model_name: str | None = None
 
 
+# --kv-cache-dtype: K and V in the model's dtype, or INT8 codes with a scale per token and head
+KV_CACHE_DTYPES = ("auto", "int8")
+# --preemption-mode: what a preempted sequence's KV pages become
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 class CacheConfig(_Config):
     block_size: int = Field(16, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_kv_pages: int | None = Field(None, ge=1)  # overrides the computed pool size
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # GiB of the device's host tier per card, as page frames: for the pages of sequences that
+    # are swapped out (vLLM's --swap-space), and for prefix blocks the KV tier evicts (SGLang's
+    # HiCache); 0 leaves that share unused
+    swap_space: float = Field(0.0, ge=0.0)
+    host_prefix_cache: float = Field(0.0, ge=0.0)
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _known_kv_cache_dtype(cls, value: str) -> str:
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"{value!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
 
 
 class SchedulerConfig(_Config):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # recompute: free a preempted sequence's pages and compute them again later (vLLM v1);
+    # swap: copy them to the host tier and back (vLLM v0) while it has room; auto: swap when the
+    # copy costs less than the recompute, as measured on this device
+    preemption_mode: str = "auto"
+
+    @field_validator("preemption_mode")
+    @classmethod
+    def _known_preemption_mode(cls, value: str) -> str:
+        if value not in PREEMPTION_MODES:
+            raise ValueError(f"{value!r} is not one of {', '.join(PREEMPTION_MODES)}")
+        return value
 
 
 # --kernels: a CPU backend's native kernel target (hal/native.py), or plain PyTorch ops

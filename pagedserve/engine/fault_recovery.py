@@ -2,7 +2,9 @@
 recovered), so that no fault costs more than a recompute:
 
 - a KV page the device reports corrupted leaves the prefix cache, and every running request that
-  holds it is preempted: it recomputes its KV on good pages;
+  holds it is preempted: it recomputes its KV on good pages (never swapped: its pages are bad);
+- a host-tier frame the device reports corrupted leaves the host prefix cache, and the swapped-out
+  request that holds it recomputes instead of coming back by copy;
 - a weight page whose checksum fails (the patrol scrub between a step's forward pass and its
   sampling, or a scrub on demand) is restored from the checkpoint on disk, and the step computed
   again;
@@ -50,8 +52,9 @@ class FaultRecovery:
 
     def recover_kv_pages(self) -> list[Request]:
         """A page the device reports corrupted leaves the prefix cache, and every request that
-        holds it is preempted: it recomputes its KV on good pages, and nothing is lost. The
-        requests preempted."""
+        holds it is preempted: it recomputes its KV on good pages, and nothing is lost. The same
+        for the host tier's frames. The running requests preempted."""
+        self.recover_host_frames(self.device.take_faulted_host_frames())
         faulted = set(self.device.take_faulted_pages())
         if not faulted:
             return []
@@ -61,10 +64,25 @@ class FaultRecovery:
         for req in list(self.scheduler.running):
             if faulted & set(self.block_manager.get_block_table(req.request_id)):
                 logger.warning("KV page fault under %s: recomputing it", req.request_id)
-                self.scheduler.preempt(req)
+                self.scheduler.preempt(req, recompute=True)
                 preempted.append(req)
         self.device.faults.recovered["kv_page"] += len(faulted)
         return preempted
+
+    def recover_host_frames(self, frames: list[int], fault: bool = True) -> None:
+        """Host frames whose contents are not trusted (``fault``: the device reported them; else
+        a failed step may not have written them): their cached blocks are forgotten, and the
+        swapped-out requests that hold them recompute."""
+        if not frames:
+            return
+        affected = set(self.block_manager.drop_host_frames(frames))
+        why = "a host-tier KV fault" if fault else "a failed step's page moves"
+        for req in self.scheduler.swapped:
+            if req.request_id in affected:
+                logger.warning("%s under %s: recomputing it", why, req.request_id)
+                self.scheduler.recompute_swapped(req)
+        if fault:
+            self.device.faults.recovered["kv_page"] += len(frames)
 
     def fail_step(
         self,
@@ -79,6 +97,10 @@ class FaultRecovery:
         logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
         self.device.faults.detected["step"] += 1
         block_size = self.block_manager.block_size
+        # the page moves before the forward pass may not have run: what they wrote is not trusted
+        self.recover_host_frames([frame for _, frame in sched.swap_out], fault=False)
+        for _, page in sched.swap_in:
+            self.block_manager.uncache_page(page)
         request_ids: list[str] = []
         for s in sched.scheduled:
             for page in s.block_table[s.request.num_computed_tokens // block_size :]:
@@ -127,7 +149,8 @@ class FaultRecovery:
     # ---- injection (kunlun-emu) -------------------------------------------------------------
     def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
         """Provoke a device fault on purpose (``kunlun-emu`` only): ``kv_page`` flips a bit in
-        KV page ``page`` (default: the first page of a running request), ``weight_page`` in a
+        KV page ``page`` (default: the first page of a running request), ``host_page`` in host
+        frame ``page`` (a swapped-out or spilled page), ``weight_page`` in a
         weight page (``tag``, ``page``; default: a random one), ``step`` fails the next forward
         pass. What was injected, as plain data."""
         dev = self.device
@@ -143,10 +166,30 @@ class FaultRecovery:
                 raise ValueError(f"KV pages are 0..{self.block_manager.num_pages - 1}, not {page}")
             dev.inject_fault(page)
             return {"kind": kind, "page": page}
+        if kind == "host_page":
+            return {"kind": kind, "page": self._inject_host_fault(page)}
         if kind == "weight_page":
             injected = dev.inject_weight_fault(tag, page)
             return {"kind": kind, "tag": injected.tag, "page": injected.index}
         if kind == "step":
             dev.inject_kernel_fault()
             return {"kind": kind}
-        raise ValueError(f"unknown fault kind {kind!r}; use kv_page, weight_page or step")
+        raise ValueError(
+            f"unknown fault kind {kind!r}; use kv_page, host_page, weight_page or step"
+        )
+
+    def _inject_host_fault(self, frame: int | None) -> int:
+        """A flipped bit in host-tier frame ``frame`` (default: the first frame of a swapped-out
+        request, else of a cached block)."""
+        host = self.block_manager.host
+        if host is None:
+            raise ValueError("no host tier: start with --swap-space or --host-prefix-cache GiB")
+        if frame is None:
+            held = [t[0] for t in host.block_tables.values() if t] + list(
+                host.frame_to_cached_block
+            )
+            frame = held[0] if held else 0
+        if not 0 <= frame < host.num_frames:
+            raise ValueError(f"host-tier frames are 0..{host.num_frames - 1}, not {frame}")
+        self.device.inject_host_fault(frame)
+        return frame

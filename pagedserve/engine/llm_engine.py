@@ -52,6 +52,7 @@ class LLMEngine:
         self.model_config = load_config(self.model_path)
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
         self._check_max_model_len()
+        self._check_tier_settings()
         self.tokenizer = self._load_tokenizer()
         self.executor = create_executor(config, usage_context)
         worker = self.executor.load()  # rank 0: this process's card, shard and KV pages
@@ -62,7 +63,11 @@ class LLMEngine:
         kv_cache = self.runner.kv_cache
         self.num_kv_pages = kv_cache.shape[2]
         self.block_manager = BlockManager(
-            self.num_kv_pages, self.block_size, config.cache.enable_prefix_caching
+            self.num_kv_pages,
+            self.block_size,
+            config.cache.enable_prefix_caching,
+            worker.num_swap_frames,
+            worker.num_host_cache_frames,
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.fault_recovery = FaultRecovery(
@@ -116,19 +121,57 @@ class LLMEngine:
                 f"{ctx.assignment('max_model_len', limit)} or less"
             )
 
+    def _check_tier_settings(self) -> None:
+        """Host-tier settings that cannot work together, named as the user wrote them."""
+        cache, ctx = self.config.cache, self.usage_context
+        if self.config.scheduler.preemption_mode == "swap" and not cache.swap_space:
+            raise ValueError(
+                f"{ctx.assignment('preemption_mode', 'swap')} needs host memory to swap to: "
+                f"{ctx.start_with} {ctx.name_of('swap_space')} GiB as well (e.g. "
+                f"{ctx.assignment('swap_space', 4)}), or use preemption mode auto or recompute"
+            )
+        if cache.host_prefix_cache and not cache.enable_prefix_caching:
+            raise ValueError(
+                f"{ctx.name_of('host_prefix_cache')} keeps prefix blocks the KV tier evicts, but "
+                f"prefix caching is off; turn it on ({ctx.assignment('enable_prefix_caching', True)}) "
+                f"or drop {ctx.name_of('host_prefix_cache')}"
+            )
+
     def kv_bytes_per_token(self) -> int:
-        """KV bytes of one token on each card (its KV heads)."""
+        """KV bytes of one token on each card (its KV heads, in the KV cache's dtype)."""
         return self.executor.worker.kv_bytes_per_token()
 
     def describe(self) -> str:
         max_concurrency = self.num_kv_pages * self.block_size / self.max_model_len
         tp = self.config.parallel.tensor_parallel_size
         cards = f" (rank 0 of tensor-parallel size {tp})" if tp > 1 else ""
+        kv_dtype = (
+            "int8 + a scale per token and head" if self._int8_kv else self._kv_cache_dtype_name
+        )
         return (
             f"device {self.device.describe()}{cards}; model {self.model_path.name} "
             f"({self.model_config.architecture}, {self.dtype}); KV cache {self.num_kv_pages} pages "
-            f"x {self.block_size} tokens; max_model_len {self.max_model_len}; max concurrency at "
+            f"x {self.block_size} tokens ({kv_dtype}: {self.kv_bytes_per_token()} B per token); "
+            f"{self._describe_host_tier()}max_model_len {self.max_model_len}; max concurrency at "
             f"max_model_len {max_concurrency:.2f}x"
+        )
+
+    @property
+    def _int8_kv(self) -> bool:
+        return self.config.cache.kv_cache_dtype == "int8"
+
+    @property
+    def _kv_cache_dtype_name(self) -> str:
+        """``int8``, or the model's dtype that a 16-bit cache keeps (``bfloat16``)."""
+        return "int8" if self._int8_kv else str(self.dtype).removeprefix("torch.")
+
+    def _describe_host_tier(self) -> str:
+        host = self.block_manager.host
+        if host is None:
+            return ""
+        return (
+            f"host tier {host.num_frames} page frames ({host.swap_share} swap space, "
+            f"{host.cache_share} prefix cache); preemption {self.config.scheduler.preemption_mode}; "
         )
 
     # ---- requests -----------------------------------------------------------------------------
@@ -247,7 +290,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for req in sched.preempted:
             req.release_matcher()
-        if sched.is_empty:
+        if sched.is_empty and not sched.has_page_moves:
             self._wait_for_grammars()
             return []
         forks = self._forks_this_step(sched)
@@ -260,6 +303,8 @@ class LLMEngine:
                 raise  # a tensor-parallel rank is gone: the engine stops
             self.failed += self.fault_recovery.fail_step(sched, e, self.abort_request)
             return []
+        finally:
+            self.block_manager.moves_done()
         return self._update(sched, forks, result)
 
     def take_failed(self) -> list[tuple[str, str]]:
@@ -280,11 +325,19 @@ class LLMEngine:
     def check_invariants(self) -> list[str]:
         """The KV pool's consistency (``BlockManager.check_invariants``), plus: only running
         sequences hold pages."""
-        problems = self.block_manager.check_invariants()
+        bm = self.block_manager
+        problems = bm.check_invariants()
         running = {r.request_id for r in self.scheduler.running}
-        strays = set(self.block_manager.block_tables) - running
+        strays = set(bm.block_tables) - running
         if strays:
             problems.append(f"sequences that are not running hold pages: {sorted(strays)}")
+        if bm.host is not None:
+            swapped = {r.request_id for r in self.scheduler.swapped}
+            if set(bm.host.block_tables) != swapped:
+                problems.append(
+                    f"host frames are held by {sorted(bm.host.block_tables)}, but the swapped-out "
+                    f"sequences are {sorted(swapped)}"
+                )
         return problems
 
     # ---- structured output --------------------------------------------------------------------
@@ -320,6 +373,9 @@ class LLMEngine:
         self, sched: SchedulerOutput, forks: dict[str, list[Request]], result: ModelRunnerOutput
     ) -> list[tuple[RequestGroup, int]]:
         advanced = []
+        costs, timing = self.scheduler.costs, result.timing
+        costs.observe_copies(timing.num_pages_moved, timing.move_seconds)
+        costs.observe_forward(timing.num_tokens, timing.forward_seconds)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         for rid, (start, entries) in result.prompt_logprobs.items():
@@ -395,9 +451,25 @@ class LLMEngine:
             "prefix_cache_queries_total": bm.prefix_cache_queries,
             "prefix_cache_hits_total": bm.prefix_cache_hits,
             "num_preemptions_total": self.scheduler.num_preemptions,
+            "recomputed_tokens_total": self.scheduler.num_recomputed_tokens,
+            **self._host_tier_stats(),
             "device_faults_total": dict(self.device.faults.detected),
             "collective_bytes_sent_total": self.device.collective_bytes_sent,
             **self.stats,
+        }
+
+    def _host_tier_stats(self) -> dict:
+        """The host tier's figures (zeros without one, so that every server exports them)."""
+        bm, host = self.block_manager, self.block_manager.host
+        return {
+            "num_requests_swapped": len(self.scheduler.swapped),
+            "num_swapped_pages": host.num_swapped_frames if host else 0,
+            "host_kv_cache_usage_perc": host.usage if host else 0.0,
+            "num_swapped_preemptions_total": self.scheduler.num_swapped_preemptions,
+            "swapped_out_pages_total": bm.num_swapped_out_pages,
+            "swapped_in_pages_total": bm.num_swapped_in_pages,
+            "host_prefix_cache_queries_total": bm.host_prefix_cache_queries,
+            "host_prefix_cache_hits_total": bm.host_prefix_cache_hits,
         }
 
     def get_device_stats(self) -> dict | list[dict]:
@@ -414,7 +486,10 @@ class LLMEngine:
                 "free": bm.num_free_pages - cached,
                 "block_size": self.block_size,
                 "memory_attr": dev.kv_memory_attr.value if dev.kv_memory_attr else None,
+                "kv_cache_dtype": self._kv_cache_dtype_name,
+                "bytes_per_token": self.kv_bytes_per_token(),
             },
+            **self._host_pages(),
             "requests": {
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
@@ -439,7 +514,29 @@ class LLMEngine:
         """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
         self.executor.shutdown()
 
+    def _host_pages(self) -> dict:
+        """``host_pages`` for ``get_device_stats``: the host tier's frames (none: no entry)."""
+        host = self.block_manager.host
+        if host is None:
+            return {}
+        cached = len(host.frame_to_cached_block)
+        return {
+            "host_pages": {
+                "total": host.num_frames,
+                "swapped": host.num_swapped_frames,
+                "cached": cached,
+                "free": host.num_frames - host.num_swapped_frames - cached,
+                "swap_share": host.swap_share,
+                "cache_share": host.cache_share,
+            }
+        }
+
     def get_page_map(self) -> dict:
-        """The KV page pool frame by frame (``BlockManager.page_map``), for the web console."""
+        """The KV page pool frame by frame (``BlockManager.page_map``), for the web console;
+        ``host``: the host tier's frames, as a tier of their own."""
         bm = self.block_manager
-        return {"total": bm.num_pages, "block_size": self.block_size, **bm.page_map()}
+        page_map = {"total": bm.num_pages, "block_size": self.block_size, **bm.page_map()}
+        host = bm.host_page_map()
+        if host is not None:
+            page_map["host"] = host
+        return page_map

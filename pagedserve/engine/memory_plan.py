@@ -16,7 +16,8 @@ All figures are per tensor-parallel rank, in bytes:
   replicated. They must fit the card's weight tier.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
   bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
-  KV-cache formula gave about 4.6 GB; that figure is too low).
+  KV-cache formula gave about 4.6 GB; that figure is too low). With ``--kv-cache-dtype int8`` a
+  head costs ``head_dim + 4`` bytes (its int8 codes and an fp32 scale): GLM-4-9B 20.6 KiB a token.
 - the KV pool: the least of the KV tier, ``memory x gpu_memory_utilization - weights`` on a card
   whose tiers share one HBM (``memory_bytes``), and, on a device in host memory (``cpu``,
   ``kunlun-emu``), half this machine's free RAM. Activations are not budgeted: the engine does not
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.config import DeviceConfig, SchedulerConfig
+from pagedserve.config import KV_CACHE_DTYPES, DeviceConfig, SchedulerConfig
 from pagedserve.hal.device_preset import (
     DevicePreset,
     host_memory_limit,
@@ -71,6 +72,7 @@ class TuneResult:
     quantization: str
     quant_group_size: int
     kv_dtype: str
+    kv_cache_dtype: str
     block_size: int
     max_model_len: int
     gpu_memory_utilization: float
@@ -241,6 +243,7 @@ def tune(
     block_size: int = 16,
     quant_group_size: int = 32,
     max_num_batched_tokens: int | None = None,
+    kv_cache_dtype: str = "auto",
     host_limit: float | None = None,
 ) -> TuneResult:
     """The plan ``serve`` would start with. ``host_limit``: the bytes an emulated pool may take
@@ -267,6 +270,8 @@ def tune(
         raise TuneError(
             f"--quantization must be int4 or none; --kv-dtype one of {', '.join(KV_DTYPE_BYTES)}"
         )
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise TuneError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, dtype_bytes)
@@ -274,7 +279,9 @@ def tune(
     if not _weights_fit(device, weights, gpu_memory_utilization):
         fewest = _smallest_fitting_tp(model, device, quantization, quant_group_size, dtype_bytes)
         raise _weights_do_not_fit(name, device, weights, gpu_memory_utilization, tp, fewest)
-    per_token = model.kv_bytes_per_token(model.num_kv_heads_per_rank(tp), dtype_bytes)
+    per_token = model.kv_bytes_per_token(
+        model.num_kv_heads_per_rank(tp), dtype_bytes, kv_cache_dtype
+    )
     limits = kv_pool_limits(
         device, weights, gpu_memory_utilization, host_limit=_host_limit(device, host_limit)
     )
@@ -306,6 +313,7 @@ def tune(
         quantization=quantization,
         quant_group_size=quant_group_size,
         kv_dtype=kv_dtype,
+        kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         max_model_len=max_model_len,
         gpu_memory_utilization=gpu_memory_utilization,
@@ -392,6 +400,8 @@ def serve_args(result: TuneResult) -> list[str]:
     ]
     if result.quantization == "int4":
         args += ["--quantization", "int4"]
+    if result.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", result.kv_cache_dtype]
     return args
 
 
@@ -422,6 +432,12 @@ POOL_BOUNDS = {
 }
 
 
+def _kv_formula(r: TuneResult) -> str:
+    if r.kv_cache_dtype == "int8":
+        return "2 x layers x kv_heads/rank x (head_dim + 4) B (int8 codes + an fp32 scale)"
+    return f"2 x layers x kv_heads/rank x head_dim x {KV_DTYPE_BYTES[r.kv_dtype]} B ({r.kv_dtype})"
+
+
 def explain(result: TuneResult) -> str:
     r, size = result, format_bytes
     linear = (
@@ -442,11 +458,7 @@ def explain(result: TuneResult) -> str:
             f"q/k/v/o, gate_up, down split over tp={r.tensor_parallel_size}: {linear}",
         ),
         ("weights per rank", size(r.weight_bytes), f"{r.weight_bytes} bytes"),
-        (
-            "KV bytes per token",
-            f"{r.kv_bytes_per_token} B",
-            f"2 x layers x kv_heads/rank x head_dim x {KV_DTYPE_BYTES[r.kv_dtype]} B ({r.kv_dtype})",
-        ),
+        ("KV bytes per token", f"{r.kv_bytes_per_token} B", _kv_formula(r)),
         (
             "KV per max-model-len seq",
             size(r.kv_bytes_per_seq),
@@ -479,9 +491,10 @@ def explain(result: TuneResult) -> str:
         ),
     ]
     width = [max(len(row[i]) for row in rows) for i in range(2)]
+    kv = "int8" if r.kv_cache_dtype == "int8" else r.kv_dtype
     head = (
         f"{r.model} on {r.device}: tp={r.tensor_parallel_size}, {r.quantization}, "
-        f"kv {r.kv_dtype}, block {r.block_size}, max_model_len {r.max_model_len}"
+        f"kv {kv}, block {r.block_size}, max_model_len {r.max_model_len}"
     )
     body = [f"{a:<{width[0]}}  {b:>{width[1]}}  {c}" for a, b, c in rows]
     return "\n".join([head, "-" * len(head), *body, _fits_line(r)])

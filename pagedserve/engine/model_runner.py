@@ -6,6 +6,7 @@ prompt positions of requests that asked for prompt logprobs).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,31 +32,46 @@ class ModelInput:
     block_tables: list[list[int]]  # [B, max_blocks], padded with 0
     logits_rows: list[int]  # rows whose logits this step needs: prompt logprobs, then samplers
     page_copies: list[tuple[int, int]]  # copy-on-write (source page, destination page)
+    # moves between the KV tier and the host tier, done first: every rank holds the same pages
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV page, host frame)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host frame, KV page)
 
     def to_tensor(self) -> torch.Tensor:
         """One int64 tensor: the sizes, then every field flattened."""
         tables = [p for row in self.block_tables for p in row]
-        copies = [p for pair in self.page_copies for p in pair]
+        pairs = [self.page_copies, self.swap_out, self.swap_in]
         max_blocks = len(self.block_tables[0]) if self.block_tables else 0
-        sizes = [len(self.input_ids), len(self.seq_lens), max_blocks]
-        sizes += [len(self.logits_rows), len(self.page_copies)]
+        sizes = [len(self.input_ids), len(self.seq_lens), max_blocks, len(self.logits_rows)]
+        sizes += [len(p) for p in pairs]
         fields = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc]
-        fields += [self.seq_lens, tables, self.logits_rows, copies]
+        fields += [self.seq_lens, tables, self.logits_rows]
+        fields += [[x for pair in p for x in pair] for p in pairs]
         return torch.tensor(sizes + [x for f in fields for x in f], dtype=torch.long)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> ModelInput:
         values = t.tolist()
-        T, B, max_blocks, R, C = values[:5]
-        lengths = [T, T, T, B + 1, B, B * max_blocks, R, 2 * C]
-        fields, at = [], 5
+        T, B, max_blocks, R, C, SO, SI = values[:7]
+        lengths = [T, T, T, B + 1, B, B * max_blocks, R, 2 * C, 2 * SO, 2 * SI]
+        fields, at = [], 7
         for n in lengths:
             fields.append(values[at : at + n])
             at += n
-        ids, pos, slots, qsl, lens, tables, rows, copies = fields
+        ids, pos, slots, qsl, lens, tables, rows, *flat_pairs = fields
         table_rows = [tables[i * max_blocks : (i + 1) * max_blocks] for i in range(B)]
-        pairs = list(zip(copies[::2], copies[1::2]))
-        return cls(ids, pos, slots, qsl, lens, table_rows, rows, pairs)
+        copies, swap_out, swap_in = (list(zip(f[::2], f[1::2])) for f in flat_pairs)
+        return cls(ids, pos, slots, qsl, lens, table_rows, rows, copies, swap_out, swap_in)
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """What one step cost on this rank: its page moves between the tiers, its forward pass (the
+    rates ``swap_policy`` decides by)."""
+
+    num_pages_moved: int = 0
+    move_seconds: float = 0.0
+    num_tokens: int = 0
+    forward_seconds: float = 0.0
 
 
 @dataclass
@@ -64,6 +80,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
     # request id -> (first prompt position predicted, logprobs of the following prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    timing: StepTiming = field(default_factory=StepTiming)
 
 
 class ModelRunner:
@@ -99,12 +116,22 @@ class ModelRunner:
         inp.logits_rows = [row for rows in prompt_rows.values() for row in rows] + sample_rows
         if self.broadcast_step is not None:
             self.broadcast_step(inp)
-        logits = self.run_step(inp)
+        out = ModelRunnerOutput()
+        timing = out.timing
+        start = time.perf_counter()
+        self.move_pages(inp)
+        timing.num_pages_moved = len(inp.swap_out) + len(inp.swap_in)
+        timing.move_seconds = time.perf_counter() - start
+        if not inp.input_ids:  # a step that only moves pages (its sequences were all preempted)
+            return out
+        logits = self.forward(inp)
+        timing.num_tokens = len(inp.input_ids)
+        timing.forward_seconds = time.perf_counter() - start - timing.move_seconds
         if self.patrol_scrub is not None and self.patrol_scrub():
             # a weight page this pass may have read was corrupted and is now restored: the
-            # step is computed again (its KV slots rewritten) before anything is sampled
-            logits = self.run_step(inp)
-        out = ModelRunnerOutput()
+            # forward pass runs again (its KV slots rewritten) before anything is sampled; the
+            # page moves are not redone, as the pass may have written the pages they read
+            logits = self.forward(inp)
         at = self._compute_prompt_logprobs(sched, prompt_rows, logits, out)
         if samplers:
             result = self.sampler(logits[at:], self._sampling_metadata(samplers))
@@ -115,9 +142,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, inp: ModelInput) -> torch.Tensor | None:
-        """The forward pass of one step on this rank's shard: the logits of ``inp.logits_rows``
-        (whole at every rank), None when no row needs them."""
+        """One step on this rank's shard: its page moves, then its forward pass (none when the
+        step only moves pages)."""
+        self.move_pages(inp)
+        return self.forward(inp) if inp.input_ids else None
+
+    def move_pages(self, inp: ModelInput) -> None:
+        """The step's page moves, in the order the block manager queued them for: swap-outs,
+        swap-ins, copy-on-write."""
+        self.device.swap_out(inp.swap_out)
+        self.device.swap_in(inp.swap_in)
         self.device.copy_pages(inp.page_copies)
+
+    @torch.inference_mode()
+    def forward(self, inp: ModelInput) -> torch.Tensor | None:
+        """The forward pass: the logits of ``inp.logits_rows`` (whole at every rank), None when
+        no row needs them."""
         dev = self.device.torch_device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(inp.slot_mapping, device=dev),
@@ -167,7 +207,7 @@ class ModelRunner:
             n = self._num_prompt_logprob_rows(s.request, start, end)
             if n:
                 prompt_rows[i] = list(range(row0, row0 + n))
-        max_blocks = max(len(s.block_table) for s in sched.scheduled)
+        max_blocks = max((len(s.block_table) for s in sched.scheduled), default=0)
         padded = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.scheduled]
         inp = ModelInput(
             input_ids,
@@ -178,6 +218,8 @@ class ModelRunner:
             padded,
             logits_rows,
             list(sched.page_copies),
+            list(sched.swap_out),
+            list(sched.swap_in),
         )
         return inp, prompt_rows
 

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # its pages freed: it recomputes them when it runs again
+    SWAPPED = "swapped"  # preempted with its pages in the host tier: they come back by copy
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -54,6 +55,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    num_lost_tokens: int = 0  # the most tokens computed before a preemption freed them
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, if asked
     cumulative_logprob: float = 0.0  # sum of the chosen tokens' logprobs, if asked
     stop_reason: int | str | None = None

@@ -3,6 +3,12 @@
 Each request has ``num_computed_tokens`` and ``num_tokens``; every step hands out tokens so that the
 first catches up with the second: running requests first, then waiting ones in arrival order. Chunked
 prefill, prefix-cache hits, decode and recompute after preemption are all that one rule.
+
+A preempted request either recomputes (its pages freed, ``num_computed_tokens`` back to 0) or is
+swapped out (its pages copied to the host tier, ``num_computed_tokens`` kept), as
+``--preemption-mode`` and ``swap_policy`` decide; either way it waits at the front of the queue,
+and a swapped one comes back by copy. A step that preempts admits nobody, so no step both swaps
+out and swaps in (vLLM v0's rule).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 from pagedserve.config import SchedulerConfig
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.swap_policy import PreemptionCosts, should_swap
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,10 @@ class SchedulerOutput:
     """What one step computes: the boundary between deciding and computing."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # swapped out or to recompute
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV page, host frame)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host frame, KV page)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -48,6 +57,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_page_moves(self) -> bool:
+        """Copies the runner must do even when nothing is scheduled (a step that only preempts
+        swaps its victims out all the same)."""
+        return bool(self.swap_out or self.swap_in or self.page_copies)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
@@ -55,7 +70,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.costs = PreemptionCosts()  # the engine feeds it each step's measured times
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # of those, the ones swapped out
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption freed them
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
@@ -64,12 +82,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.block_manager.moves_done()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.page_copies = self.block_manager.take_pending_copies()
+        out.swap_out, out.swap_in = self.block_manager.take_pending_swaps()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -97,15 +117,13 @@ class Scheduler:
             if req.waiting_for_grammar:
                 skipped.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_hit = [], 0
-            if req.sampling_params.prompt_logprobs is None:  # cached positions would have none
-                computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.block_manager.allocate_slots(req, n, computed_blocks):
+            if req.status is RequestStatus.SWAPPED:
+                n = self._swap_in(req, budget)
+            else:
+                n = self._allocate_waiting(req, budget)
+            if n is None:
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = num_hit
-            req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -115,23 +133,68 @@ class Scheduler:
             seats -= _num_seats(req)
         self.waiting.extendleft(reversed(skipped))
 
+    def _allocate_waiting(self, req: Request, budget: int) -> int | None:
+        """Pages for a waiting request's prefix hits and first tokens: how many tokens it gets
+        this step, or None when the pages do not suffice."""
+        bm, computed_blocks, num_hit = self.block_manager, [], 0
+        look_up = req.sampling_params.prompt_logprobs is None  # cached positions would have none
+        if look_up:
+            computed_blocks, num_hit = bm.get_computed_blocks(req)
+        n = min(req.num_tokens - num_hit, budget)
+        if not bm.allocate_slots(req, n, computed_blocks):
+            return None
+        if look_up:
+            bm.record_prefix_lookup(req, computed_blocks)
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        return n
+
+    def _swap_in(self, req: Request, budget: int) -> int | None:
+        """A swapped-out request's pages back from the host tier, and its next tokens."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return n if self.block_manager.swap_in(req, n) else None
+
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        if start < req.num_lost_tokens:  # computing again what a preemption threw away
+            self.num_recomputed_tokens += min(start + n, req.num_lost_tokens) - start
         return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))
 
-    def preempt(self, req: Request) -> None:
-        """Take a running request back to the front of the queue, its pages freed (recompute)."""
+    def preempt(self, req: Request, recompute: bool = False) -> None:
+        """Take a running request back to the front of the queue; ``recompute``: its pages are
+        freed whatever the preemption mode (their contents are not trusted)."""
         self.running.remove(req)
-        self._preempt(req)
+        self._preempt(req, recompute)
 
-    def _preempt(self, req: Request) -> None:
-        """Free the request's pages; it recomputes from scratch (prefix caching may help) later."""
-        self.block_manager.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+    def _preempt(self, req: Request, recompute: bool = False) -> None:
+        """Swap the request's pages out, or free them: it recomputes from scratch later (prefix
+        caching may help)."""
+        bm = self.block_manager
+        num_pages, num_tokens = bm.num_pages_to_swap(req), req.num_computed_tokens
+        mode = "recompute" if recompute else self.config.preemption_mode
+        if bm.can_swap_out(req) and should_swap(mode, self.costs, num_pages, num_tokens):
+            bm.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+            self.num_swapped_preemptions += 1
+        else:
+            bm.free(req)
+            self._forget_computed(req)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        logger.debug("preempted %s", req.request_id)
+        logger.debug("preempted %s (%s)", req.request_id, req.status.value)
+
+    def _forget_computed(self, req: Request) -> None:
+        req.num_lost_tokens = max(req.num_lost_tokens, req.num_computed_tokens)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+
+    def recompute_swapped(self, req: Request) -> None:
+        """A swapped-out request whose host frames are no longer trusted recomputes instead; it
+        keeps its place in the queue."""
+        assert req.status is RequestStatus.SWAPPED, f"{req.request_id} is not swapped out"
+        self.block_manager.free_swapped(req)
+        self._forget_computed(req)
 
     def admit_forked(self, child: Request) -> None:
         """A child of an ``n > 1`` request that shares its parent's pages joins the running set."""
@@ -146,7 +209,14 @@ class Scheduler:
             self.block_manager.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            if req.status is RequestStatus.SWAPPED:
+                self.block_manager.free_swapped(req)
         req.status = status
+
+    @property
+    def swapped(self) -> list[Request]:
+        """Waiting requests whose pages are in the host tier."""
+        return [r for r in self.waiting if r.status is RequestStatus.SWAPPED]
 
 
 def _num_seats(req: Request) -> int:

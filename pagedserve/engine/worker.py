@@ -56,7 +56,9 @@ class Worker:
         self.tp.check(self._int4_group_size(), usage_context.name_of("tensor_parallel_size"))
         self.model = self._load_model()
         self.block_size = config.cache.block_size
+        self.kv_cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else self.dtype
         self.runner: ModelRunner | None = None
+        self.num_swap_frames = self.num_host_cache_frames = 0  # the host tier's shares
 
     # ---- weights ------------------------------------------------------------------------------
     def _int4_group_size(self) -> int | None:
@@ -116,20 +118,25 @@ class Worker:
 
     # ---- the KV cache -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """On this card: its KV heads only."""
+        """On this card: its KV heads only, in the KV cache's dtype (``--kv-cache-dtype``)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.model_config.kv_bytes_per_token(self.tp.num_kv_heads, elem)
+        return self.model_config.kv_bytes_per_token(
+            self.tp.num_kv_heads, elem, self.config.cache.kv_cache_dtype
+        )
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token()
 
     def init_kv_cache(self) -> ModelRunner:
         """Allocate the KV page pool (as many pages as the fullest card allows: every rank holds
-        the same pages) and the model runner over it."""
+        the same pages), the host tier's frames, and the model runner over them."""
         c, cache = self.model_config, self.config.cache
-        page_bytes = self.block_size * self.kv_bytes_per_token()
+        page_bytes = self.page_bytes
         num_pages = cache.num_kv_pages or self.device.num_kv_pages_available(
             page_bytes, cache.gpu_memory_utilization
         )
-        pages = torch.tensor([num_pages], device=self.device.torch_device)
-        num_pages = int(self.device.all_reduce(pages, op="min")[0])
+        num_pages = self._same_on_every_rank(num_pages)
         if num_pages < 1:
             name = self.usage_context.name_of
             raise ValueError(
@@ -143,10 +150,45 @@ class Worker:
             self.block_size,
             self.tp.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            self.kv_cache_dtype,
         )
+        self._init_host_tier()
         self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
         return self.runner
+
+    def _same_on_every_rank(self, count: int) -> int:
+        """The smallest ``count`` of all ranks (the pool every rank can hold)."""
+        t = torch.tensor([count], device=self.device.torch_device)
+        return int(self.device.all_reduce(t, op="min")[0])
+
+    def _init_host_tier(self) -> None:
+        """Frames in the host tier for ``--swap-space`` and ``--host-prefix-cache`` GiB, a page
+        each, as one pool (``engine.host_tier``)."""
+        cache = self.config.cache
+        swap = self._same_on_every_rank(int(cache.swap_space * 2**30 // self.page_bytes))
+        cached = self._same_on_every_rank(int(cache.host_prefix_cache * 2**30 // self.page_bytes))
+        if not swap + cached:
+            return
+        nbytes = (swap + cached) * self.page_bytes
+        name = self.usage_context.name_of
+        asked = (
+            f"{name('swap_space')} {cache.swap_space:g} GiB and {name('host_prefix_cache')} "
+            f"{cache.host_prefix_cache:g} GiB ({format_bytes(nbytes)})"
+        )
+        tier, limit = self.device.tiers["host"], self.device.host_memory_limit()
+        if tier.capacity and nbytes > tier.free:
+            raise ValueError(
+                f"{asked} do not fit the host tier of {self.device.name}: "
+                f"{format_bytes(tier.free)} free of {format_bytes(tier.capacity)}; lower them or "
+                "use a device preset with a larger host tier"
+            )
+        if nbytes > limit:
+            raise ValueError(
+                f"{asked} ask for more host memory than this machine can give "
+                f"({format_bytes(int(limit))}); lower them"
+            )
+        self.device.allocate_host_kv_cache(swap + cached)
+        self.num_swap_frames, self.num_host_cache_frames = swap, cached
 
     def device_stats(self) -> dict:
         """This card's part of what ``pagedserve smi`` shows (the engine adds the KV pool, the

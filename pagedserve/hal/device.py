@@ -32,6 +32,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# the setting a user changes when a tier runs out
+_TIER_FLAGS = {"kv": "--gpu-memory-utilization", "host": "--swap-space, --host-prefix-cache"}
+
+
 class Device:
     """Base backend: charges every allocation to a memory tier and runs the reference kernels."""
 
@@ -41,13 +45,12 @@ class Device:
         self.preset = preset
         self.torch_device = torch.device(torch_device)
         self.tiers = {
-            name: MemoryTier(
-                name, cap, flag="--gpu-memory-utilization" if name == "kv" else "--device"
-            )
+            name: MemoryTier(name, cap, flag=_TIER_FLAGS.get(name, "--device"))
             for name, cap in preset.tiers.items()
         }
         self._handles: dict[int, tuple[str, int]] = {}
         self.kv_cache: torch.Tensor | None = None
+        self.host_kv_cache: torch.Tensor | None = None  # the host tier's KV page frames
         self.kv_memory_attr: MemoryAttr | None = None
         self.weight_tensors: dict[str, torch.Tensor] = {}  # by tag: what the scrub covers
         self.scrubber: WeightScrubber | None = None
@@ -99,9 +102,15 @@ class Device:
         tag: str,
         attr: MemoryAttr = MemoryAttr.CACHED,
     ) -> torch.Tensor:
+        return self._zeros_in(tier, tag, attr, shape, dtype, device=self.torch_device)
+
+    def _zeros_in(
+        self, tier: str, tag: str, attr: MemoryAttr, shape: tuple[int, ...], dtype, **where
+    ) -> torch.Tensor:
+        """``torch.zeros(shape, dtype, **where)``, charged to ``tier``."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         handle = self.tiers[tier].reserve(nbytes, tag, attr)
-        out = torch.zeros(shape, dtype=dtype, device=self.torch_device)
+        out = torch.zeros(shape, dtype=dtype, **where)
         self._handles[id(out)] = (tier, handle)
         return out
 
@@ -162,6 +171,38 @@ class Device:
 
     def take_faulted_pages(self) -> list[int]:
         """KV pages whose contents the device found corrupted since the last call."""
+        return []
+
+    # ---- the host tier's KV page frames -------------------------------------------------------
+    def allocate_host_kv_cache(self, num_frames: int) -> torch.Tensor:
+        """Page frames in the host tier for KV pages that leave the KV tier (the pages of a
+        swapped-out sequence, prefix blocks the KV tier evicts): [num_frames, layers, 2,
+        block_size, kv_heads, row], the KV pool's pages page-major (``kernels.swap_out_pages``),
+        in host memory. Pages move between the tiers whole, by ``swap_out`` and ``swap_in``."""
+        assert self.kv_cache is not None, "allocate_host_kv_cache before the KV cache"
+        layers, _, _, *page = self.kv_cache.shape
+        shape = (num_frames, layers, 2, *page)
+        self.host_kv_cache = self.host_empty(shape, self.kv_cache.dtype, "host_kv_cache")
+        return self.host_kv_cache
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """A zeroed tensor in host memory, charged to the host tier (a backend whose device
+        memory is not the host's pins it there, for copies that overlap compute)."""
+        return self._zeros_in("host", tag, MemoryAttr.CACHED, shape, dtype, device="cpu")
+
+    def swap_out(self, moves: list[tuple[int, int]]) -> None:
+        """Copy KV pages to host frames: (device page, host frame) pairs, before the step that
+        may write the pages again."""
+        if moves:
+            kernels.swap_out_pages(self.kv_cache, self.host_kv_cache, moves)
+
+    def swap_in(self, moves: list[tuple[int, int]]) -> None:
+        """Copy host frames back to KV pages: (host frame, device page) pairs."""
+        if moves:
+            kernels.swap_in_pages(self.kv_cache, self.host_kv_cache, moves)
+
+    def take_faulted_host_frames(self) -> list[int]:
+        """Host-tier KV frames whose contents the device found corrupted since the last call."""
         return []
 
     # ---- the weight tier's patrol scrub -------------------------------------------------------

@@ -25,6 +25,7 @@ class KunlunEmuDevice(CpuDevice):
     def __init__(self, preset: DevicePreset, kernels: str = "auto"):
         super().__init__(preset, kernels)
         self._faulted_pages: set[int] = set()
+        self._faulted_host_frames: set[int] = set()
         self._kernel_fault_armed = False
 
     def inject_fault(self, page: int, layer: int = 0) -> None:
@@ -44,6 +45,21 @@ class KunlunEmuDevice(CpuDevice):
         pages, self._faulted_pages = sorted(self._faulted_pages), set()
         self.faults.detected["kv_page"] += len(pages)
         return pages
+
+    def inject_host_fault(self, frame: int, layer: int = 0) -> None:
+        """The same upset in host-tier KV frame ``frame`` (a swapped-out or spilled page): the
+        host memory's ECC reports it (``take_faulted_host_frames``). Counted as a KV page fault:
+        it is one, wherever the page lives, and it is recovered the same way (a recompute)."""
+        assert self.host_kv_cache is not None, "inject_host_fault without a host tier KV pool"
+        first = self.host_kv_cache[frame, layer, 0].view(-1)
+        _flip_top_bit(first[:4] if first.dtype == torch.int8 else first[:1])
+        self._faulted_host_frames.add(frame)
+        self.faults.injected["kv_page"] += 1
+
+    def take_faulted_host_frames(self) -> list[int]:
+        frames, self._faulted_host_frames = sorted(self._faulted_host_frames), set()
+        self.faults.detected["kv_page"] += len(frames)
+        return frames
 
     def inject_weight_fault(self, tag: str | None = None, index: int | None = None) -> WeightPage:
         """Flip bit 30 of the first 32-bit word of a weight page (a random one unless named): a

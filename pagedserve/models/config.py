@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.config import KV_CACHE_DTYPES
+
 SUPPORTED_MODEL_TYPES = ("glm", "glm4", "chatglm")
+# an INT8 KV cache stores each token's head as head_dim int8 codes and their fp32 scale
+# (``hal.kernels.quantize_kv``; no torch here, so the width is repeated)
+INT8_KV_SCALE_BYTES = 4  # hal.kernels.KV_SCALE_BYTES: the scale stored after each head's codes
 QUANT_CONFIG_FILES = ("quant_config.json", "quantize_config.json")
 
 
@@ -44,10 +49,29 @@ class GlmConfig:
         there are fewer than ranks (as vLLM does)."""
         return max(self.num_key_value_heads // tp_size, 1)
 
-    def kv_bytes_per_token(self, num_kv_heads: int, dtype_bytes: int) -> int:
-        """K and V of one token in every layer, on a card that holds ``num_kv_heads`` KV heads of
-        ``dtype_bytes`` each: the engine sizes its KV pages by it, ``pagedserve tune`` plans by it."""
-        return 2 * self.num_hidden_layers * num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(
+        self, num_kv_heads: int, dtype_bytes: int, kv_cache_dtype: str = "auto"
+    ) -> int:
+        """K and V of one token in every layer, on a card that holds ``num_kv_heads`` KV heads:
+        ``head_dim`` values of ``dtype_bytes`` each per head, or with ``kv_cache_dtype="int8"``
+        ``head_dim`` one-byte codes and a 4-byte scale. The engine sizes its KV pages by it,
+        ``pagedserve tune`` plans by it."""
+        return (
+            2
+            * self.num_hidden_layers
+            * num_kv_heads
+            * self.kv_row_bytes(dtype_bytes, kv_cache_dtype)
+        )
+
+    def kv_row_bytes(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """One head of one token's K (or V) in the cache."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if kv_cache_dtype == "int8":
+            return self.head_dim + INT8_KV_SCALE_BYTES
+        return self.head_dim * dtype_bytes
 
     def verify(self) -> None:
         if self.architecture not in ("glm", "glm4"):

@@ -1,4 +1,5 @@
-"""The golden standard: a quantized model against its 16-bit reference on the same held-out text.
+"""The golden standard: a quantized model against its 16-bit reference on the same held-out text
+(the candidate's weights quantized, or its KV cache: ``kv_cache_dtype="int8"``).
 
 Perplexity, top-1 agreement and KL come from full next-token distributions, so they are computed
 with the fp32 reference forward (``quant/forward.py``) over each model's dequantized weights
@@ -80,10 +81,12 @@ def load_reference_model(
     act_bits: int | None = None,
     lm_head: str | None = None,
     lm_head_group_size: int = 32,
+    kv_cache_dtype: str = "auto",
 ) -> ReferenceGlm:
     """fp32 reference forward over a checkpoint, quantized linears dequantized; ``act_bits``
     defaults to the checkpoint's ``abits`` (16 when unquantized). ``lm_head`` ("int8", "int4")
-    rounds lm_head as ``--quantize-lm-head`` does at load time."""
+    rounds lm_head as ``--quantize-lm-head`` does at load time; ``kv_cache_dtype`` "int8" rounds
+    K and V as ``--kv-cache-dtype int8`` stores them."""
     config = load_config(model_dir)
     sd = load_state_dict(model_dir, config, torch.float32)
     qc = config.quantization_config
@@ -98,7 +101,9 @@ def load_reference_model(
             quantized.add("lm_head")
     if act_bits is None:
         act_bits = int(qc.get("abits", 16)) if qc else 16
-    return ReferenceGlm(config, sd, act_bits=act_bits, quantized=quantized)
+    return ReferenceGlm(
+        config, sd, act_bits=act_bits, quantized=quantized, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 def _round_trip_lm_head(sd: dict[str, torch.Tensor], mode: str, group_size: int) -> None:
@@ -137,12 +142,21 @@ def sample_blocks(model: ReferenceGlm, num_samples: int, seq_len: int, seed: int
 
 
 def llm_continuations(
-    model_dir: str | Path, prompts: torch.Tensor, max_tokens: int, lm_head: str | None = None
+    model_dir: str | Path,
+    prompts: torch.Tensor,
+    max_tokens: int,
+    lm_head: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[list[int]]:
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 
-    llm = LLM(model=str(model_dir), dtype="float32", quantize_lm_head=lm_head)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        quantize_lm_head=lm_head,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts.tolist()], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -162,6 +176,7 @@ class EvalResult:
     max_loss_pct: float
     num_tokens: int
     act_bits: int
+    kv_cache_dtype: str = "auto"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -202,14 +217,17 @@ def evaluate(
     generator: str = "reference",
     act_bits: int | None = None,
     lm_head: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EvalResult:
     reference = load_reference_model(reference_dir, act_bits=16)
-    candidate = load_reference_model(candidate_dir, act_bits=act_bits, lm_head=lm_head)
+    candidate = load_reference_model(
+        candidate_dir, act_bits=act_bits, lm_head=lm_head, kv_cache_dtype=kv_cache_dtype
+    )
     m = distribution_metrics(reference, candidate, blocks)
     prompts = blocks[:, : min(prompt_len, blocks.shape[1])]
     if generator == "llm":
         ref_out = llm_continuations(reference_dir, prompts, max_tokens)
-        cand_out = llm_continuations(candidate_dir, prompts, max_tokens, lm_head)
+        cand_out = llm_continuations(candidate_dir, prompts, max_tokens, lm_head, kv_cache_dtype)
     elif generator == "reference":
         ref_out = greedy_continuations(reference, prompts, max_tokens)
         cand_out = greedy_continuations(candidate, prompts, max_tokens)
@@ -228,6 +246,7 @@ def evaluate(
         max_loss_pct=max_loss_pct,
         num_tokens=int(m["num_tokens"]),
         act_bits=candidate.act_bits,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -241,6 +260,10 @@ def format_table(r: EvalResult) -> str:
         ("BLEU-4 (greedy)", f"{r.bleu:.4f}"),
         ("ROUGE-L F1 (greedy)", f"{r.rouge_l:.4f}"),
         ("activations", f"{r.act_bits}-bit"),
+        (
+            "KV cache",
+            "int8 + a scale per token and head" if r.kv_cache_dtype == "int8" else "16-bit",
+        ),
         ("tokens scored", str(r.num_tokens)),
         ("verdict", f"{'PASS' if r.passed else 'FAIL'} (max loss {r.max_loss_pct} %)"),
     ]

@@ -2,6 +2,9 @@
 and evaluation: fp32, full causal attention over a [B, T] batch, no paging, layer by layer.
 
 ``act_bits=8`` emulates W4A8: each quantized linear's input is quantized per token, symmetric int8.
+``kv_cache_dtype="int8"`` emulates an INT8 KV cache: every key (after its rotation, as the cache
+holds it) and value is rounded to int8 codes and a scale per token and head and read back, by the
+HAL's own ``quantize_kv`` / ``dequantize_kv``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedserve.hal.kernels import apply_rotary, rotary_at, rotary_cos_sin
+from pagedserve.hal.kernels import (
+    apply_rotary,
+    dequantize_kv,
+    quantize_kv,
+    rotary_at,
+    rotary_cos_sin,
+)
 from pagedserve.models.config import GlmConfig
 
 LINEARS = (
@@ -48,10 +57,12 @@ class ReferenceGlm:
         state_dict: dict[str, torch.Tensor],
         act_bits: int = 16,
         quantized: set[str] | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         self.config = config
         self.sd = state_dict
         self.act_bits = act_bits
+        self.kv_cache_dtype = kv_cache_dtype
         self.quantized = (
             quantized or set()
         )  # layer-relative linear names per layer: "0.mlp.down_proj"
@@ -106,6 +117,8 @@ class ReferenceGlm:
         k = linear("self_attn.k_proj", x).view(b, t, c.num_key_value_heads, c.head_dim)
         v = linear("self_attn.v_proj", x).view(b, t, c.num_key_value_heads, c.head_dim)
         q, k = self.rotate(q), self.rotate(k)
+        if self.kv_cache_dtype == "int8":  # what an INT8 cache gives attention back
+            k, v = dequantize_kv(quantize_kv(k)), dequantize_kv(quantize_kv(v))
         rep = c.num_attention_heads // c.num_key_value_heads
         k, v = (z.repeat_interleave(rep, dim=2).transpose(1, 2) for z in (k, v))
         o = F.scaled_dot_product_attention(

@@ -310,9 +310,11 @@ class VersionResponse(ResponseModel):
 class FaultRequest(OpenAIModel):
     """``POST /device/faults``: which device fault to inject (kunlun-emu)."""
 
-    kind: Literal["kv_page", "weight_page", "step"]
+    kind: Literal["kv_page", "host_page", "weight_page", "step"]
     tag: str | None = Field(None, max_length=512, description="weight_page: the tensor's tag")
-    page: int | None = Field(None, ge=0, le=2**31, description="the page number")
+    page: int | None = Field(
+        None, ge=0, le=2**31, description="the page number (host_page: the host-tier frame)"
+    )
 
 
 class DeviceStatsResponse(ResponseModel):
@@ -322,6 +324,7 @@ class DeviceStatsResponse(ResponseModel):
     backend: str
     tiers: dict[str, Any]
     kv_pages: dict[str, Any]
+    host_pages: dict[str, int] | None = None  # the host tier's KV frames, when it has any
     requests: dict[str, int]
     faults_detected: int = 0
     faults: dict[str, dict[str, int]] = {}  # per kind: injected, detected, recovered

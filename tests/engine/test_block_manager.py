@@ -15,11 +15,13 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     multiple,
+    precondition,
     rule,
 )
 
 from pagedserve.engine import block_manager as bm_module
 from pagedserve.engine.block_manager import PAGE_STATES, BlockManager
+from pagedserve.engine.host_tier import HostBlock
 from pagedserve.engine.page_allocator import PhysicalPageAllocator
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -43,6 +45,7 @@ def admit(bm: BlockManager, req, num_new_tokens: int | None = None) -> bool:
         num_new_tokens = req.num_tokens - num_hit
     if not bm.allocate_slots(req, num_new_tokens, pages):
         return False
+    bm.record_prefix_lookup(req, pages)
     req.num_computed_tokens = num_hit + num_new_tokens
     return True
 
@@ -58,6 +61,9 @@ def snapshot(bm: BlockManager):
             bm.page_to_cached_block,
             bm.num_cached_blocks,
             bm.pending_copies,
+            bm.pending_swap_in,
+            bm.pending_swap_out,
+            bm.host and (bm.host.block_tables, list(bm.host.allocator.free_queue)),
         )
     )
 
@@ -127,6 +133,7 @@ def test_prefix_hit_across_two_requests_with_equal_prefixes():
     pages, num_hit = bm.get_computed_blocks(b)
     assert pages == bm.get_block_table("a")[:2] and num_hit == 8
     assert bm.allocate_slots(b, b.num_tokens - num_hit, pages)
+    bm.record_prefix_lookup(b, pages)
     assert bm.get_block_table("b")[:2] == bm.get_block_table("a")[:2]
     assert bm.get_block_table("b")[2] not in bm.get_block_table("a")
     assert [bm.allocator.refcount(p) for p in pages] == [2, 2]
@@ -291,12 +298,22 @@ def test_blocks_after_a_prefix_hit_are_cached_too():
     assert count_hits(bm, [1, 2, 5, 6, 9]) == 4
 
 
-def test_hit_counters_accumulate_over_lookups():
+def test_hit_counters_accumulate_over_admissions():
     bm = BlockManager(16, 4)
     assert admit(bm, Seq("a", list(range(9))))
-    for _ in range(2):
-        assert count_hits(bm, list(range(9))) == 8
+    for rid in ("b", "c"):
+        assert admit(bm, Seq(rid, list(range(9))))
     assert bm.prefix_cache_hits == 16 and bm.prefix_cache_queries == 27
+
+
+def test_a_lookup_whose_admission_fails_is_not_counted():
+    """A request that waits for pages looks its prefix up again at every try: only the try that
+    admits it counts (vLLM's issue 43736: a hit rate inflated by retries)."""
+    bm = BlockManager(4, 4)
+    assert admit(bm, Seq("a", list(range(9))))  # 3 of the 4 pages
+    assert not admit(bm, Seq("b", list(range(8)) + list(range(100, 110))))  # needs 3 more
+    assert count_hits(bm, list(range(9))) == 8  # a bare lookup: not counted either
+    assert bm.prefix_cache_hits == 0 and bm.prefix_cache_queries == 9
 
 
 def test_a_child_forked_before_its_first_full_block_caches_that_block_when_full():
@@ -415,6 +432,173 @@ def test_engine_request_satisfies_the_protocol():
     assert admit(bm, req) and len(bm.get_block_table("r")) == 2
 
 
+# ---- the host tier
+
+
+def host_manager(num_pages=8, swap=4, cache=0, block_size=4) -> BlockManager:
+    return BlockManager(num_pages, block_size, True, swap, cache)
+
+
+def test_swap_out_copies_the_computed_pages_and_keeps_the_computed_tokens():
+    bm = host_manager()
+    a = Seq("a", list(range(10)))
+    assert admit(bm, a)
+    table = list(bm.get_block_table("a"))
+    assert bm.can_swap_out(a)
+    bm.swap_out(a)
+    frames = bm.host.block_tables["a"]
+    assert bm.take_pending_swaps() == (list(zip(table, frames)), [])
+    assert a.num_computed_tokens == 10 and "a" not in bm.block_tables and bm.is_swapped(a)
+    assert bm.num_free_pages == 8 and bm.host.num_swapped_frames == 3
+    assert bm.check_invariants() == []
+
+
+def test_swap_in_gets_fresh_pages_for_the_frames_and_the_new_tokens():
+    bm = host_manager()
+    a = Seq("a", list(range(8)))
+    assert admit(bm, a)
+    bm.swap_out(a)
+    frames = list(bm.host.block_tables["a"])
+    bm.take_pending_swaps()
+    bm.moves_done()
+    a.all_token_ids.append(99)
+    assert bm.swap_in(a, 1)
+    table = bm.get_block_table("a")
+    assert len(table) == 3 and bm.take_pending_swaps() == ([], list(zip(frames, table[:2])))
+    assert bm.host.pinned == frames and not bm.is_swapped(a)  # read by this step's copies
+    assert bm.check_invariants() == []
+    bm.moves_done()
+    assert not bm.host.pinned and bm.host.allocator.num_free_pages == 4
+
+
+def test_the_swap_share_bounds_what_is_swapped_out():
+    bm = host_manager(swap=2)
+    a = Seq("a", list(range(9)))  # 3 pages
+    assert admit(bm, a)
+    assert not bm.can_swap_out(a)
+    with pytest.raises(AssertionError, match="no room to swap it out"):
+        bm.swap_out(a)
+    assert bm.check_invariants() == [] and not bm.is_swapped(a)
+
+
+def test_a_failed_swap_in_changes_nothing():
+    bm = host_manager(num_pages=3)
+    a = Seq("a", list(range(8)))
+    assert admit(bm, a)
+    bm.swap_out(a)
+    bm.take_pending_swaps()
+    assert admit(bm, Seq("b", list(range(100, 108))))
+    before = snapshot(bm)
+    a.all_token_ids.append(9)
+    assert not bm.swap_in(a, 1)
+    assert snapshot(bm) == before and bm.is_swapped(a)
+
+
+def test_an_evicted_prefix_block_spills_to_the_host_and_a_hit_copies_it_back():
+    bm = host_manager(num_pages=3, swap=0, cache=4)
+    a = Seq("a", list(range(9)))  # blocks [0..3], [4..7] cached, then a partial one
+    assert admit(bm, a)
+    pages = list(bm.get_block_table("a"))
+    bm.free(a)
+    assert admit(bm, Seq("b", list(range(100, 112))))  # all three pages: a's blocks evicted
+    out, _ = bm.take_pending_swaps()
+    assert [p for p, _ in out] == [pages[1], pages[0]]  # a's tail went first; its partial block
+    spilled = dict(out)  # was never cached
+    assert len(bm.host.frame_to_cached_block) == 2
+    bm.free(Seq("b", []))
+    queries = bm.host_prefix_cache_queries
+    blocks, num_hit = bm.get_computed_blocks(Seq("c", list(range(9))))
+    assert num_hit == 8 and all(isinstance(b, HostBlock) for b in blocks)
+    assert [b.frame for b in blocks] == [spilled[pages[0]], spilled[pages[1]]]
+    c = Seq("c", list(range(9)))
+    assert admit(bm, c) and c.num_computed_tokens == 9
+    assert bm.host_prefix_cache_hits == 8 and bm.host_prefix_cache_queries == queries + 9
+    _, loads = bm.take_pending_swaps()
+    assert [f for f, _ in loads] == [b.frame for b in blocks]
+    assert [p for _, p in loads] == bm.get_block_table("c")[:2]
+    assert bm.check_invariants() == []
+
+
+def test_a_block_back_from_the_host_is_not_copied_there_again():
+    bm = host_manager(num_pages=2, swap=0, cache=4)
+    assert admit(bm, Seq("a", list(range(5))))  # one full block
+    bm.free(Seq("a", []))
+    assert admit(bm, Seq("b", list(range(50, 58))))  # evicts it: one spill
+    assert len(bm.take_pending_swaps()[0]) == 1
+    bm.free(Seq("b", []))
+    c = Seq("c", list(range(5)))
+    assert admit(bm, c)  # a host hit, copied back
+    bm.take_pending_swaps()
+    bm.moves_done()
+    bm.free(c)
+    assert admit(bm, Seq("d", list(range(60, 68))))  # evicts it again: the host has it
+    out, _ = bm.take_pending_swaps()
+    assert all(
+        f not in bm.host.frame_to_cached_block
+        or bm.host.frame_to_cached_block[f].token_ids != (0, 1, 2, 3)
+        for _, f in out
+    )
+
+
+def test_frames_a_swap_in_reads_are_not_reused_by_a_spill_of_the_same_step():
+    """A swap-in's frames are read by this step's copies, after its swap-outs: a spill must not
+    land on them. (Freed at once, the second spill of c's admission below would take one.)"""
+    bm = BlockManager(5, 2, True, num_swap_frames=2, num_host_cache_frames=1)
+    a = Seq("a", [1, 2, 3, 4])
+    assert admit(bm, a)
+    bm.swap_out(a)  # frames 0 and 1; a's two pages stay cached in the KV tier
+    bm.take_pending_swaps()
+    bm.moves_done()
+    b = Seq("b", [5, 6, 7, 8, 13, 14])
+    assert admit(bm, b)
+    bm.free(b)  # every KV page now caches a block
+    a.all_token_ids.append(9)
+    assert bm.swap_in(a, 1)  # three pages: a spill takes the one free frame
+    assert admit(bm, Seq("c", [10, 11, 12, 15]))  # two more evictions, two more spills
+    out, into = bm.take_pending_swaps()
+    assert sorted(f for f, _ in into) == [0, 1]
+    assert not {f for _, f in out} & {f for f, _ in into}
+    assert bm.check_invariants() == []
+
+
+def test_a_faulted_host_frame_is_forgotten_and_names_its_swapped_holder():
+    bm = host_manager(swap=4, cache=4)
+    a = Seq("a", list(range(6)))
+    assert admit(bm, a)
+    bm.swap_out(a)
+    frame = bm.host.block_tables["a"][1]
+    assert bm.drop_host_frames([frame]) == ["a"]
+    bm.free_swapped(a)
+    assert not bm.is_swapped(a) and bm.check_invariants() == []
+    assert bm.host.allocator.num_free_pages == 8
+
+
+def test_the_host_page_map_shows_swapped_cached_and_free_frames():
+    bm = host_manager(num_pages=3, swap=2, cache=2)
+    a = Seq("a", list(range(5)))
+    assert admit(bm, a)
+    bm.swap_out(a)  # two frames swapped
+    bm.take_pending_swaps()
+    assert admit(bm, Seq("b", list(range(50, 62))))  # evicts a's cached block: one spill
+    host_map = bm.host_page_map()
+    assert host_map["counts"] == {"free": 1, "cached": 1, "swapped": 2}
+    assert sorted(host_map["cells"]) == ["0", "1", "2", "2"]
+    assert BlockManager(4, 4).host_page_map() is None
+
+
+def test_the_invariant_check_covers_the_host_tier():
+    bm = host_manager()
+    a = Seq("a", list(range(6)))
+    assert admit(bm, a)
+    bm.swap_out(a)
+    assert bm.check_invariants() == []
+    bm.host.allocator.ref_counts[bm.host.block_tables["a"][0]] += 1
+    assert any("host tier" in p and "refcount 2 but 1 holders" in p for p in bm.check_invariants())
+    bm.host.allocator.ref_counts[bm.host.block_tables["a"][0]] -= 1
+    bm.block_tables["a"] = []  # in both tiers
+    assert any("both tiers" in p for p in bm.check_invariants())
+
+
 # ---- property test: a scheduler's random moves never leak or corrupt pages
 
 BLOCK_SIZE = 4
@@ -423,17 +607,30 @@ SHARED_PREFIXES = [[], [0, 1, 2, 0, 1, 2, 0, 1], [2] * 12]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Simulates the KV pool as token ids per slot and checks every computed slot holds its token."""
+    """Simulates the KV pool and the host tier as token ids per slot, runs each rule's page
+    moves as the model runner does (swap-outs, swap-ins, copy-on-write, then the forward pass's
+    writes), and checks every computed slot holds its token, in whichever tier it is."""
 
     enable_prefix_caching = True
+    num_swap_frames = 0
+    num_host_cache_frames = 0
     waiting = Bundle("waiting")
     running = Bundle("running")
 
     @initialize()
     def setup(self):
-        self.bm = BlockManager(NUM_PAGES, BLOCK_SIZE, self.enable_prefix_caching)
+        self.bm = BlockManager(
+            NUM_PAGES,
+            BLOCK_SIZE,
+            self.enable_prefix_caching,
+            self.num_swap_frames,
+            self.num_host_cache_frames,
+        )
         self.kv: list[list[int | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_PAGES)]
+        num_frames = self.num_swap_frames + self.num_host_cache_frames
+        self.host_kv: list[list[int | None]] = [[None] * BLOCK_SIZE for _ in range(num_frames)]
         self.reqs: dict[str, Seq] = {}
+        self.swapped: dict[str, Seq] = {}
         self.next_id = 0
         self.next_token = 100
 
@@ -441,14 +638,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return f"r{self.next_id}"
 
-    def _compute(self, req: Seq, start: int, end: int) -> None:
-        """Run the pending copies, then write KV for positions start..end-1 (a forward pass)."""
+    def _run_moves(self) -> None:
+        """The runner's page moves, in its order, then the step is over (pins released)."""
+        out, into = self.bm.take_pending_swaps()
+        for page, frame in out:
+            self.host_kv[frame] = list(self.kv[page])
+        for frame, page in into:
+            self.kv[page] = list(self.host_kv[frame])
         for src, dst in self.bm.take_pending_copies():
             self.kv[dst] = list(self.kv[src])
+
+    def _compute(self, req: Seq, start: int, end: int) -> None:
+        """Run the pending moves, then write KV for positions start..end-1 (a forward pass)."""
+        self._run_moves()
         table = self.bm.get_block_table(req.request_id)
         for pos in range(start, end):
             self.kv[table[pos // BLOCK_SIZE]][pos % BLOCK_SIZE] = req.all_token_ids[pos]
         req.num_computed_tokens = end
+        self.bm.moves_done()
 
     @rule(
         target=waiting,
@@ -472,13 +679,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._compute(req, num_hit, num_hit + num_new)
         return req
 
+    def _sample_if_complete(self, req: Seq) -> None:
+        if req.num_computed_tokens == req.num_tokens:
+            self.next_token += 1
+            req.all_token_ids.append(self.next_token)  # a sampled token no other sequence has
+
     @rule(req=running, chunk=st.integers(1, 8))
     def schedule_running(self, req, chunk):
         if req.request_id not in self.reqs:
             return
-        if req.num_computed_tokens == req.num_tokens:
-            self.next_token += 1
-            req.all_token_ids.append(self.next_token)  # a sampled token no other sequence has
+        self._sample_if_complete(req)
         num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
         before = snapshot(self.bm)
         if not self.bm.allocate_slots(req, num_new):
@@ -507,6 +717,47 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(req)
         req.num_computed_tokens = 0
         return req
+
+    # ---- the host tier
+
+    @rule(req=running)
+    def swap_out(self, req):
+        if req.request_id not in self.reqs or not self.bm.can_swap_out(req):
+            return
+        self.bm.swap_out(req)
+        assert self.bm.is_swapped(req) and req.request_id not in self.bm.block_tables
+        self.swapped[self.reqs.pop(req.request_id).request_id] = req
+        self._run_moves()
+        self.bm.moves_done()
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def swap_in(self, data, chunk):
+        req = self.swapped[data.draw(st.sampled_from(sorted(self.swapped)))]
+        self._sample_if_complete(req)
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        before = snapshot(self.bm)
+        if not self.bm.swap_in(req, num_new):
+            assert snapshot(self.bm) == before
+            return
+        self.reqs[req.request_id] = self.swapped.pop(req.request_id)
+        self._compute(req, req.num_computed_tokens, req.num_computed_tokens + num_new)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def finish_swapped(self, data):
+        req = self.swapped.pop(data.draw(st.sampled_from(sorted(self.swapped))))
+        self.bm.free_swapped(req)
+
+    @precondition(lambda self: self.bm.host is not None)
+    @rule(data=st.data())
+    def host_fault(self, data):
+        """A frame's contents wrecked: what it caches is forgotten, its swapped holder dropped."""
+        frame = data.draw(st.integers(0, self.bm.host.num_frames - 1))
+        self.host_kv[frame] = [-1] * BLOCK_SIZE
+        for rid in self.bm.drop_host_frames([frame]):
+            self.bm.free_swapped(self.swapped.pop(rid))
+        assert frame not in self.bm.host.frame_to_cached_block
 
     @invariant()
     def pages_are_accounted_for(self):
@@ -557,19 +808,49 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for page, block in self.bm.page_to_cached_block.items():
             assert tuple(self.kv[page]) == block.token_ids
 
+    @invariant()
+    def swapped_frames_hold_their_tokens(self):
+        for req in self.swapped.values():
+            frames = self.bm.host.block_tables[req.request_id]
+            assert len(frames) * BLOCK_SIZE >= req.num_computed_tokens
+            for pos in range(req.num_computed_tokens):
+                slot = self.host_kv[frames[pos // BLOCK_SIZE]][pos % BLOCK_SIZE]
+                assert slot == req.all_token_ids[pos], (req.request_id, pos)
+
+    @invariant()
+    def host_cached_frames_hold_their_tokens(self):
+        if self.bm.host is not None:
+            for frame, block in self.bm.host.frame_to_cached_block.items():
+                assert tuple(self.host_kv[frame]) == block.token_ids
+            assert set(self.bm.host.block_tables) == set(self.swapped)
+
     def teardown(self):
         if not hasattr(self, "bm"):
             return
         for req in list(self.reqs.values()):
             self.bm.free(req)
+        for req in list(self.swapped.values()):
+            self.bm.free_swapped(req)
         assert self.bm.num_free_pages == NUM_PAGES and self.bm.usage == 0.0
         assert self.bm.check_invariants() == []
         assert not self.bm.block_tables
         assert not self.bm.block_hashes and not self.bm.num_cached_blocks, "bookkeeping leaked"
+        host = self.bm.host
+        if host is not None:
+            assert host.allocator.num_free_pages == host.num_frames and not host.block_tables
 
 
 class BlockManagerMachineNoCaching(BlockManagerMachine):
     enable_prefix_caching = False
+
+
+class BlockManagerMachineWithSwap(BlockManagerMachine):
+    num_swap_frames = 6
+
+
+class BlockManagerMachineWithSwapAndHostCache(BlockManagerMachine):
+    num_swap_frames = 4
+    num_host_cache_frames = 3  # fewer than the KV pool: spills evict host blocks too
 
 
 PROPERTY_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
@@ -577,3 +858,7 @@ TestBlockManagerWithPrefixCaching = BlockManagerMachine.TestCase
 TestBlockManagerWithPrefixCaching.settings = PROPERTY_SETTINGS
 TestBlockManagerWithoutPrefixCaching = BlockManagerMachineNoCaching.TestCase
 TestBlockManagerWithoutPrefixCaching.settings = PROPERTY_SETTINGS
+TestBlockManagerWithSwap = BlockManagerMachineWithSwap.TestCase
+TestBlockManagerWithSwap.settings = PROPERTY_SETTINGS
+TestBlockManagerWithSwapAndHostCache = BlockManagerMachineWithSwapAndHostCache.TestCase
+TestBlockManagerWithSwapAndHostCache.settings = PROPERTY_SETTINGS

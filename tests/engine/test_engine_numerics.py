@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from tests.helpers.models import build_tiny_hf_model, prompt_logprobs
+from tests.helpers.models import build_tiny_hf_model, host_tier_gib, prompt_logprobs
 
 MAX_TOKENS = 10
 # Mixed lengths: shorter and longer than a block, and two prompts sharing a 40-token prefix.
@@ -54,6 +54,9 @@ def _assert_pool_drained(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.usage == 0.0
     assert engine.block_manager.num_free_pages == engine.num_kv_pages
+    host = engine.block_manager.host
+    assert host is None or (host.usage == 0.0 and not host.block_tables)
+    assert engine.check_invariants() == []
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -90,16 +93,52 @@ def test_greedy_matches_transformers_with_chunked_prefill(model):
     _assert_pool_drained(llm)
 
 
-def test_greedy_matches_transformers_under_preemption(model):
+# How a preempted sequence's pages are kept: freed and recomputed, swapped to the host tier and
+# back, swapped with a host prefix cache beside (evicted prefix blocks spill there), or by cost.
+PREEMPTION = {
+    "recompute": dict(preemption_mode="recompute"),
+    "swap": dict(preemption_mode="swap", swap_frames=64),
+    "swap+host-cache": dict(preemption_mode="swap", swap_frames=64, host_cache_frames=64),
+    "auto": dict(preemption_mode="auto", swap_frames=64),
+}
+
+
+def _tier_kwargs(path, preemption: str, block_size: int = 4) -> dict:
+    kwargs = dict(PREEMPTION[preemption])
+    for key, flag in (("swap_frames", "swap_space"), ("host_cache_frames", "host_prefix_cache")):
+        if key in kwargs:
+            kwargs[flag] = host_tier_gib(path, kwargs.pop(key), block_size)
+    return kwargs
+
+
+def _assert_tiers_used(llm: LLM, preemption: str) -> None:
+    scheduler = llm.llm_engine.scheduler
+    assert scheduler.num_preemptions > 0
+    if preemption.startswith("swap"):
+        assert scheduler.num_swapped_preemptions == scheduler.num_preemptions
+        assert scheduler.num_recomputed_tokens == 0
+    if preemption == "recompute":
+        assert scheduler.num_swapped_preemptions == 0 and scheduler.num_recomputed_tokens > 0
+    assert llm.llm_engine.check_invariants() == []
+
+
+@pytest.mark.parametrize("preemption", PREEMPTION)
+def test_greedy_matches_transformers_under_preemption(model, preemption):
     path, _, refs = model
     # 70 + 10 tokens need 20 pages of 4; 24 pages cannot hold all six prompts at once.
-    llm, got = _generate(path, block_size=4, num_kv_pages=24)
+    llm, got = _generate(path, block_size=4, num_kv_pages=24, **_tier_kwargs(path, preemption))
     assert got == refs
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    _assert_tiers_used(llm, preemption)
     _assert_pool_drained(llm)
+    if preemption == "swap+host-cache":  # the pages the second pass needs spilled to the host
+        _, again = _generate_on(llm)
+        assert again == refs
+        assert llm.llm_engine.block_manager.host_prefix_cache_hits > 0
+        _assert_pool_drained(llm)
 
 
-def test_greedy_matches_transformers_with_everything_at_once(model):
+@pytest.mark.parametrize("preemption", PREEMPTION)
+def test_greedy_matches_transformers_with_everything_at_once(model, preemption):
     path, _, refs = model
     llm, got = _generate(
         path,
@@ -107,6 +146,7 @@ def test_greedy_matches_transformers_with_everything_at_once(model):
         num_kv_pages=26,
         max_num_batched_tokens=12,
         max_num_seqs=3,
+        **_tier_kwargs(path, preemption),
     )
     assert got == refs
     _assert_pool_drained(llm)

@@ -10,9 +10,17 @@ when and of the waiting queue's order, and checks the scheduler's decisions agai
   ``max_num_batched_tokens`` scheduled tokens, running requests included;
 - a request gets fewer tokens than it needs only when the token budget is spent (so a prompt
   longer than the budget is chunked over several steps, and no budget is left idle);
-- running requests go first, in admission order; waiting ones are admitted in queue order;
-- when pages run out, the requests preempted are the most recently admitted running ones;
-- every request finishes within a bound of steps, and every page returns to the pool.
+- running requests go first, in admission order; waiting ones are admitted in queue order; the
+  prefix-cache counters count each admission's lookup once, however often the queue's head
+  waited for pages;
+- when pages run out, the requests preempted are the most recently admitted running ones; each
+  is swapped out to the host tier (its computed tokens kept) or freed to recompute (back to 0),
+  as the preemption mode says and the host tier's room allows;
+- every page move runs before the step that needs it, in the runner's order: the driver keeps
+  the token each KV slot and each host frame holds, and after every step every computed token of
+  a running request is in its page, every token of a swapped-out one is in its host frames, and
+  every cached block (in either tier) holds the tokens it is cached for;
+- every request finishes within a bound of steps, and every page and frame returns to its pool.
 """
 
 from __future__ import annotations
@@ -66,6 +74,10 @@ class Driver:
     block_size: int
     enable_prefix_caching: bool = True
     fault_steps: frozenset[int] = frozenset()  # steps that preempt the oldest, as a KV fault does
+    preemption_mode: str = "recompute"
+    num_swap_frames: int = 0
+    num_host_cache_frames: int = 0
+    host_fault_steps: frozenset[int] = frozenset()  # steps that corrupt a swapped-out request
     step_count: int = 0
     groups: list[Group] = field(default_factory=list, repr=False)
     admitted: list[Request] = field(default_factory=list, repr=False)  # running, in admission order
@@ -76,13 +88,27 @@ class Driver:
     preemptions_of: dict[str, int] = field(default_factory=dict, repr=False)
     first_scheduled: dict[str, float] = field(default_factory=dict, repr=False)
     num_preemptions: int = 0
+    prefix_lookups: list[int] = field(default_factory=lambda: [0, 0])  # tokens queried, hit
 
     def __post_init__(self) -> None:
-        self.bm = BlockManager(self.num_pages, self.block_size, self.enable_prefix_caching)
+        host_cache = self.num_host_cache_frames if self.enable_prefix_caching else 0
+        self.bm = BlockManager(
+            self.num_pages,
+            self.block_size,
+            self.enable_prefix_caching,
+            self.num_swap_frames,
+            host_cache,
+        )
         config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            preemption_mode=self.preemption_mode,
         )
         self.scheduler = Scheduler(config, self.bm)
+        # what each KV slot and each host frame's slot holds, as the runner would leave it
+        self.kv = [[None] * self.block_size for _ in range(self.num_pages)]
+        num_frames = self.num_swap_frames + host_cache
+        self.host_kv = [[None] * self.block_size for _ in range(num_frames)]
 
     # ---- what the engine does
 
@@ -123,23 +149,79 @@ class Driver:
             self.add(arrival)
         if self.step_count in self.fault_steps and self.admitted:
             self.fault(self.admitted[0])
+        if self.step_count in self.host_fault_steps and self.scheduler.swapped:
+            self.host_fault(self.scheduler.swapped[0])
         running_before = list(self.admitted)
+        swapped_before = set(map(id, self.scheduler.swapped))
         out = self.scheduler.schedule()
-        self.check(out, running_before)
+        self.check(out, running_before, swapped_before)
         self.outputs.append(out)
+        self.run_model(out)
         samplers = [s.request for s in out.scheduled if s.completes_sequence]
         self.samplers.append(samplers)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        self.bm.moves_done()
+        self.check_contents()
         for req in samplers:
             for seq in [req, *self.fork(req)]:
                 self.sample(seq)
         self.step_count += 1
         return out
 
+    def run_model(self, out: SchedulerOutput) -> None:
+        """The runner's page moves in its order, then the forward pass's KV writes."""
+        for page, frame in out.swap_out:
+            self.host_kv[frame] = list(self.kv[page])
+        for frame, page in out.swap_in:
+            self.kv[page] = list(self.host_kv[frame])
+        for src, dst in out.page_copies:
+            self.kv[dst] = list(self.kv[src])
+        bs = self.block_size
+        for s in out.scheduled:
+            start = s.request.num_computed_tokens
+            for pos in range(start, start + s.num_new_tokens):
+                self.kv[s.block_table[pos // bs]][pos % bs] = s.request.all_token_ids[pos]
+
+    def check_contents(self) -> None:
+        """Every computed token where its sequence will read it; every cached block true."""
+        bs = self.block_size
+        for r in self.scheduler.running:
+            table = self.bm.get_block_table(r.request_id)
+            for pos in range(r.num_computed_tokens):
+                assert self.kv[table[pos // bs]][pos % bs] == r.all_token_ids[pos], (r, pos)
+        for r in self.scheduler.swapped:
+            frames = self.bm.host.block_tables[r.request_id]
+            assert len(frames) == -(-r.num_computed_tokens // bs)
+            for pos in range(r.num_computed_tokens):
+                assert self.host_kv[frames[pos // bs]][pos % bs] == r.all_token_ids[pos], (r, pos)
+        for page, block in self.bm.page_to_cached_block.items():
+            computed = any(
+                page in self.bm.block_tables.get(r.request_id, ())
+                and r.num_computed_tokens
+                < (self.bm.get_block_table(r.request_id).index(page) + 1) * bs
+                for r in self.scheduler.running
+            )
+            if not computed:  # (a block registered this step may still await its tokens)
+                assert tuple(self.kv[page]) == block.token_ids, page
+        if self.bm.host is not None:
+            for frame, block in self.bm.host.frame_to_cached_block.items():
+                assert tuple(self.host_kv[frame]) == block.token_ids, frame
+        assert self.bm.check_invariants() == []
+
+    def host_fault(self, victim: Request) -> None:
+        """What the engine does when the device reports a corrupt host frame under a swapped-out
+        request: the frame's contents are garbage, and the request recomputes."""
+        frame = self.bm.host.block_tables[victim.request_id][0]
+        self.host_kv[frame] = [-1] * self.block_size
+        assert victim.request_id in self.bm.drop_host_frames([frame])
+        self.scheduler.recompute_swapped(victim)
+        assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+        assert not self.bm.is_swapped(victim) and self.scheduler.waiting.count(victim) == 1
+
     def fault(self, victim: Request) -> None:
         """What the engine does when a device reports a corrupt page under a running request."""
-        self.scheduler.preempt(victim)
+        self.scheduler.preempt(victim, recompute=True)
         assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
         assert victim.request_id not in self.bm.block_tables
         assert self.scheduler.waiting[0] is victim and victim not in self.scheduler.running
@@ -200,18 +282,26 @@ class Driver:
 
     # ---- the checks, on every SchedulerOutput
 
-    def check(self, out: SchedulerOutput, running_before: list[Request]) -> None:
+    def check(
+        self, out: SchedulerOutput, running_before: list[Request], swapped_before: set[int]
+    ) -> None:
         sched = self.scheduler
         budget = self.max_num_batched_tokens
         assert len(sched.running) <= self.max_num_seqs, "more running than max_num_seqs"
         assert len(out.scheduled) <= self.max_num_seqs, "more scheduled than max_num_seqs"
         assert out.total_num_scheduled_tokens == spent_tokens(out) <= budget, "budget exceeded"
         assert out.is_empty == (not out.scheduled)
-        # copy-on-write copies go to the runner with the step that writes the copied pages
+        # copy-on-write copies and swaps go to the runner with the step that needs them
         assert not self.bm.pending_copies, "copy-on-write copies left behind"
+        assert self.bm.take_pending_swaps() == ([], []), "page moves left behind"
         written = {p for sr in out.scheduled for p in sr.block_table}
         assert isinstance(out.page_copies, list)
         assert all(dst in written for _, dst in out.page_copies)
+        assert all(dst in written for _, dst in out.swap_in)
+        if out.preempted:
+            assert not out.swap_in, "a step that preempts swaps nothing in"
+        if self.bm.host is None:
+            assert not out.swap_out and not out.swap_in
         assert len({id(s.request) for s in out.scheduled}) == len(out.scheduled)
         self.check_preemptions(out, running_before)
         survivors = [r for r in running_before if r not in out.preempted]
@@ -227,14 +317,21 @@ class Driver:
         for r in admitted_now:
             self.queue.remove(r)
             self.admitted.append(r)
+            if id(r) in swapped_before:  # came back by copy, its computed tokens kept
+                assert not self.bm.is_swapped(r)
+                continue
             assert r.num_cached_tokens == r.num_computed_tokens, "prefix hit not recorded"
             if r.sampling_params.prompt_logprobs is not None:
                 assert r.num_cached_tokens == 0, "cached positions would have no prompt logprobs"
+            elif self.enable_prefix_caching:  # each admission's lookup counts once
+                self.prefix_lookups[0] += r.num_tokens
+                self.prefix_lookups[1] += r.num_cached_tokens
             assert r.num_computed_tokens % self.block_size == 0
             if r.num_preemptions == 0 and r is self.group_of(r).seqs[0]:
                 self.first_admissions.append(r)
                 assert r.first_scheduled_time is not None
                 self.first_scheduled[r.request_id] = r.first_scheduled_time
+        assert [self.bm.prefix_cache_queries, self.bm.prefix_cache_hits] == self.prefix_lookups
         assert self.admitted == sched.running
         for r in sched.running:
             assert r.status is RequestStatus.RUNNING
@@ -242,7 +339,12 @@ class Driver:
             if r.request_id in self.first_scheduled:  # kept across preemptions
                 assert r.first_scheduled_time == self.first_scheduled[r.request_id]
         for r in sched.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert r.status in (
+                RequestStatus.WAITING,
+                RequestStatus.PREEMPTED,
+                RequestStatus.SWAPPED,
+            )
+            assert (r.status is RequestStatus.SWAPPED) == self.bm.is_swapped(r)
 
     def check_preemptions(self, out: SchedulerOutput, running_before: list[Request]) -> None:
         """Each victim is the most recently admitted request still running at that moment."""
@@ -252,8 +354,12 @@ class Driver:
             f"were {[r.request_id for r in newest_first]}"
         )
         for victim in out.preempted:
-            assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
             assert victim.request_id not in self.bm.block_tables
+            if victim.status is RequestStatus.SWAPPED:
+                assert self.preemption_mode != "recompute" and self.bm.is_swapped(victim)
+                assert victim.num_computed_tokens > 0
+            else:
+                assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
             self.admitted.remove(victim)
             self.queue.insert(0, victim)
             self.num_preemptions += 1
@@ -289,10 +395,15 @@ class Driver:
         if self.seats(head) > free_seats:
             return
         trial = copy.deepcopy(self.bm)  # the head must not fit the pages left
+        left = self.max_num_batched_tokens - spent_tokens(out)
+        if head.status is RequestStatus.SWAPPED:
+            chunk = min(head.num_tokens - head.num_computed_tokens, left)
+            assert not trial.swap_in(head, chunk), "the swapped-out head was left waiting"
+            return
         pages, num_hit = [], 0
         if head.sampling_params.prompt_logprobs is None:
             pages, num_hit = trial.get_computed_blocks(head)
-        chunk = min(head.num_tokens - num_hit, self.max_num_batched_tokens - spent_tokens(out))
+        chunk = min(head.num_tokens - num_hit, left)
         assert not trial.allocate_slots(head, chunk, pages), "the queue's head was left waiting"
 
     def seats(self, seq: Request) -> int:
@@ -314,6 +425,13 @@ class Driver:
         assert self.bm.num_free_pages == self.num_pages
         assert self.bm.allocator.ref_counts == [0] * self.num_pages
         assert self.scheduler.num_preemptions == self.num_preemptions
+        host = self.bm.host
+        if host is not None:
+            assert not host.block_tables and host.num_swapped_frames == 0
+            assert host.allocator.num_free_pages == host.num_frames and host.usage == 0.0
+        assert self.bm.check_invariants() == []
+        if self.preemption_mode == "recompute":
+            assert self.scheduler.num_swapped_preemptions == 0
 
     def step_bound(self, arrivals: list[Arrival]) -> int:
         """The oldest running request is never preempted (it fits the pool alone) and gets
@@ -321,7 +439,8 @@ class Driver:
         last_arrival = max(a.step for a in arrivals)
         lengths = [len(a.prompt) + a.max_tokens for a in arrivals]
         work = sum(a.n * n for a, n in zip(arrivals, lengths))
-        return last_arrival + work + 1 + len(self.fault_steps) * max(lengths)  # a fault: redo
+        faults = len(self.fault_steps) + len(self.host_fault_steps)
+        return last_arrival + work + 1 + faults * max(lengths)  # a fault: redo
 
 
 def spent_tokens(out: SchedulerOutput) -> int:
@@ -331,8 +450,11 @@ def spent_tokens(out: SchedulerOutput) -> int:
 # ---- workloads
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
 @st.composite
-def workloads(draw, prefix_caching: bool | None = None):
+def workloads(draw, prefix_caching: bool | None = None, preemption_mode: str | None = None):
     block_size = draw(st.sampled_from([1, 2, 4]))
     max_num_seqs = draw(st.integers(1, 5))
     budget = draw(st.integers(1, 24))
@@ -356,7 +478,20 @@ def workloads(draw, prefix_caching: bool | None = None):
     num_pages = draw(st.integers(needed, needed + 24))
     caching = draw(st.booleans()) if prefix_caching is None else prefix_caching
     faults = draw(st.frozensets(st.integers(0, 30), max_size=2))
-    driver = Driver(max_num_seqs, budget, num_pages, block_size, caching, faults)
+    mode = draw(st.sampled_from(PREEMPTION_MODES)) if preemption_mode is None else preemption_mode
+    swap_frames = draw(st.integers(0, 2 * num_pages)) if mode != "recompute" else 0
+    driver = Driver(
+        max_num_seqs,
+        budget,
+        num_pages,
+        block_size,
+        caching,
+        faults,
+        preemption_mode=mode,
+        num_swap_frames=swap_frames,
+        num_host_cache_frames=draw(st.integers(0, 16)),
+        host_fault_steps=draw(st.frozensets(st.integers(0, 30), max_size=2)),
+    )
     return driver, arrivals
 
 
@@ -489,3 +624,24 @@ def test_requests_waiting_for_grammars_keep_their_order():
         scheduler.add_request(req)
     assert scheduler.schedule().scheduled == []
     assert list(scheduler.waiting) == reqs
+
+
+@settings(max_examples=100, deadline=None)
+@given(workloads(preemption_mode="swap"))
+def test_swap_space_for_every_page_swaps_every_victim_and_recomputes_nothing(workload):
+    driver, arrivals = workload
+    total = sum(a.n * -(-(len(a.prompt) + a.max_tokens) // driver.block_size) for a in arrivals)
+    driver = Driver(
+        driver.max_num_seqs,
+        driver.max_num_batched_tokens,
+        driver.num_pages,
+        driver.block_size,
+        driver.enable_prefix_caching,
+        preemption_mode="swap",
+        num_swap_frames=total,
+        num_host_cache_frames=driver.num_host_cache_frames,
+    )
+    driver.run(arrivals)
+    driver.check_finished()
+    assert driver.scheduler.num_swapped_preemptions == driver.num_preemptions
+    assert driver.scheduler.num_recomputed_tokens == 0

@@ -192,6 +192,36 @@ def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs
     assert got == reference
 
 
+def test_swapped_pages_move_on_every_rank_and_keep_tp_1_greedy_tokens(tp_model_dirs):
+    """Every rank holds the same pages of its own KV heads, so each step's swaps run on each."""
+    from tests.helpers.models import host_tier_gib
+
+    path = tp_model_dirs["glm4"]
+    prompts = [[(5 * i + k) % 300 + 10 for i in range(30)] for k in (1, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        # 16 pages of 4 tokens: the two prompts (38 tokens, 10 pages each) cannot run together
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            block_size=4,
+            num_kv_pages=16,
+            preemption_mode="swap",
+            swap_space=host_tier_gib(path, 32, 4),  # per card: each holds half the KV heads
+            tensor_parallel_size=tp,
+        )
+        try:
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outs[tp] = [o.outputs[0].token_ids for o in got]
+            assert llm.llm_engine.scheduler.num_swapped_preemptions > 0
+            assert llm.llm_engine.check_invariants() == []
+        finally:
+            llm.llm_engine.shutdown()
+    assert outs[2] == outs[1]
+
+
 def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(tp_model_dirs):
     from tests.helpers.models import prompt_logprobs
 

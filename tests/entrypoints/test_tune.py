@@ -331,3 +331,42 @@ def test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits(capsys):
     assert "fits on 4 cards of kunlun-emu" in capsys.readouterr().out
     assert main([*flags, "--tp-size", "16"]) == 2
     assert "8 per node" in capsys.readouterr().err
+
+
+def test_int8_kv_nearly_doubles_the_sequences_that_fit_and_tune_and_a_live_server_agree(tmp_path):
+    """The same KV bytes per token in the plan and in the running server's pool, and the same
+    gain in sequences: 2 x head_dim bytes a head in bf16 against head_dim + 4 in INT8."""
+    import httpx
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+    from pagedserve.testing import serve_app
+    from tests.helpers.models import build_tiny_hf_model
+
+    build_tiny_hf_model(tmp_path, "glm4", head_dim=128, max_position_embeddings=4096)
+    planned, served = {}, {}
+    for kv_cache_dtype in ("auto", "int8"):
+        plan = tune(
+            str(tmp_path), "kunlun-emu-small", max_model_len=4096, kv_cache_dtype=kv_cache_dtype
+        )
+        assert ("--kv-cache-dtype int8" in plan.launch_script) == (kv_cache_dtype == "int8")
+        config = EngineConfig.from_kwargs(
+            model=str(tmp_path),
+            device="kunlun-emu-small",
+            dtype="bfloat16",
+            kv_cache_dtype=kv_cache_dtype,
+            max_model_len=4096,
+        )
+        with serve_app(build_app(LLMEngine(config), "tiny")) as url:
+            kv = httpx.get(url + "/device", timeout=30).json()["kv_pages"]
+        assert (
+            kv["bytes_per_token"]
+            == plan.kv_bytes_per_token
+            == 2 * 2 * 2 * (128 * 2 if kv_cache_dtype == "auto" else 128 + 4)
+        )
+        planned[kv_cache_dtype] = plan.num_kv_pages // plan.pages_per_seq
+        served[kv_cache_dtype] = kv["total"] // plan.pages_per_seq
+    gain = 256 / 132
+    assert planned["int8"] / planned["auto"] == pytest.approx(gain, rel=0.01)
+    assert served["int8"] / served["auto"] == pytest.approx(gain, rel=0.01)

@@ -76,6 +76,41 @@ def test_an_int8_kv_pool_keeps_each_heads_scale_in_its_row_and_its_faults_are_de
     assert not torch.equal(kv[1, 0, 5], before) and dev.take_faulted_pages() == [5]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_pages_move_whole_between_the_kv_tier_and_host_frames(dtype):
+    dev = _small_device(kv="1MiB", weight="1MiB", host="1MiB")
+    kv = dev.allocate_kv_cache(3, 6, 4, 2, 8, dtype)
+    kv.copy_((torch.randn(kv.shape) * 50).to(dtype))
+    host = dev.allocate_host_kv_cache(5)
+    assert host.shape == (5, 3, 2, 4, 2, kv.shape[-1]) and host.device.type == "cpu"
+    assert dev.tiers["host"].used == 5 * kv[:, :, 0].numel() * kv.element_size()
+    pages = kv.clone()
+    dev.swap_out([(4, 0), (1, 3)])
+    assert torch.equal(host[0], pages[:, :, 4]) and torch.equal(host[3], pages[:, :, 1])
+    dev.swap_in([(3, 5), (0, 2)])  # frame 3 to page 5, frame 0 to page 2
+    assert torch.equal(kv[:, :, 5], pages[:, :, 1]) and torch.equal(kv[:, :, 2], pages[:, :, 4])
+    untouched = [0, 1, 3, 4]
+    assert torch.equal(kv[:, :, untouched], pages[:, :, untouched])
+
+
+def test_a_host_frame_that_does_not_fit_the_host_tier_is_refused_naming_the_flags():
+    dev = _small_device(kv="1MiB", weight="1MiB", host="4KiB")
+    dev.allocate_kv_cache(2, 8, 4, 2, 8, torch.float32)
+    with pytest.raises(DeviceOutOfMemoryError, match=r"'host'.*--swap-space, --host-prefix-cache"):
+        dev.allocate_host_kv_cache(8)
+
+
+def test_a_flipped_bit_in_a_host_frame_is_reported_as_a_kv_page_fault():
+    dev = get_device("kunlun-emu")
+    dev.allocate_kv_cache(2, 4, 4, 2, 8, torch.float32)
+    host = dev.allocate_host_kv_cache(3)
+    before = host[2].clone()
+    dev.inject_host_fault(2)
+    assert not torch.equal(host[2], before)
+    assert dev.take_faulted_host_frames() == [2] and dev.take_faulted_host_frames() == []
+    assert dev.faults.injected["kv_page"] == dev.faults.detected["kv_page"] == 1
+
+
 def test_shared_hbm_pays_weights_before_kv_pages():
     preset = DevicePreset.from_dict(
         "t",

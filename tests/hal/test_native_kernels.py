@@ -320,11 +320,18 @@ def _counted(fn, calls: list):
 @pytest.mark.parametrize("kernel_set", TARGETS)
 @pytest.mark.parametrize("arch", ["glm", "glm4"])
 @pytest.mark.parametrize(
-    "dtype,quantization",
-    [("float32", None), ("bfloat16", None), ("bfloat16", "int4"), ("float32", "w4a8")],
+    "dtype,quantization,kv_cache_dtype",
+    [
+        ("float32", None, "auto"),
+        ("bfloat16", None, "auto"),
+        ("bfloat16", "int4", "auto"),
+        ("float32", "w4a8", "auto"),
+        ("float32", None, "int8"),  # INT8 KV rows: codes and a scale per token and head
+        ("bfloat16", "int4", "int8"),
+    ],
 )
 def test_fused_decoder_layer_equals_the_op_by_op_layer_bit_for_bit(
-    tmp_path, kernel_set, arch, dtype, quantization
+    tmp_path, kernel_set, arch, dtype, quantization, kv_cache_dtype
 ):
     from tests.helpers.models import build_tiny_hf_model
 
@@ -340,7 +347,9 @@ def test_fused_decoder_layer_equals_the_op_by_op_layer_bit_for_bit(
             kernels=kernel_set,
             quantization=quantization,
             num_kv_pages=64,
+            kv_cache_dtype=kv_cache_dtype,
         )
+        assert (llm.llm_engine.runner.kv_cache.dtype == torch.int8) == (kv_cache_dtype == "int8")
         model = llm.llm_engine.model
         calls = []
         if fused:

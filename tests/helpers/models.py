@@ -229,3 +229,13 @@ def tiny_engine(model_dir, **settings):
         model=str(model_dir), dtype="float32", device="cpu", **settings
     )
     return LLMEngine(config)
+
+
+def host_tier_gib(model_dir, num_frames: int, block_size: int, dtype_bytes: int = 4) -> float:
+    """The GiB that make ``num_frames`` host-tier frames of a model's KV pages (for
+    ``swap_space`` and ``host_prefix_cache``, which are set in GiB)."""
+    from pagedserve.models import load_config
+
+    config = load_config(model_dir)
+    page_bytes = block_size * config.kv_bytes_per_token(config.num_key_value_heads, dtype_bytes)
+    return num_frames * page_bytes / 2**30

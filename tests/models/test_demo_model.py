@@ -276,3 +276,18 @@ def test_quantization_aware_training_computes_with_int4_and_ships_the_int4_grid(
     back = [fake_quantize(m.weight.detach().to(torch.bfloat16), 32) for m in linears]
     close = sum(torch.isclose(b, w, rtol=2**-7, atol=0).sum().item() for b, w in zip(back, served))
     assert close / sum(w.numel() for w in served) > 0.98
+
+
+def test_an_int8_kv_cache_passes_the_golden_standard_against_the_demo_model(tmp_path):
+    """`--kv-cache-dtype int8` keeps each key and value as int8 codes and a scale per token and
+    head; eval-quant's KV row reads them back so in the reference forward and compares with the
+    16-bit cache on the held-out text (half of its blocks, to spare the suite): the same bar."""
+    from pagedserve.entrypoints.cli.quantize import add_eval_quant_args, run_eval_quant
+
+    report = tmp_path / "eval.json"
+    evaluate = ["--reference", "demo", "--candidate", "demo", "--kv-cache-dtype", "int8"]
+    evaluate += ["--num-samples", "8", "--json", str(report)]
+    verdict = run_eval_quant(add_eval_quant_args(argparse.ArgumentParser()).parse_args(evaluate))
+    result = json.loads(report.read_text())
+    assert verdict == 0 and result["passed"] and result["kv_cache_dtype"] == "int8", result
+    assert result["mean_kl"] > 0 and result["ppl_increase_pct"] <= 0.5

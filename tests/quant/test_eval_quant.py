@@ -168,3 +168,18 @@ def test_llm_generator_gives_the_same_continuations_as_the_reference_forward(
     assert via_llm["mean_kl"] == via_reference["mean_kl"]  # distributions: always the reference
     assert via_llm["rouge_l"] == pytest.approx(via_reference["rouge_l"], abs=0.25)
     assert via_llm["rouge_l"] > 0.3
+
+
+def test_an_int8_kv_cache_is_judged_against_the_16_bit_cache_of_the_same_model(
+    quantized_models, tmp_path
+):
+    """The KV row: the candidate is the reference itself, its keys and values rounded to INT8
+    as the cache stores them; it differs a little and the bar decides."""
+    ref = quantized_models / "ref"
+    run_eval_quant(eval_args(ref, ref, tmp_path, "--kv-cache-dtype", "int8"))
+    kv = json.loads((tmp_path / "e.json").read_text())
+    assert kv["kv_cache_dtype"] == "int8" and 0 < kv["mean_kl"] < 1e-2
+    assert kv["top1_agreement"] > 0.9
+    run_eval_quant(eval_args(ref, ref, tmp_path, "--kv-cache-dtype", "int8", "--generator", "llm"))
+    via_llm = json.loads((tmp_path / "e.json").read_text())
+    assert via_llm["mean_kl"] == kv["mean_kl"] and via_llm["rouge_l"] > 0.3

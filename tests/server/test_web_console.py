@@ -1,7 +1,8 @@
 """The web console at ``/``: served without the key, off with --disable-web-ui, and driven in
 headless Chromium (Debian's ``chromium`` and ``chromium-driver``, through Selenium): a chat
-message streams its answer in, and the monitor's page-frame map fills and empties during a long
-request. ``PAGEDSERVE_SCREENSHOTS=DIR`` saves both views there (the README's images)."""
+message streams its answer in, the monitor's page-frame map fills and empties during a long
+request, and with a host tier its frames show as a map of their own, swapped-out pages and all.
+``PAGEDSERVE_SCREENSHOTS=DIR`` saves both views there (the README's images)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pagedserve.engine.llm_engine import LLMEngine
 from pagedserve.presets import demo_model_dir
 from pagedserve.server.app import build_app
 from pagedserve.testing import serve_app
+from tests.helpers.models import host_tier_gib
 
 API_KEY = "test-key"  # the key the console is opened with (the screenshots type it)
 
@@ -256,10 +258,10 @@ def _open_with_key(driver, url: str) -> None:
     _wait(lambda: driver.find_element(By.ID, "model-name").text == "demo", what="the model name")
 
 
-def _long_request(url: str, leave: threading.Event) -> None:
+def _long_request(url: str, leave: threading.Event, **fields) -> None:
     """A streamed completion far longer than the test waits; it leaves when ``leave`` is set,
     and the server aborts the request."""
-    body = {"prompt": "def", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    body = {"prompt": "def", "max_tokens": 1000, "ignore_eos": True, "stream": True, **fields}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers) as response:
         for _ in response.iter_lines():
@@ -316,3 +318,59 @@ def test_without_the_key_the_page_asks_for_it(browser, console_server):
     assert "API key" in notice
     key = browser.find_element(By.ID, "api-key")
     assert key.is_displayed() and browser.switch_to.active_element == key
+
+
+# a pool where the two siblings of an n = 2 request outgrow it halfway: the second is swapped out
+TIERS_KV_PAGES = 32
+TIERS_MAX_TOKENS = TIERS_KV_PAGES * 16 - 8  # each sibling fits the pool alone
+
+
+@pytest.fixture(scope="module")
+def tiers_console_server() -> Iterator[str]:
+    """The demo model with a host tier (swap space and a host prefix cache)."""
+    host_gib = host_tier_gib(demo_model_dir(), 2 * TIERS_KV_PAGES, 16)
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(demo_model_dir()),
+            num_kv_pages=TIERS_KV_PAGES,
+            max_model_len=1024,
+            device="kunlun-emu",
+            preemption_mode="swap",
+            swap_space=host_gib,
+            host_prefix_cache=host_gib,
+        )
+    )
+    with serve_app(build_app(engine, "demo", api_key=API_KEY)) as url:
+        yield url
+
+
+@pytest.mark.browser
+def test_the_host_tier_is_a_map_of_its_own_that_shows_swapped_out_pages(
+    browser, tiers_console_server
+):
+    from selenium.webdriver.common.by import By
+
+    driver, url = browser, tiers_console_server
+    _open_with_key(driver, url)
+    driver.find_element(By.ID, "tab-monitor").click()
+    driver.execute_script("const r = document.getElementById('refresh'); r.value = '250';")
+    driver.execute_script("document.getElementById('refresh').dispatchEvent(new Event('change'))")
+    host_map = _wait(lambda: driver.find_elements(By.CSS_SELECTOR, ".host-map[data-swapped]"))[0]
+    swapped = lambda: int(host_map.get_attribute("data-swapped"))  # noqa: E731
+    figure = lambda name: driver.find_element(By.CSS_SELECTOR, f"[data-fig={name}]")  # noqa: E731
+    assert host_map.is_displayed() and swapped() == 0
+    assert figure("swapped").is_displayed() and figure("host-hit").is_displayed()
+    leave = threading.Event()
+    fields = {"n": 2, "max_tokens": TIERS_MAX_TOKENS}
+    siblings = threading.Thread(target=_long_request, args=(url, leave), kwargs=fields, daemon=True)
+    siblings.start()
+    try:
+        _wait(swapped, timeout=240, what="a sibling's pages swapped out to the host tier")
+        assert "hold swapped-out pages" in host_map.get_attribute("aria-label")
+        legend = driver.find_element(By.CSS_SELECTOR, "[data-host-count=swapped]")
+        _wait(lambda: legend.text == str(swapped()), what="the legend to count them")
+        _wait(lambda: figure("swapped").text == "1", what="the swapped request's figure")
+    finally:
+        leave.set()
+        siblings.join(60)
+    _wait(lambda: swapped() == 0, what="the swapped pages to be freed")

@@ -102,6 +102,14 @@ def add_eval_quant_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="round the candidate's lm_head as `serve --quantize-lm-head` would (int4 in groups of "
         "32), to judge that setting; the candidate may be the reference directory itself",
     )
+    a(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default="auto",
+        help="round the candidate's keys and values to int8 with a scale per token and head, as "
+        "`serve --kv-cache-dtype int8` stores them, to judge that setting (the KV row); the "
+        "candidate may be the reference directory itself",
+    )
     a("--seed", type=int, default=1234, help="for random held-out ids (no tokenizer)")
     a("--json", default=None, help="write the results here")
     return parser
@@ -224,6 +232,7 @@ def run_eval_quant(args: argparse.Namespace) -> int:
         args.generator,
         args.abits,
         args.lm_head,
+        args.kv_cache_dtype,
     )
     print(format_table(result))
     if args.json:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.config import KERNEL_CHOICES
+from pagedserve.config import KERNEL_CHOICES, KV_CACHE_DTYPES, PREEMPTION_MODES
 from pagedserve.entrypoints.cli.utils import offer, subparser
 from pagedserve.presets import preset_names
 
@@ -30,7 +30,8 @@ ENGINE_ARGS = (
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "kernels", "enforce_eager",
     "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
-    "dist_init_addr", "dist_timeout",
+    "dist_init_addr", "dist_timeout", "kv_cache_dtype", "swap_space", "host_prefix_cache",
+    "preemption_mode",
 )  # fmt: skip
 
 
@@ -38,7 +39,8 @@ ENGINE_ARGS = (
 # DeviceConfig/ParallelConfig and frontend groups); a flag's name and default stay vLLM's.
 SERVE_GROUPS = {
     "Model": "Which checkpoint, its dtype and quantization, its context length.",
-    "Cache": "The paged KV cache: page size, memory share, prefix sharing.",
+    "Cache": "The paged KV cache: page size, memory share, prefix sharing, its dtype, and the "
+    "host tier's share for swapped pages and spilled prefix blocks.",
     "Scheduler": "How many sequences and tokens one engine step takes; the waiting queue.",
     "Device": "Where the model runs, on how many ranks, with which kernels.",
     "Server": "The HTTP front end.",
@@ -131,6 +133,32 @@ def _add_cache_args(a: Callable[..., argparse.Action]) -> None:
         default=None,
         help="share KV pages between requests with a common prefix (default on)",
     )
+    a(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="auto: keys and values in the model's dtype; int8: int8 codes with an fp32 scale per "
+        "token and head (head_dim + 4 bytes a head instead of 2 x head_dim: nearly twice the "
+        "tokens per page pool; `pagedserve eval-quant --kv-cache-dtype int8` measures the cost) "
+        "(default auto)",
+    )
+    a(
+        "--swap-space",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host-tier memory per card for the KV pages of preempted sequences, which come "
+        "back by copy instead of being recomputed (see --preemption-mode) (default 0: none)",
+    )
+    a(
+        "--host-prefix-cache",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="host-tier memory per card for prefix-cache blocks the KV cache evicts (least "
+        "recently used first); a later hit copies them back instead of recomputing them, as "
+        "SGLang's HiCache does (default 0: evicted blocks are lost)",
+    )
 
 
 def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
@@ -146,6 +174,15 @@ def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
         type=int,
         default=None,
         help="waiting requests beyond which new ones get 503 with Retry-After (default: unbounded)",
+    )
+    a(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default=None,
+        help="when KV pages run out, what the preempted sequence's pages become: recompute "
+        "(freed, computed again later), swap (copied to the --swap-space and back while it has "
+        "room), auto (swap when the copy costs less than the recompute, by the rates measured "
+        "on this device; recompute when the swap space is full) (default auto)",
     )
 
 

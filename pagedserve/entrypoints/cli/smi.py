@@ -85,6 +85,8 @@ def format_summary(devices: list[dict]) -> str:
             f"(x{kv.get('block_size', '?')} tokens, {kv.get('memory_attr') or '-'})"
         )
         lines.append(f"|     {pages:<80} |")
+        if d.get("host_pages"):
+            lines.append(f"|     {_host_pages_line(d['host_pages']):<80} |")
         load = (
             f"requests {req.get('running', 0)} running / {req.get('waiting', 0)} waiting   "
             f"{d.get('tokens_per_second', 0.0):.1f} tok/s   "
@@ -99,6 +101,14 @@ def format_summary(devices: list[dict]) -> str:
             lines.append(f"|     {sent:<80} |")
         lines.append(bar)
     return "\n".join(lines)
+
+
+def _host_pages_line(host: dict) -> str:
+    """The host tier's KV frames, a tier of their own: swapped-out pages and spilled blocks."""
+    return (
+        f"host pages {host.get('swapped', 0)} swapped / {host.get('cached', 0)} cached / "
+        f"{host.get('free', 0)} free of {host.get('total', 0)}"
+    )
 
 
 def _faults_line(faults: dict) -> str:
@@ -127,6 +137,8 @@ def format_detail(device: dict, index: int) -> str:
         for alloc, size in sorted(tier.get("allocations", {}).items(), key=lambda x: -x[1])[:8]:
             lines.append(f"            {alloc[:40]:<40} {_mib(size)}")
     lines += ["    KV pages"] + [f"        {k:<18}: {v}" for k, v in kv.items()]
+    host = device.get("host_pages") or {}
+    lines += ["    Host pages"] * bool(host) + [f"        {k:<18}: {v}" for k, v in host.items()]
     lines += [
         "    Requests",
         f"        Running           : {req.get('running', 0)}",

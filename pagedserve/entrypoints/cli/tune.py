@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from pagedserve.config import KV_CACHE_DTYPES
 from pagedserve.engine.memory_plan import (
     DEFAULT_DEVICE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -56,7 +57,15 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-dtype",
         choices=list(KV_DTYPE_BYTES),
         default="bf16",
-        help="dtype of the KV cache and the 16-bit weights (serve's --dtype)",
+        help="dtype of the 16-bit weights, and of the KV cache unless --kv-cache-dtype is int8 "
+        "(serve's --dtype)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="as serve's: auto keeps the KV cache in --kv-dtype; int8 stores head_dim + 4 bytes "
+        "a head and token (codes and a scale)",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
@@ -88,6 +97,7 @@ def run_tune(args: argparse.Namespace) -> int:
             args.block_size,
             args.quant_group_size,
             args.max_num_batched_tokens,
+            args.kv_cache_dtype,
         )
     except ValueError as exc:
         print(f"pagedserve tune: error: {exc}", file=sys.stderr)

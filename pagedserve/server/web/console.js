@@ -7,6 +7,7 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORE = "pagedserve.apiKey";
 const CHAT_STORE = "pagedserve.conversation";
 const STATES = ["free", "cached", "used", "shared"]; // page-map digits 0..3 (PAGE_STATES)
+const HOST_STATES = ["free", "cached", "swapped"]; // the host tier's digits (HOST_PAGE_STATES)
 
 // ---- the server ---------------------------------------------------------------------------------
 function authHeaders() {
@@ -348,6 +349,7 @@ function renderCard(card, d, map, figures, index) {
   card.querySelector(".card-desc").textContent = d.description || "";
   renderTiers(card.querySelector(".tiers"), d.tiers || {});
   if (map) renderPageMap(card, map);
+  if (map) renderHostMap(card, map.host);
   const fig = (name, value) => (card.querySelector(`[data-fig=${name}]`).textContent = value);
   fig("running", d.requests?.running ?? 0);
   fig("waiting", d.requests?.waiting ?? 0);
@@ -355,6 +357,11 @@ function renderCard(card, d, map, figures, index) {
   const queries = figures.prefix_cache_queries_total || 0;
   const hits = figures.prefix_cache_hits_total || 0;
   fig("hit", queries ? `${((100 * hits) / queries).toFixed(1)}%` : "–");
+  const hostQueries = figures.host_prefix_cache_queries_total || 0;
+  const hostHits = figures.host_prefix_cache_hits_total || 0;
+  fig("host-hit", hostQueries ? `${((100 * hostHits) / hostQueries).toFixed(1)}%` : "–");
+  fig("swapped", figures.num_requests_swapped ?? 0);
+  for (const el of card.querySelectorAll(".host-fig")) el.hidden = !d.host_pages;
   fig("preempt", figures.num_preemptions_total ?? 0);
   fig("faults", d.faults_detected ?? 0);
   const ttftCount = figures.time_to_first_token_seconds_count || 0;
@@ -404,7 +411,25 @@ function renderPageMap(card, map) {
   );
 }
 
-function drawCells(canvas, cells) {
+// The host tier's frames, a tier of their own: swapped-out pages and spilled prefix blocks.
+function renderHostMap(card, host) {
+  card.querySelector(".host-tier").hidden = !host;
+  if (!host) return;
+  const canvas = card.querySelector(".host-map");
+  drawCells(canvas, Array.from(host.cells, Number), HOST_STATES);
+  for (const name of HOST_STATES) {
+    card.querySelector(`[data-host-count=${name}]`).textContent = host.counts[name].toLocaleString();
+  }
+  canvas.dataset.swapped = String(host.counts.swapped);
+  canvas.setAttribute(
+    "aria-label",
+    `Host tier page map: ${host.counts.swapped} of ${host.total} frames hold swapped-out pages, ` +
+      `${host.counts.cached} cached prefix blocks, ${host.counts.free} free` +
+      (host.pages_per_cell > 1 ? `; one cell per ${host.pages_per_cell} frames` : ""),
+  );
+}
+
+function drawCells(canvas, cells, states = STATES) {
   const ratio = window.devicePixelRatio || 1;
   const width = canvas.clientWidth || 600;
   const height = canvas.clientHeight || 120;
@@ -417,7 +442,7 @@ function drawCells(canvas, cells) {
   while (size > 1 && Math.floor(width / size) * Math.floor(height / size) < cells.length) size--;
   const perRow = Math.max(1, Math.floor(width / size));
   const style = getComputedStyle(document.documentElement);
-  const colours = STATES.map((s) => style.getPropertyValue(`--${s}`).trim());
+  const colours = states.map((s) => style.getPropertyValue(`--${s}`).trim());
   const gap = size > 4 ? 1 : 0;
   ctx.clearRect(0, 0, width, height);
   cells.forEach((state, i) => {
