@@ -142,17 +142,23 @@ COMPLETION_FIELDS = [
     ({"logprobs": 2, "echo": True}, {"logprobs": 2, "prompt_logprobs": 2}),
     ({"echo": True}, {"logprobs": None, "prompt_logprobs": None}),
 ]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_FIELDS = [
     ({"max_tokens": 5}, {"max_tokens": 5}),
     ({"max_completion_tokens": 6, "max_tokens": 5}, {"max_tokens": 6}),
     ({"logprobs": True, "top_logprobs": 2}, {"logprobs": 2}),
     ({"logprobs": True}, {"logprobs": 0}),
     ({"logprobs": False, "top_logprobs": 2}, {"logprobs": None}),
+    (  # a call is delimited by special tokens: the text keeps them for the parser
+        {"tools": [TOOL], "tool_choice": "required"},
+        {"skip_special_tokens": False},
+    ),
 ]
 # fields that do not become sampling settings, each shown by a test below or in test_server.py
 NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "suffix"}
 NOT_SAMPLING_CHAT = {"model", "stream", "stream_options", "user", "messages"}
 NOT_SAMPLING_CHAT |= {"add_generation_prompt"}
+NOT_SAMPLING_CHAT |= {"parallel_tool_calls", "include_reasoning"}  # test_tools.py shows them
 
 
 def mapping_cases():
