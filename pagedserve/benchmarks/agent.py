@@ -52,9 +52,9 @@ class TimedRuntime(Runtime):
 
     local = threading.local()
 
-    def generate_stream(self, text, sampling_params):
+    def generate_stream(self, text, sampling_params, **extra):
         start, first = time.perf_counter(), None
-        for piece, meta in super().generate_stream(text, sampling_params):
+        for piece, meta in super().generate_stream(text, sampling_params, **extra):
             if first is None and piece:
                 first = time.perf_counter() - start
                 self.local.__dict__.setdefault("ttfts", []).append(first)

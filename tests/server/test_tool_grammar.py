@@ -74,7 +74,8 @@ def test_required_takes_only_valid_calls_of_declared_tools(demo):
     assert _accepts(demo, g, f"get_weather\n{PARIS}")
     assert _accepts(demo, g, 'get_weather\n{"location": "Paris", "unit": "celsius"}')
     assert _accepts(demo, g, f"get_weather\n{PARIS}<|assistant|>get_time\n{{}}")
-    assert _accepts(demo, g, "\nget_time\n{}")  # the demo template's newline after <|assistant|>
+    assert _accepts(demo, g, f"get_weather\n{PARIS}<|assistant|>\nget_time\n{{}}")  # the demo's
+    assert not _accepts(demo, g, "\nget_time\n{}")  # the name comes first
     assert not _accepts(demo, g, 'get_weather\n{"location": 5}')  # a string is required
     assert not _accepts(demo, g, 'get_weather\n{"unit": "celsius"}')  # location is required
     assert not _accepts(demo, g, 'get_weather\n{"location": "Paris", "x": 1}')  # no other keys

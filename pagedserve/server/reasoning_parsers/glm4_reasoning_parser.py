@@ -50,9 +50,11 @@ class Glm4ReasoningParser(ReasoningParser):
         return text[: len(text) - partial_mark_length(text, THINK_END)], None
 
     def grammar_prefix(self) -> tuple[str, str] | None:
+        """The thinking, its end, and the newlines the answer may start with."""
         if not self.opened_by_prompt:
             return None
+        newlines = json.dumps("\n") + "*"
         if is_special_token(self.tokenizer, THINK_END):
-            return "THINKING: /(?s:.*)/", f"THINKING {THINK_END}"
+            return "THINKING: /(?s:.*)/", f"THINKING {THINK_END} {newlines}"
         # text up to and with the mark, as one piece: a greedy token would swallow the mark
-        return f"thinking[stop={json.dumps(THINK_END)}]: /(?s:.*)/", "thinking"
+        return f"thinking[stop={json.dumps(THINK_END)}]: /(?s:.*)/", f"thinking {newlines}"

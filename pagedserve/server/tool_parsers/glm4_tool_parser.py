@@ -84,10 +84,9 @@ class Glm4ToolParser(ToolParser):
             + self.json_rule(self.arguments_schema(t, enforced))
             for i, t in enumerate(tools)
         ]
-        functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
-        rules.append(f"call: {json.dumps(NEWLINE)}? ({functions})")
-        if parallel and self.has_special(CALL_START):
-            rules.append(f"calls: call ({self.token(CALL_START)} call)*")
+        rules.append("call: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
+        if parallel and self.has_special(CALL_START):  # (a newline after it, as the demo model's)
+            rules.append(f"calls: call ({self.token(CALL_START)} {json.dumps(NEWLINE)}? call)*")
         else:
             rules.append("calls: call")
         return "\n".join(rules)
