@@ -154,12 +154,13 @@ async def _chat_stream(
                 )
             sent_tokens[i] = len(o.token_ids)
             done[i] = o.finished
-            reason = finish_reason(tools, o.finish_reason, choice_parsers[i].called)
+            called = choice_parsers[i].called
+            reason = finish_reason(tools, o.finish_reason, called)
             yield chunk(
                 [
                     ChatCompletionStreamChoice(
                         index=i,
-                        delta=delta or DeltaMessage(content=""),
+                        delta=delta or DeltaMessage(content=None if called else ""),
                         logprobs=logprobs,
                         finish_reason=reason,
                         stop_reason=o.stop_reason,

@@ -133,6 +133,11 @@ def test_templates_that_take_openai_tool_calls_are_left_alone():
     assert tool_template_for(Tokenizer(demo_model_dir()).chat_template) is None
     assert tool_template_for("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert tool_template_for(None) is None
+    # GLM-Z1-Rumination's template declares tools of its own (search, click, ...): not replaced
+    own_tools = '<|system|>\n[{"name": "search", "parameters": {}}]' + published_template(
+        "GLM-4-9B-0414"
+    )
+    assert tool_template_for(own_tools) is None
 
 
 def test_chat_template_takes_a_name_or_a_file(tmp_path):

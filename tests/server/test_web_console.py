@@ -291,7 +291,8 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
         what="the answer after the result",
     )
     roles = [
-        li.get_attribute("class") for li in driver.find_elements(By.CSS_SELECTOR, "#transcript > li")
+        li.get_attribute("class")
+        for li in driver.find_elements(By.CSS_SELECTOR, "#transcript > li")
     ]
     assert roles == ["user", "assistant", "tool", "assistant"]
     last = driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant")[-1]

@@ -24,6 +24,7 @@ BUILTIN_CHAT_TEMPLATES = {
 # what a published template says, by family, and that it does not take OpenAI's tool_calls
 _GLM4_CHAT_MARKS = ("item['tools'] is defined", "<|{{ item['role'] }}|>{{ item['metadata'] }}")
 _GLM4_0414_MARKS = ("for tool in tools", 'message.get("metadata"', "<|assistant|>{{ meta }}")
+_FIXED_TOOLS = '"name": "'  # a template with tools of its own (GLM-Z1-Rumination's): left alone
 
 
 def builtin_chat_template(name: str) -> str:
@@ -47,7 +48,7 @@ def load_chat_template(value: str) -> str:
 def tool_template_for(template: str | None) -> str | None:
     """The built-in that stands in for ``template`` when it is one of GLM-4's published templates,
     which render tool calls only in GLM's own message shape; None for any other template."""
-    if not template or "tool_calls" in template:
+    if not template or "tool_calls" in template or _FIXED_TOOLS in template:
         return None
     if all(mark in template for mark in _GLM4_CHAT_MARKS):
         return "glm4-chat"
