@@ -85,6 +85,13 @@ def test_required_takes_only_valid_calls_of_declared_tools(demo):
     assert not _accepts(demo, g, "It is sunny.")
 
 
+def test_arguments_are_an_object_even_when_the_schema_says_nothing(demo):
+    anything = {"type": "function", "function": {"name": "log", "parameters": {}}}
+    g = _grammar(demo, "glm4", ToolRequest(_tools(anything), "required"))
+    assert _accepts(demo, g, 'log\n{"line": "x"}')
+    assert not _accepts(demo, g, "log\n5") and not _accepts(demo, g, 'log\n"x"')
+
+
 def test_a_named_function_and_one_call_without_parallel_tool_calls(demo):
     named = ToolRequest(_tools(WEATHER, CLOCK), "named", named="get_time", parallel=False)
     g = _grammar(demo, "glm4", named)

@@ -146,7 +146,10 @@ class ToolParser:
     def arguments_schema(tool: ChatCompletionToolsParam, enforced: set[str] | None) -> dict:
         if enforced is not None and tool.function.name not in enforced:
             return ANY_OBJECT
-        return tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
+        schema = tool.function.parameters
+        if schema is None:
+            return NO_ARGUMENTS
+        return schema if "type" in schema else {"type": "object", **schema}  # arguments: an object
 
     @staticmethod
     def json_rule(schema: dict[str, Any] | None) -> str:

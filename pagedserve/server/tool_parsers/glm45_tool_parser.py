@@ -80,7 +80,8 @@ class Glm45ToolParser(ToolParser):
 
     def _type(self, name: str, key: str) -> Any:
         params = self.tools[name].function.parameters or {}
-        return (params.get("properties") or {}).get(key, {}).get("type")
+        schema = (params.get("properties") or {}).get(key)
+        return schema.get("type") if isinstance(schema, dict) else None
 
     def _value(self, name: str, key: str, raw: str) -> str:
         if self._type(name, key) != "string":
