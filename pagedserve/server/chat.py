@@ -46,8 +46,7 @@ def chat_output_parsers(
     reasoning = serving.reasoning_parser(tok, prompt[0] or "") if serving.reasoning_parser else None
     tool_parser = None
     if tools is not None and tools.choice != "none":
-        parser_class = serving.tool_parser if tools.choice == "auto" else serving.forced_tool_parser
-        tool_parser = parser_class(tok, tools.tools)
+        tool_parser = serving.tool_parser_for(tools)
         attach_tool_grammar(params, tools, tool_parser, reasoning)
     shown_skipped = params.skip_special_tokens
     for parser in (tool_parser, reasoning):

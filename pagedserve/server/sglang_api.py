@@ -176,9 +176,7 @@ class SGLangServing:
         )  # fmt: skip
         if tools is None or tools.choice == "none":
             return tools, None
-        serving = self.serving
-        parser_class = serving.tool_parser if tools.choice == "auto" else serving.forced_tool_parser
-        parser = parser_class(serving.require_tokenizer(), tools.tools)
+        parser = self.serving.tool_parser_for(tools)
         for p in params:
             attach_tool_grammar(p, tools, parser)
             parser.adjust_request(p)
