@@ -149,6 +149,9 @@ CHAT_FIELDS = [
     ({"logprobs": True, "top_logprobs": 2}, {"logprobs": 2}),
     ({"logprobs": True}, {"logprobs": 0}),
     ({"logprobs": False, "top_logprobs": 2}, {"logprobs": None}),
+]
+# the chat route's own mapping (tools.py; test_server_sampling.py maps without the route)
+TOOL_FIELDS = [
     (  # a call is delimited by special tokens: the text keeps them for the parser
         {"tools": [TOOL], "tool_choice": "required"},
         {"skip_special_tokens": False},
@@ -162,7 +165,7 @@ NOT_SAMPLING_CHAT |= {"parallel_tool_calls", "include_reasoning"}  # test_tools.
 
 
 def mapping_cases():
-    for endpoint, own in (("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS)):
+    for endpoint, own in (("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS + TOOL_FIELDS)):
         for fields, expected in SHARED_FIELDS + STRUCTURED_FIELDS + own:
             yield pytest.param(endpoint, fields, expected, id=f"{endpoint}-{'-'.join(fields)}")
 
@@ -190,7 +193,11 @@ def test_a_request_without_fields_gets_vllms_defaults(live_server, endpoint):
     "model, cases, others",
     [
         (CompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + COMPLETION_FIELDS, NOT_SAMPLING),
-        (ChatCompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + CHAT_FIELDS, NOT_SAMPLING_CHAT),
+        (
+            ChatCompletionRequest,
+            SHARED_FIELDS + STRUCTURED_FIELDS + CHAT_FIELDS + TOOL_FIELDS,
+            NOT_SAMPLING_CHAT,
+        ),
     ],
 )
 def test_every_request_field_has_a_mapping_case(model, cases, others):
