@@ -96,7 +96,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     )
     attach_structured_outputs(params, body, serving.tokenizer)
     parsers = chat_output_parsers(serving, body, tools, prompt, params)
-    serving.check_fits([prompt], params)
+    serving.check_fits([prompt], params, "messages")
     serving.check_admission()
     request_id = random_id("chatcmpl")
     streams = serving.start(request_id, [prompt], params)

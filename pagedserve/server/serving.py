@@ -196,16 +196,20 @@ class OpenAIServing:
             ) from e
         return text, tok.encode(text, add_special_tokens=False)
 
-    def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
+    def check_fits(
+        self, prompts: list[Prompt], params: SamplingParams, prompt_param: str = "prompt"
+    ) -> None:
         """A 400 naming the field at fault; ``context_length_exceeded`` only for a request longer
-        than the engine holds, as OpenAI's API answers it."""
+        than the engine holds, as OpenAI's API answers it. ``prompt_param``: the request's field
+        the prompt came from (a chat request's is ``messages``)."""
         limits = self.engine.limits
         for _, ids in prompts:
             try:
                 limits.check_request(ids, params)
             except RequestRejectedError as e:
                 code = "context_length_exceeded" if e.too_long else None
-                raise bad_request(str(e), e.param, code) from e
+                param = prompt_param if e.param == "prompt" else e.param
+                raise bad_request(str(e), param, code) from e
 
     # ---- running ------------------------------------------------------------------------------
     def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):

@@ -314,8 +314,9 @@ def sglang_router(serving) -> APIRouter:
             getattr(_per_prompt(body.sampling_params, i), "max_new_tokens", None) == 0
             for i in range(len(prompts))
         ]
+        field = "text" if body.text is not None else "input_ids"
         for prompt, p in zip(prompts, params, strict=True):
-            serving.check_fits([prompt], p)
+            serving.check_fits([prompt], p, field)
         serving.check_admission()
         base = body.rid if isinstance(body.rid, str) else random_id("generate")
         rids = [f"{base}-{i}" for i in range(len(prompts))]
