@@ -288,7 +288,8 @@ def _add_tool_args(a: Callable[..., argparse.Action]) -> None:
         action="store_true",
         default=None,
         help="let the model decide whether to call the request's tools (tool_choice 'auto', the "
-        "default with tools); needs --tool-call-parser",
+        "default with tools); needs --tool-call-parser (default off: 'auto' is a 400 naming "
+        "this flag)",
     )
     a(
         "--tool-call-parser",
@@ -296,30 +297,30 @@ def _add_tool_args(a: Callable[..., argparse.Action]) -> None:
         metavar="NAME",
         help="the model's tool-call format: glm4 (GLM-4-9B-chat, GLM-4-0414, the demo model: "
         "the name, a newline, the JSON arguments) or glm45 (GLM-4.5's XML), or one a "
-        "--tool-parser-plugin registers. tool_choice 'required' and named functions work "
-        "without it, in the glm4 form",
+        "--tool-parser-plugin registers (default: none; tool_choice 'required' and named "
+        "functions then use the glm4 form)",
     )
     a(
         "--tool-parser-plugin",
         default=None,
         metavar="FILE",
         help="a Python file that registers tool-call parsers "
-        "(@ToolParserManager.register_module('name'))",
+        "(@ToolParserManager.register_module('name')) (default: none)",
     )
     a(
         "--reasoning-parser",
         default=None,
         metavar="NAME",
         help="split a thinking model's output into reasoning_content and content: glm4 (GLM-Z1's "
-        "<think>...</think>)",
+        "<think>...</think>) (default: none; the thinking stays in content)",
     )
     chat_template = a(
         "--chat-template",
         default=None,
         metavar="NAME_OR_FILE",
         help="the chat template: a jinja file, or a built-in (glm4-chat, glm4-0414, "
-        "glm-z1-0414: GLM-4's formats, with OpenAI's tool messages). Default: the model's own; "
-        "a model with GLM-4's published template gets its built-in counterpart",
+        "glm-z1-0414: GLM-4's formats, with OpenAI's tool messages) (default: the model's own; "
+        "a model with GLM-4's published template gets its built-in counterpart)",
     )
     offer(chat_template, ["glm4-chat", "glm4-0414", "glm-z1-0414"])
 
