@@ -14,6 +14,8 @@ import logging
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.models.chat_templates import builtin_chat_template
 from pagedserve.models.tokenizer import Tokenizer
@@ -353,3 +355,82 @@ def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
         .reasoning
         is None
     )
+
+
+# ---- any output at all --------------------------------------------------------------------------
+# Calls in both formats (of declared functions and of others), markers, JSON and text pieces, in
+# any order: what a small or confused model may write.
+NAMES = st.sampled_from(["get_weather", "get_time", "get_stock"])
+ARGUMENTS = st.dictionaries(
+    st.sampled_from(["location", "unit"]),
+    st.sampled_from(["Paris", "巴黎", " New York\n", "celsius", 1, [1, 2], {"a": None}]),
+    max_size=2,
+)
+GLM4_CALLS = st.builds(lambda n, a: f"{n}\n{json.dumps(a, ensure_ascii=False)}", NAMES, ARGUMENTS)
+GLM45_CALLS = st.builds(
+    lambda n, a, sep: (
+        f"<tool_call>{n}{sep}"
+        + "".join(
+            f"<arg_key>{k}</arg_key>{sep}<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+            f"</arg_value>{sep}"
+            for k, v in a.items()
+        )
+        + "</tool_call>"
+    ),
+    NAMES,
+    ARGUMENTS,
+    st.sampled_from(["", "\n"]),
+)
+PIECES = st.sampled_from(
+    [
+        *("get_weather", "get_", "Paris", "x", " ", "\n", "\\", "{", "}", '"', ":", ","),
+        *("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "<think>", "</think>"),
+        *("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ]
+)
+OUTPUTS = st.lists(st.one_of(PIECES, GLM4_CALLS, GLM45_CALLS), max_size=12).map("".join)
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+@settings(max_examples=500)
+@given(
+    output=OUTPUTS,
+    name=st.sampled_from(["glm4", "glm45"]),
+    thinking=st.booleans(),
+    parallel=st.booleans(),
+    cut=st.integers(1, 200),
+)
+def test_any_output_parses_without_error_and_its_stream_adds_up(
+    tokenizer, output, name, thinking, parallel, cut
+):
+    """A malformed output is text, never an exception (the server's 500): the whole output's
+    calls are declared functions with object arguments, and a stream, piece by piece or in two,
+    adds up to the whole (but for a call already streamed whose arguments end up not JSON,
+    which stays a call)."""
+    parser = ToolParserManager.get_tool_parser(name)(tokenizer, _tools(TOOLS))
+    prompt = "<|assistant|>\n<think>" if thinking else "<|assistant|>"
+    reasoning = ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+    whole = ChatOutputParser(parser, reasoning, parallel).parse(output)
+    for c in whole.tool_calls:
+        assert c.function.name in parser.tools and _is_object(c.function.arguments)
+    pieces = _pieces(output) or [""]
+    cut = min(cut, len(pieces))
+    for deliveries in (pieces, ["".join(pieces[:cut]), "".join(pieces[cut:])]):
+        content, calls, thinking_text = _reassemble(
+            _stream(ChatOutputParser(parser, reasoning, parallel), deliveries)
+        )
+        assert (thinking_text or None) == (whole.reasoning or None)
+        streamed = [(c["name"], c["arguments"]) for c in calls]
+        expected = [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+        bad = next((i for i, c in enumerate(calls) if not _is_object(c["arguments"])), None)
+        if bad is None:
+            assert streamed == expected and (content or None) == (whole.content or None)
+        else:  # the whole output has that call's text as content
+            assert streamed[:bad] == expected[:bad]
+            assert calls[bad]["arguments"] in (whole.content or "")
