@@ -202,10 +202,16 @@ class ToolParserManager:
 
     @classmethod
     def import_tool_parser(cls, plugin: str) -> None:
-        """Run the plugin file (its ``register_module`` calls register its parsers)."""
+        """Run the plugin file (its ``register_module`` calls register its parsers); a file that
+        fails to run is a ``ValueError`` naming the flag, with the plugin's own error."""
         path = Path(plugin)
         if not path.is_file():
             raise FileNotFoundError(f"--tool-parser-plugin {plugin}: no such file")
         spec = importlib.util.spec_from_file_location(f"pagedserve_tool_plugin_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the plugin's own code: any error it makes is the flag's
+            raise ValueError(
+                f"--tool-parser-plugin {plugin} failed to load: {type(e).__name__}: {e}"
+            ) from e
