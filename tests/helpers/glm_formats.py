@@ -28,6 +28,21 @@ GLM4_0414_PUBLISHED_RENDERING = (
     '        "type": "object"\n    }\n}\n'
     "在调用上述函数时，请使用 Json 格式表示调用的参数。<|user|>\nwhat is the weather in Paris?<|assistant|>"
 )
+# llama.cpp's tests/test-chat-template.cpp ("ChatGLM4"): its conversation, and the published
+# GLM-4-9B-chat template's rendering of it, as that test expects it (SOURCES.md)
+LLAMA_CPP_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant"},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi there"},
+    {"role": "user", "content": "Who are you"},
+    {"role": "assistant", "content": "   I am an assistant   "},
+    {"role": "user", "content": "Another question"},
+]
+GLM4_CHAT_PUBLISHED_RENDERING = (
+    "[gMASK]<sop><|system|>\nYou are a helpful assistant<|user|>\nHello<|assistant|>\nHi there"
+    "<|user|>\nWho are you<|assistant|>\n   I am an assistant   <|user|>\nAnother question"
+    "<|assistant|>"
+)
 WEATHER_SORTED = {
     "type": "function",
     "function": {

@@ -21,6 +21,8 @@ from pagedserve.presets import demo_model_dir
 from tests.helpers.glm_formats import (
     CONVERSATIONS,
     GLM4_0414_PUBLISHED_RENDERING,
+    GLM4_CHAT_PUBLISHED_RENDERING,
+    LLAMA_CPP_CONVERSATION,
     PUBLISHED,
     TOOLS,
     WEATHER_SORTED,
@@ -76,6 +78,17 @@ def test_the_0414_reference_reproduces_the_published_rendering():
     messages = [{"role": "user", "content": "what is the weather in Paris?"}]
     assert render_published("GLM-4-9B-0414", messages, [WEATHER_SORTED]) == (
         GLM4_0414_PUBLISHED_RENDERING
+    )
+
+
+def test_ours_and_the_published_glm_4_9b_chat_template_give_its_published_rendering(tokenizer):
+    """llama.cpp's test of GLM-4-9B-chat's template expects this text for its conversation: the
+    fixture and pagedserve's glm4-chat give it, token for token."""
+    published = render_published("glm-4-9b-chat", LLAMA_CPP_CONVERSATION)
+    ours = _ours(tokenizer, "glm4-chat", LLAMA_CPP_CONVERSATION, None)
+    assert published == ours == GLM4_CHAT_PUBLISHED_RENDERING
+    assert tokenizer.encode(ours, add_special_tokens=False) == tokenizer.encode(
+        GLM4_CHAT_PUBLISHED_RENDERING, add_special_tokens=False
     )
 
 
