@@ -6,6 +6,7 @@ tools; and a thinking model's reasoning split from its answer (``--reasoning-par
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import jsonschema
@@ -18,6 +19,7 @@ from pagedserve.models.chat_templates import builtin_chat_template
 from pagedserve.presets import demo_model_dir
 from pagedserve.server.app import build_app
 from pagedserve.testing import serve, serve_app
+from tests.helpers.glm_formats import CONVERSATIONS, PUBLISHED, published_template, render_published
 
 WEATHER = {
     "type": "function",
@@ -163,6 +165,27 @@ def test_the_tools_and_the_results_reach_the_prompt(server_url):
     assert prompt.endswith(
         '<|assistant|>\nget_weather\n{"city": "Paris"}<|observation|>\n21<|assistant|>\n'
     )
+
+
+@pytest.mark.parametrize("published", list(PUBLISHED))
+def test_a_checkpoint_with_a_published_glm_template_renders_openai_tool_messages(
+    tiny_glm4, tmp_path, published
+):
+    """The published templates render a call only in GLM's own message shape; a checkpoint that
+    ships one is served with its built-in counterpart, so OpenAI's tool messages reach the prompt
+    as the published template renders the same turns in GLM's shape."""
+    model_dir = shutil.copytree(tiny_glm4[0], tmp_path / "model")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = published_template(published)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=str(model_dir), device="cpu", num_kv_pages=64)
+    )
+    _, messages, tools = next(c for c in CONVERSATIONS if c[0] == "two calls in one turn")
+    with serve_app(build_app(engine, "tiny")) as url:
+        r = httpx.post(url + "/tokenize", json={"messages": messages, "tools": tools})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt"] == render_published(published, messages, tools)
 
 
 # ---- tool_choice --------------------------------------------------------------------------------
