@@ -124,6 +124,14 @@ def _check_schema(tool: ChatCompletionToolsParam, i: int, enforced: bool) -> Non
     schema = tool.function.parameters
     if schema is None:
         return
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise bad_request(
+            f"the parameters of function {tool.function.name!r} have type {kind!r}: a call's "
+            f"arguments are a JSON object, so its schema's type must be 'object'",
+            f"tools.{i}.function.parameters",
+            "invalid_tool_schema",
+        )
     try:
         check_depth(schema)
         check_structured_outputs(StructuredOutputsParams(json=schema))

@@ -293,6 +293,13 @@ def test_a_tool_with_an_invalid_schema_is_a_400_naming_it(server_url):
     assert "get_time" in message and "strng" in message
 
 
+def test_parameters_that_are_not_an_object_schema_are_a_400(server_url):
+    """A call's arguments are a JSON object, as OpenAI's API requires of a function's schema."""
+    array = {**CLOCK, "function": {**CLOCK["function"], "parameters": {"type": "array"}}}
+    message = _bad(server_url, "tools.0.function.parameters", tools=[array], tool_choice="none")
+    assert "'array'" in message and "'object'" in message
+
+
 def test_a_schema_no_grammar_can_hold_is_refused_only_where_one_must(server_url):
     unusual = {"type": "object", "not": {"required": ["x"]}}
     tool = {**CLOCK, "function": {**CLOCK["function"], "parameters": unusual}}
