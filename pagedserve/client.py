@@ -6,6 +6,10 @@
 
 Responses are the server's own pydantic schemas. 503s and connection errors are retried with
 backoff. Importing this module does not import torch.
+
+Every request field goes through as given: a chat request's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` too, and the answer's ``message.tool_calls`` (streamed:
+``delta.tool_calls``, each with its ``index``) come back typed.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 reported as ``sglang-bench`` reports them.
 
 Each program (pagedserve.lang over SGLang's native API) reads a shared system prompt and its
-task, picks a tool with ``select``, forks two thoughts, and writes a JSON answer constrained by a
-schema. Reported: ``avg_latency_ms`` (one whole program), ``num_completed_requests`` (programs),
+task, then (``--agent-program select``, the default) picks a tool with ``select``, forks two
+thoughts, and writes a JSON answer constrained by a schema; or (``--agent-program tools``)
+calls one of three functions in the model's own tool-call format (``tool_choice`` "required":
+a grammar makes the call valid), reads the function's result and answers. Reported: ``avg_latency_ms`` (one whole program), ``num_completed_requests`` (programs),
 programs per second, and per step its mean latency and, for generations, the mean time to its
 first token (``ttft_ms``). Run the server with and without ``--enable-prefix-caching`` to see
 what sharing the system prompt's pages between steps and programs is worth.
@@ -21,7 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedserve.benchmarks.request import check_reachable
-from pagedserve.lang import Runtime, function, gen, select
+from pagedserve.lang import (
+    Runtime,
+    assistant,
+    declare_tools,
+    function,
+    gen,
+    select,
+    system,
+    tool,
+    user,
+)
 
 SYSTEM = (
     "You are an agent in a support system. You read the task, choose one tool, think about "
@@ -47,14 +59,47 @@ ANSWER_SCHEMA = {
 }
 
 
+FUNCTIONS = [  # the tool-calling program's functions, in OpenAI's shape
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {argument: schema},
+                "required": [argument],
+            },
+        },
+    }
+    for name, description, argument, schema in [
+        ("search", "Search the web", "query", {"type": "string", "maxLength": 40}),
+        ("calculator", "Evaluate arithmetic", "expression", {"type": "string", "maxLength": 24}),
+        ("lookup_order", "An order's status", "order_id", {"type": "integer", "minimum": 0}),
+    ]
+]
+
+
+def run_function(call) -> dict:
+    """A made-up result of the call (the benchmark times the model, not the tools)."""
+    if call is None:
+        raise RuntimeError("the model made no call")
+    results = {
+        "search": {"results": ["The library opens at 9:00."]},
+        "calculator": {"value": 1113},
+        "lookup_order": {"status": "shipped"},
+    }
+    return {"function": call.name, **results[call.name]}
+
+
 class TimedRuntime(Runtime):
     """Records when each streamed generation's first text arrives (per thread)."""
 
     local = threading.local()
 
-    def generate_stream(self, text, sampling_params):
+    def generate_stream(self, text, sampling_params, **extra):
         start, first = time.perf_counter(), None
-        for piece, meta in super().generate_stream(text, sampling_params):
+        for piece, meta in super().generate_stream(text, sampling_params, **extra):
             if first is None and piece:
                 first = time.perf_counter() - start
                 self.local.__dict__.setdefault("ttfts", []).append(first)
@@ -82,6 +127,27 @@ def agent_program(thought_tokens: int, answer_tokens: int):
     return agent
 
 
+def tool_program(call_tokens: int, answer_tokens: int):
+    @function
+    def agent(s, task):
+        steps = s.variables.setdefault("steps", [])
+        s += declare_tools(FUNCTIONS)
+        s += system(SYSTEM)
+        s += user(task)
+        t = time.perf_counter()
+        s += assistant(gen("call", tools=FUNCTIONS, max_tokens=call_tokens, temperature=0))
+        steps.append(("tool_call", time.perf_counter() - t, _take_ttft()))
+        s += tool(json.dumps(run_function(s["call"])))
+        t = time.perf_counter()
+        s += assistant(gen("answer", max_tokens=answer_tokens))
+        steps.append(("answer", time.perf_counter() - t, _take_ttft()))
+
+    return agent
+
+
+PROGRAMS = {"select": lambda: agent_program(16, 64), "tools": lambda: tool_program(48, 32)}
+
+
 def _take_ttft() -> float | None:
     ttfts = TimedRuntime.local.__dict__.setdefault("ttfts", [])
     first = ttfts[0] if ttfts else None
@@ -96,7 +162,7 @@ def run_agent_bench(args) -> int:
         print(f"pagedserve bench: error: {exc}", file=sys.stderr)
         return 2
     runtime = TimedRuntime(args.base_url, api_key=args.api_key, timeout=args.timeout)
-    program = agent_program(16, 64)
+    program = PROGRAMS[args.agent_program]()
     concurrency = args.max_concurrency or 8
     tasks = [TASKS[i % len(TASKS)] + f" (case {i})" for i in range(args.num_prompts)]
 
@@ -106,6 +172,7 @@ def run_agent_bench(args) -> int:
     duration = time.perf_counter() - start
     figures = agent_metrics(results, duration)
     figures |= {"num_prompts": args.num_prompts, "max_concurrency": concurrency}
+    figures["program"] = args.agent_program
     print(json.dumps(figures, indent=2))
     if args.output_file:
         Path(args.output_file).write_text(json.dumps(figures, indent=2))

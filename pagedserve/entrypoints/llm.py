@@ -108,14 +108,19 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, rendered with the model's chat template."""
+        """One conversation (a list of messages) or several, rendered with the model's chat
+        template; ``tools`` (OpenAI's shape) go to the template, as vLLM's ``LLM.chat`` sends
+        them (the calls in the text are read by the server, not here)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self._tokenizer()
         prompts = [
             {
                 "prompt_token_ids": tok.encode(
-                    tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                    tok.apply_chat_template(
+                        c, add_generation_prompt=add_generation_prompt, tools=tools
+                    ),
                     add_special_tokens=False,
                 )
             }

@@ -17,6 +17,10 @@ the model's chat template), generations (``gen``, constrained by ``regex``, ``js
 ``choices``) and choices scored by their logprobs (``select``); ``s.fork(n)`` branches share the
 parent's prefix pages on the server (prefix caching). ``s.state`` lasts across calls of the same
 function, and across client processes with ``session_id=`` (kept by the server).
+
+A tool step: ``s += declare_tools(TOOLS)`` shows the model its tools (its chat template's tools
+turn), ``s += assistant(gen("call", tools=TOOLS))`` makes it call one (``s["call"]`` is the
+parsed ``ToolCall``), and ``s += tool(result)`` appends the tool's result.
 """
 
 from pagedserve.lang.backend import Runtime, RuntimeEndpoint
@@ -27,13 +31,15 @@ from pagedserve.lang.interpreter import (
     run_batch,
     set_default_backend,
 )
-from pagedserve.lang.ir import assistant, gen, select, system, user
+from pagedserve.lang.ir import ToolCall, assistant, declare_tools, gen, select, system, tool, user
 
 __all__ = [
     "ProgramState",
     "Runtime",
     "RuntimeEndpoint",
+    "ToolCall",
     "assistant",
+    "declare_tools",
     "function",
     "gen",
     "get_default_backend",
@@ -41,5 +47,6 @@ __all__ = [
     "select",
     "set_default_backend",
     "system",
+    "tool",
     "user",
 ]

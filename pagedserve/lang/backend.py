@@ -1,4 +1,5 @@
-"""The HTTP side of a program: SGLang's native API (/generate) and the session state store."""
+"""The HTTP side of a program: SGLang's native API (/generate, with pagedserve's tools), the
+chat template's text (/tokenize) and the session state store."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ class Runtime:
     def generate(self, text: str | list[str], sampling_params: dict, **extra: Any) -> Any:
         return self._post("/generate", {"text": text, "sampling_params": sampling_params, **extra})
 
-    def generate_stream(self, text: str, sampling_params: dict) -> Iterator[tuple[str, dict]]:
+    def generate_stream(
+        self, text: str, sampling_params: dict, **extra: Any
+    ) -> Iterator[tuple[str, dict]]:
         """(new text, meta_info) as the server streams; closing the iterator aborts it."""
-        body = {"text": text, "sampling_params": sampling_params, "stream": True}
+        body = {"text": text, "sampling_params": sampling_params, "stream": True, **extra}
         with self.http.stream("POST", "/generate", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -38,6 +41,13 @@ class Runtime:
                     raise RuntimeError(chunk["error"]["message"])
                 yield chunk["text"][sent:], chunk["meta_info"]
                 sent = len(chunk["text"])
+
+    def chat_text(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=False
+    ) -> str:
+        """What the model's chat template makes of ``messages`` (and ``tools``)."""
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return self._post("/tokenize", body | ({"tools": tools} if tools else {}))["prompt"]
 
     def cache_prefix(self, text: str) -> int:
         """Prefill ``text`` (its full pages enter the prefix cache); its number of tokens."""

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pagedserve.lang.backend import Runtime
-from pagedserve.lang.ir import Gen, RoleBlock, Select
+from pagedserve.lang.ir import Gen, RoleBlock, Select, ToolCall, ToolsBlock
 
 _default_backend: Runtime | None = None
 _END = object()
@@ -85,6 +85,8 @@ class ProgramState:
             self._select(item)
         elif isinstance(item, RoleBlock):
             self._role_block(item)
+        elif isinstance(item, ToolsBlock):
+            self._tools_block(item)
         elif isinstance(item, (list, tuple)):
             for part in item:
                 self._append(part)
@@ -100,18 +102,20 @@ class ProgramState:
             self._stream.put(text)
 
     def _gen(self, g: Gen) -> None:
-        params = g.sampling_params()
+        params, tools = g.sampling_params(), g.tool_fields()
+        meta: dict = {}
         if not self.stream_gen:
-            result = self.backend.generate(self._text, params)
-            out = result["text"]
+            result = self.backend.generate(self._text, params, **tools)
+            out, meta = result["text"], result["meta_info"]
             self._add_text(out)
         else:
             out = ""
-            for piece, _ in self.backend.generate_stream(self._text, params):
+            for piece, piece_meta in self.backend.generate_stream(self._text, params, **tools):
                 out += piece
                 self._add_text(piece)
+                meta = piece_meta  # the last one carries the calls
         if g.name:
-            self.variables[g.name] = out
+            self.variables[g.name] = _tool_result(g, meta) if tools else out
 
     def _select(self, s: Select) -> None:
         scores = self.backend.score(self._text, s.choices)
@@ -126,6 +130,8 @@ class ProgramState:
         if not roles:
             return f"{role}: ", "\n"
         begin = roles["begin"] if not self._text.startswith(roles["begin"]) else ""
+        if role not in roles["roles"]:
+            raise ValueError(f"the model's chat template has no {role} turn")
         prefix, suffix = roles["roles"][role]
         return begin + prefix, suffix
 
@@ -135,6 +141,14 @@ class ProgramState:
         if block.content is not None:
             self._append(block.content)
         self._add_text(suffix)
+
+    def _tools_block(self, block: ToolsBlock) -> None:
+        """The chat template's text for the tools and no messages, after what it puts first."""
+        begin = self.backend.chat_text([])
+        text = self.backend.chat_text([], block.tools)
+        if not text.startswith(begin):
+            raise ValueError("the chat template does not put the tools before the conversation")
+        self._add_text(text if not self._text.startswith(begin) else text[len(begin) :])
 
     @contextmanager
     def _role_scope(self, role: str):
@@ -164,6 +178,13 @@ class ProgramState:
             else self._append(RoleBlock("assistant", content))
         )
 
+    def tool(self, content: Any = None):
+        return (
+            self._role_scope("tool")
+            if content is None
+            else self._append(RoleBlock("tool", content))
+        )
+
     # ---- forks --------------------------------------------------------------------------------
     def fork(self, n: int = 1) -> ForkGroup:
         """``n`` branches that continue from this text; the server prefills it once and every
@@ -186,6 +207,13 @@ class ProgramState:
 
     def __repr__(self) -> str:
         return f"ProgramState(text={self._text!r}, variables={self.variables!r})"
+
+
+def _tool_result(g: Gen, meta: dict) -> ToolCall | list[ToolCall] | None:
+    calls = [ToolCall.from_openai(c) for c in meta.get("tool_calls") or []]
+    if g.parallel_tool_calls:
+        return calls
+    return calls[0] if calls else None
 
 
 class ForkGroup(list):

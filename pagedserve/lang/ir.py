@@ -1,4 +1,5 @@
-"""What a program appends to its state: text, generations, selections and role blocks."""
+"""What a program appends to its state: text, generations, selections, role blocks and the
+tools block."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ class Gen(Expr):
     top_k: int | None = None
     regex: str | None = None
     json_schema: str | None = None
+    tools: list[dict] | None = None  # a tool step: the model calls one of these
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = False
 
     def sampling_params(self) -> dict[str, Any]:
         params = {"max_new_tokens": self.max_tokens, "stop": self.stop or None}
@@ -42,6 +46,37 @@ class Gen(Expr):
             if getattr(self, key) is not None:
                 params[key] = getattr(self, key)
         return params
+
+    def tool_fields(self) -> dict[str, Any]:
+        """The /generate fields of a tool step (none for a plain generation)."""
+        if self.tools is None:
+            return {}
+        fields = {"tools": self.tools, "parallel_tool_calls": self.parallel_tool_calls}
+        return fields | ({"tool_choice": self.tool_choice} if self.tool_choice else {})
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """A call a tool step read from the model's text: ``s[name].name``, ``.arguments``."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @classmethod
+    def from_openai(cls, call: dict[str, Any]) -> ToolCall:
+        function = call["function"]
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        return cls(call.get("id", ""), function["name"], arguments)
+
+
+@dataclass
+class ToolsBlock(Expr):
+    """The model's own declaration of ``tools`` (its chat template's tools turn)."""
+
+    tools: list[dict]
 
 
 @dataclass
@@ -66,14 +101,25 @@ def gen(
     regex: str | None = None,
     json_schema: str | dict | None = None,
     choices: list[str] | None = None,
+    tools: list[dict] | None = None,
+    tool_choice: str | dict | None = "required",
+    parallel_tool_calls: bool = False,
 ) -> Gen | Select:
-    """Generate text into ``s[name]``; ``choices`` makes it a ``select``."""
+    """Generate text into ``s[name]``; ``choices`` makes it a ``select``.
+
+    With ``tools`` (OpenAI's shape) it is a tool step: the server holds the model to a call in
+    its own format (``tool_choice`` "required" by default, or a named function, or "auto"), and
+    ``s[name]`` is the ``ToolCall`` it read (None if the model answered in text), or the list
+    of them with ``parallel_tool_calls``. ``s += tool(result)`` then appends the result."""
     if choices is not None:
         return select(name, choices)
     if isinstance(json_schema, dict):
         json_schema = json.dumps(json_schema)
     stop = [stop] if isinstance(stop, str) else list(stop or [])
-    return Gen(name, max_tokens, stop, temperature, top_p, top_k, regex, json_schema)
+    return Gen(
+        name, max_tokens, stop, temperature, top_p, top_k, regex, json_schema,
+        tools, tool_choice if tools is not None else None, parallel_tool_calls,
+    )  # fmt: skip
 
 
 def select(name: str | None = None, choices: list[str] | None = None) -> Select:
@@ -93,3 +139,14 @@ def user(content: Any = None) -> RoleBlock:
 
 def assistant(content: Any = None) -> RoleBlock:
     return RoleBlock("assistant", content)
+
+
+def tool(content: Any = None) -> RoleBlock:
+    """A tool's result, as the model's chat template shows one (GLM-4: an observation turn)."""
+    return RoleBlock("tool", content)
+
+
+def declare_tools(tools: list[dict]) -> ToolsBlock:
+    """The tools the model may call, as its chat template declares them (GLM-4: a system turn
+    of ``## name`` headings and JSON definitions). Put it before the conversation."""
+    return ToolsBlock(list(tools))

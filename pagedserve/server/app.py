@@ -22,11 +22,13 @@ from pagedserve.server.completions import completions_router
 from pagedserve.server.device import device_router
 from pagedserve.server.errors import error_body, install_error_handlers
 from pagedserve.server.info import info_router
+from pagedserve.server.reasoning_parsers import ReasoningParserManager
 from pagedserve.server.sampling import MAX_LOGPROBS
 from pagedserve.server.serving import OpenAIServing
 from pagedserve.server.session_state import SessionStore, session_router
 from pagedserve.server.sglang_api import sglang_router
 from pagedserve.server.tokenization import tokenization_router
+from pagedserve.server.tool_parsers import ToolParserManager
 from pagedserve.server.web_ui import install_web_ui, is_web_ui_path
 
 if TYPE_CHECKING:
@@ -47,6 +49,10 @@ def build_app(
     max_logprobs: int = MAX_LOGPROBS,
     max_request_body: int = DEFAULT_MAX_REQUEST_BODY,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
     its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
@@ -54,8 +60,28 @@ def build_app(
     web console at ``/`` (``pagedserve serve --disable-web-ui`` turns it off).
 
     ``allowed_origins``: the browser origins CORS admits; none (the default) sends no CORS
-    headers, so no web page of another origin can call the server."""
-    serving = OpenAIServing(engine, served_model_name, max_queue_len, max_logprobs)
+    headers, so no web page of another origin can call the server.
+
+    Tools (vLLM's flags): ``tool_call_parser`` names the parser of the model's tool-call format
+    (``--tool-call-parser``), ``enable_auto_tool_choice`` lets the model decide
+    (``tool_choice: "auto"``); ``reasoning_parser`` splits a thinking model's output;
+    ``chat_template`` (the text of one) replaces the model's own."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. glm4)")
+    tools = ToolParserManager.get_tool_parser(tool_call_parser) if tool_call_parser else None
+    reasoning = (
+        ReasoningParserManager.get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+    )
+    serving = OpenAIServing(
+        engine,
+        served_model_name,
+        max_queue_len,
+        max_logprobs,
+        tool_parser=tools,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning,
+        chat_template=chat_template,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from pagedserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
 
@@ -24,6 +24,8 @@ MAX_STOP = 64  # stop strings per request: each is searched for after every toke
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_PROMPTS = 256  # prompts in one batched completions or /generate request
+MAX_TOOLS = 128  # tools in one request, as OpenAI's API allows
+MAX_TOOL_CALLS = 128  # tool calls in one assistant message
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -95,6 +97,48 @@ class StructuredOutputsFields(OpenAIModel):
     json_object: bool | None = None
 
 
+# ---- tools ------------------------------------------------------------------------------------
+class FunctionDefinition(OpenAIModel):
+    """A function the model may call. Extra keys are kept: the chat template shows the model the
+    definition as the client wrote it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this function."""
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # a JSON string (a client may send the object)
+
+
+class ToolCall(ResponseModel):
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class SamplingFields(OpenAIModel):
     """Fields both completions and chat completions accept."""
 
@@ -147,10 +191,16 @@ class ContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    """A message of the conversation. An assistant message may carry the ``tool_calls`` it made,
+    a ``role: "tool"`` message the result of one (``tool_call_id``)."""
+
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -160,12 +210,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Count | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # vLLM's: with --reasoning-parser, send the thinking
 
 
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -226,6 +281,9 @@ class ChatLogprobs(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # --reasoning-parser: the thinking (DeepSeek's name)
+    reasoning: str | None = None  # the same, by vLLM's newer name
 
 
 class ChatCompletionChoice(ResponseModel):
@@ -246,9 +304,36 @@ class ChatCompletionResponse(ResponseModel):
     system_fingerprint: str | None = None
 
 
+class _OnlyWhatIsSent(ResponseModel):
+    """A streamed piece that carries only the fields it sets: the openai SDK's stream helpers
+    merge pieces field by field, and a ``"type": null`` would overwrite the call's type."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OnlyWhatIsSent):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OnlyWhatIsSent):
+    """One streamed piece of call ``index``: its id, type and name first, then its arguments
+    in fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionStreamChoice(ResponseModel):
@@ -297,6 +382,7 @@ class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    prompt: str | None = None  # messages: the text the chat template made of them
 
 
 class DetokenizeResponse(ResponseModel):

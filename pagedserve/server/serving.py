@@ -9,6 +9,7 @@ a 500.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +19,13 @@ from jinja2.exceptions import TemplateError
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.limits import RequestRejectedError
+from pagedserve.models.chat_templates import builtin_chat_template, tool_template_for
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.metrics import RequestTimer, ServerMetrics
 from pagedserve.server.protocol import (
+    ChatCompletionToolsParam,
     ChatLogprobs,
     ChatMessage,
     ChatTokenLogprob,
@@ -31,11 +34,14 @@ from pagedserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from pagedserve.server.reasoning_parsers import ReasoningParser
 from pagedserve.server.sampling import MAX_LOGPROBS
+from pagedserve.server.tool_parsers import Glm4ToolParser, ToolParser
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
 
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 
@@ -51,6 +57,10 @@ class OpenAIServing:
         served_model_name: str | None,
         max_queue_len: int | None,
         max_logprobs: int = MAX_LOGPROBS,
+        tool_parser: type[ToolParser] | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: type[ReasoningParser] | None = None,
+        chat_template: str | None = None,
     ):
         if isinstance(engine, AsyncLLMEngine):  # the engine core in a process of its own
             self.llm_engine, self.engine = None, engine
@@ -66,6 +76,44 @@ class OpenAIServing:
         self.max_logprobs = max_logprobs
         self.metrics = ServerMetrics()
         self._token_strs: dict[int, str] = {}
+        # tools: auto needs the configured parser; required and named fall back to GLM-4's form
+        self.tool_parser = tool_parser
+        self.forced_tool_parser = tool_parser or Glm4ToolParser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = reasoning_parser
+        self._set_chat_template(chat_template)
+
+    def _set_chat_template(self, chat_template: str | None) -> None:
+        """``--chat-template``, else the built-in counterpart of a published GLM-4 template
+        (which renders tool calls only in GLM's own message shape)."""
+        if self.tokenizer is None:
+            return
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+            return
+        builtin = tool_template_for(self.tokenizer.chat_template)
+        if builtin is not None:
+            logger.info(
+                "the model's chat template is GLM-4's published one, which renders tool calls only "
+                "in GLM's own message shape; serving with the built-in %r (the same prompts, and "
+                "OpenAI's tool messages too; --chat-template chooses another)",
+                builtin,
+            )
+            self.tokenizer.chat_template = builtin_chat_template(builtin)
+
+    def tool_parser_for(self, tools) -> ToolParser:
+        """The parser of a request's calls (a ``tools.ToolRequest`` that reads some): auto's is
+        --tool-call-parser; a call the grammar forces is written in its format, else GLM-4's."""
+        parser_class = self.tool_parser if tools.choice == "auto" else self.forced_tool_parser
+        return parser_class(self.require_tokenizer(), tools.tools)
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' texts, longest first (to drop them from text shown to a client)."""
+        if self.tokenizer is None:
+            return ()
+        texts = {self.token_str(i) for i in self.tokenizer.all_special_ids}
+        return tuple(sorted(texts, key=len, reverse=True))
 
     # ---- validation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -129,12 +177,18 @@ class OpenAIServing:
             raise bad_request(f"{where} is an empty string; send some text", "prompt")
         return text, self.require_tokenizer().encode(text)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> Prompt:
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[ChatCompletionToolsParam] | None = None,
+    ) -> Prompt:
         tok = self.require_tokenizer()
         conversation = [_message_dict(m) for m in messages]
+        tool_dicts = [t.model_dump(exclude_unset=True) for t in tools] if tools else None
         try:
             text = tok.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt
+                conversation, add_generation_prompt=add_generation_prompt, tools=tool_dicts
             )
         except (TemplateError, ValueError) as e:
             raise bad_request(
@@ -142,16 +196,20 @@ class OpenAIServing:
             ) from e
         return text, tok.encode(text, add_special_tokens=False)
 
-    def check_fits(self, prompts: list[Prompt], params: SamplingParams) -> None:
+    def check_fits(
+        self, prompts: list[Prompt], params: SamplingParams, prompt_param: str = "prompt"
+    ) -> None:
         """A 400 naming the field at fault; ``context_length_exceeded`` only for a request longer
-        than the engine holds, as OpenAI's API answers it."""
+        than the engine holds, as OpenAI's API answers it. ``prompt_param``: the request's field
+        the prompt came from (a chat request's is ``messages``)."""
         limits = self.engine.limits
         for _, ids in prompts:
             try:
                 limits.check_request(ids, params)
             except RequestRejectedError as e:
                 code = "context_length_exceeded" if e.too_long else None
-                raise bad_request(str(e), e.param, code) from e
+                param = prompt_param if e.param == "prompt" else e.param
+                raise bad_request(str(e), param, code) from e
 
     # ---- running ------------------------------------------------------------------------------
     def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
@@ -307,11 +365,18 @@ class TextOffsets:
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it (HF's conventions): its text, and its tool calls
+    and the id of the call it answers when it has them."""
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content if part.type == "text")
     extra = {k: v for k, v in (message.model_extra or {}).items()}
-    return {**extra, "role": message.role, "content": content or ""}
+    out = {**extra, "role": message.role, "content": content or ""}
+    if message.tool_calls is not None:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def top_logprobs(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:

@@ -6,7 +6,9 @@ clients run against pagedserve unchanged.
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``;
   ``stream`` as SSE (each chunk carries the text so far) ending ``data: [DONE]``. Logprobs are
   SGLang's ``(logprob, token_id, text or None)`` tuples. ``max_new_tokens: 0`` prefills the
-  prompt (its full pages enter the prefix cache) and returns no tokens.
+  prompt (its full pages enter the prefix cache) and returns no tokens. pagedserve's extras:
+  OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (``tools.py``), the calls read
+  from the text in ``meta_info.tool_calls`` (pagedserve.lang's tool step).
 - ``GET /get_model_info`` (also ``/model_info``), ``GET /server_info`` (also ``/get_server_info``),
   ``POST /flush_cache``.
 """
@@ -29,6 +31,8 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import (
     MAX_PROMPTS,
+    MAX_TOOLS,
+    ChatCompletionToolsParam,
     Count,
     Int64,
     LogitBias,
@@ -41,6 +45,7 @@ from pagedserve.server.protocol import (
     StopTokenIds,
     Temperature,
     TokenId,
+    ToolChoice,
     TopK,
     TopP,
     random_id,
@@ -49,6 +54,8 @@ from pagedserve.server.sampling import check_logprobs, logit_bias
 from pagedserve.server.serving import top_logprobs
 from pagedserve.server.streaming import merge_streams, sse_response
 from pagedserve.server.structured import build
+from pagedserve.server.tool_parsers import ToolParser
+from pagedserve.server.tools import ToolRequest, attach_tool_grammar, tool_request
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # SGLang's sampling_params -> ours; the constraints become a StructuredOutputsParams
@@ -109,6 +116,10 @@ class GenerateReqInput(OpenAIModel):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)] | None = None
+    # pagedserve's: OpenAI's tools, for every prompt of the request
+    tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
     def check_batch(self, num_prompts: int) -> None:
         """A per-prompt list must have one entry per prompt."""
@@ -156,6 +167,21 @@ class SGLangServing:
     def __init__(self, serving):
         self.serving = serving
 
+    def tool_parser(self, body: GenerateReqInput, params: list[SamplingParams]):
+        """(the request's tools, the parser of their calls), constraining each prompt's output
+        as the tool choice demands; (None, None) without tools."""
+        tools = tool_request(
+            body.tools, body.tool_choice, body.parallel_tool_calls,
+            self.serving.enable_auto_tool_choice,
+        )  # fmt: skip
+        if tools is None or tools.choice == "none":
+            return tools, None
+        parser = self.serving.tool_parser_for(tools)
+        for p in params:
+            attach_tool_grammar(p, tools, parser)
+            parser.adjust_request(p)
+        return tools, parser
+
     # ---- the request --------------------------------------------------------------------------
     def prompts(self, body: GenerateReqInput) -> tuple[list[tuple[str | None, list[int]]], bool]:
         """(prompts, whether the request is a batch)."""
@@ -202,6 +228,7 @@ class SGLangServing:
         out: RequestOutput,
         o: CompletionOutput,
         prefill_only: bool,
+        tools: tuple[ToolRequest, ToolParser] | None = None,
     ) -> dict[str, Any]:
         token_ids = [] if prefill_only else list(o.token_ids)
         text = "" if prefill_only else o.text
@@ -215,7 +242,20 @@ class SGLangServing:
         }
         if _per_prompt(body.return_logprob, i):
             self.add_logprobs(meta, body, i, prompt_ids, out, o, prefill_only)
+        if tools is not None:
+            text = self.with_tool_calls(meta, tools, o)
         return {"text": text, "output_ids": token_ids, "meta_info": meta}
+
+    def with_tool_calls(self, meta: dict, tools: tuple[ToolRequest, ToolParser], o) -> str:
+        """The text without the special tokens the parser needed; the calls, once it ends."""
+        request, parser = tools
+        if o.finished:
+            found = parser.extract_tool_calls(o.text, request.parallel)
+            meta["tool_calls"] = [call.model_dump() for call in found.tool_calls]
+        text = o.text
+        for special in self.serving.special_texts:
+            text = text.replace(special, "")
+        return text
 
     @staticmethod
     def finish_reason(o: CompletionOutput, token_ids: list[int], prefill_only: bool):
@@ -268,12 +308,15 @@ def sglang_router(serving) -> APIRouter:
         prompts, batch = sgl.prompts(body)
         body.check_batch(len(prompts))
         params = [sgl.params(body, i) for i in range(len(prompts))]
+        request, parser = sgl.tool_parser(body, params)
+        tools = (request, parser) if parser is not None else None
         prefill_only = [
             getattr(_per_prompt(body.sampling_params, i), "max_new_tokens", None) == 0
             for i in range(len(prompts))
         ]
+        field = "text" if body.text is not None else "input_ids"
         for prompt, p in zip(prompts, params, strict=True):
-            serving.check_fits([prompt], p)
+            serving.check_fits([prompt], p, field)
         serving.check_admission()
         base = body.rid if isinstance(body.rid, str) else random_id("generate")
         rids = [f"{base}-{i}" for i in range(len(prompts))]
@@ -283,10 +326,12 @@ def sglang_router(serving) -> APIRouter:
         ]
         many = batch or params[0].n > 1
         if body.stream:
-            return sse_response(_stream(sgl, body, prompts, rids, streams, prefill_only, many))
+            return sse_response(
+                _stream(sgl, body, prompts, rids, streams, prefill_only, many, tools)
+            )
         finals = await serving.collect(raw, streams)
         results = [
-            sgl.result(body, i, rids[i], prompts[i][1], out, o, prefill_only[i])
+            sgl.result(body, i, rids[i], prompts[i][1], out, o, prefill_only[i], tools)
             for i, out in enumerate(finals)
             for o in out.outputs
         ]
@@ -340,12 +385,14 @@ def sglang_router(serving) -> APIRouter:
     return router
 
 
-async def _stream(sgl, body, prompts, rids, streams, prefill_only, many) -> AsyncIterator[str]:
+async def _stream(
+    sgl, body, prompts, rids, streams, prefill_only, many, tools
+) -> AsyncIterator[str]:
     """Each chunk carries the text so far, as SGLang's server streams it."""
     async for p, out in merge_streams(streams):
         n = len(out.outputs)
         for o in out.outputs:
-            result = sgl.result(body, p, rids[p], prompts[p][1], out, o, prefill_only[p])
+            result = sgl.result(body, p, rids[p], prompts[p][1], out, o, prefill_only[p], tools)
             if many:
                 result["index"] = p * n + o.index
             yield f"data: {json.dumps(result)}\n\n"
@@ -358,20 +405,29 @@ _SENTINEL = "\x00PAGEDSERVE_CONTENT\x00"
 
 def chat_template_roles(tokenizer) -> dict[str, Any] | None:
     """What the model's chat template puts around each role's content: ``begin`` (before the
-    first message) and ``[prefix, suffix]`` per role, for frontends that build chat text piece
+    first message) and ``[prefix, suffix]`` per role (``tool`` too, where the template knows
+    tool results), for frontends that build chat text piece
     by piece (pagedserve.lang's role blocks). None without a chat template."""
     if tokenizer is None or tokenizer.chat_template is None:
         return None
     try:
         begin = tokenizer.apply_chat_template([], add_generation_prompt=False)
-        roles = {}
-        for role in ("system", "user", "assistant"):
-            text = tokenizer.apply_chat_template(
-                [{"role": role, "content": _SENTINEL}], add_generation_prompt=False
-            )
-            head, _, tail = text.partition(_SENTINEL)
-            roles[role] = [head[len(begin) :] if head.startswith(begin) else head, tail]
+        roles = {
+            role: _role_pieces(tokenizer, role, begin) for role in ("system", "user", "assistant")
+        }
         generation = tokenizer.apply_chat_template([], add_generation_prompt=True)[len(begin) :]
     except Exception:  # noqa: BLE001 - a template that cannot render pieces: no role blocks
         return None
+    try:  # a tool result's turn, where the template has one
+        roles["tool"] = _role_pieces(tokenizer, "tool", begin)
+    except Exception:  # noqa: BLE001
+        pass
     return {"begin": begin, "roles": roles, "generation_prompt": generation}
+
+
+def _role_pieces(tokenizer, role: str, begin: str) -> list[str]:
+    text = tokenizer.apply_chat_template(
+        [{"role": role, "content": _SENTINEL}], add_generation_prompt=False
+    )
+    head, _, tail = text.partition(_SENTINEL)
+    return [head[len(begin) :] if head.startswith(begin) else head, tail]

@@ -58,7 +58,7 @@ def build(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
     try:
         if isinstance(fields.get("json"), str):
             fields = {**fields, "json": _parse_schema(fields["json"])}
-        _check_depth(fields.get("json"))
+        check_depth(fields.get("json"))
         params = StructuredOutputsParams(**fields)
         check_structured_outputs(params)
     except ValueError as e:
@@ -66,7 +66,7 @@ def build(fields: dict[str, Any], param: str) -> StructuredOutputsParams:
     return params
 
 
-def _check_depth(schema: Any) -> None:
+def check_depth(schema: Any) -> None:
     """Schemas are compiled by recursion: one nested past ``MAX_SCHEMA_DEPTH`` levels is refused
     before it can exhaust the stack. Measured without recursion, for the same reason."""
     stack = [(schema, 1)]

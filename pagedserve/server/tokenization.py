@@ -1,4 +1,6 @@
-"""``POST /tokenize`` and ``POST /detokenize``, as vLLM's server has them."""
+"""``POST /tokenize`` and ``POST /detokenize``, as vLLM's server has them. ``/tokenize`` with
+``messages`` (and ``tools``) also answers the text the chat template made of them (``prompt``,
+as TGI's ``/chat_tokenize`` does): what the model is shown."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ def tokenization_router(serving: OpenAIServing) -> APIRouter:
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
+        text = None
         if body.messages is not None:
-            _, ids = serving.chat_prompt(body.messages, body.add_generation_prompt)
+            text, ids = serving.chat_prompt(body.messages, body.add_generation_prompt, body.tools)
         elif body.prompt is not None:
             ids = serving.require_tokenizer().encode(body.prompt, body.add_special_tokens)
         else:
             raise bad_request("send 'prompt' (a string) or 'messages'", "prompt")
-        return TokenizeResponse(count=len(ids), max_model_len=serving.max_model_len, tokens=ids)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=serving.max_model_len, tokens=ids, prompt=text
+        )
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

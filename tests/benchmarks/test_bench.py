@@ -510,3 +510,27 @@ def test_plot_with_the_agent_dataset_is_refused_with_a_reason(tmp_path, capsys):
     args = _args("http://unused", "--dataset", "agent", "--plot", str(tmp_path / "p.png"))
     assert run_bench(args) == 2
     assert "--plot" in capsys.readouterr().err and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("program", ["select", "tools"])
+def test_the_agent_programs_run_against_the_demo_model(program, tmp_path):
+    """Both agent programs at a tiny size: every program completes, each step is timed (the tool
+    program's call is one the grammar held to a declared function)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model="demo", device="cpu", num_kv_pages=256, max_model_len=1024)
+    )
+    out = tmp_path / "agent.json"
+    with serve_app(build_app(engine, "demo")) as url:
+        flags = ("--dataset", "agent", "--agent-program", program, "--max-concurrency", "2")
+        args = _args(url, *flags, "--num-prompts", "2", "--output-file", str(out))
+        assert run_bench(args) == 0
+    report = json.loads(out.read_text())
+    assert report["num_completed_requests"] == 2 and report["num_failed_requests"] == 0
+    assert report["program"] == program
+    steps = {"select": {"select", "fork", "constrained_gen"}, "tools": {"tool_call", "answer"}}
+    assert set(report["steps"]) == steps[program]
+    assert all(step["avg_latency_ms"] > 0 for step in report["steps"].values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -46,6 +47,33 @@ def test_sync_streaming_yields_typed_chunks_that_add_up(sdk_client):
     chunks = list(sdk_client.completions.create(stream=True, **kwargs))
     assert all(isinstance(c, CompletionChunk) for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == whole
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+        },
+    },
+}
+
+
+def test_tools_pass_through_and_calls_come_back_typed(sdk_client):
+    kwargs = dict(model="tiny", messages=CHAT, tools=[TOOL], tool_choice="required", max_tokens=32)
+    (call,) = (
+        sdk_client.chat.completions.create(temperature=0, **kwargs).choices[0].message.tool_calls
+    )
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+    chunks = list(sdk_client.chat.completions.create(stream=True, temperature=0, **kwargs))
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_errors_carry_the_server_message(sdk_client, live_server):

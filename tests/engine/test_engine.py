@@ -150,6 +150,17 @@ def test_string_prompts_and_chat_produce_text(tiny_llm):
     assert _drained(tiny_llm)
 
 
+def test_chat_sends_the_tools_to_the_chat_template(tiny_llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=1)
+    (plain,) = tiny_llm.chat(messages, params, use_tqdm=False)
+    (with_tools,) = tiny_llm.chat(messages, params, use_tqdm=False, tools=tools)
+    tok = tiny_llm.llm_engine.tokenizer
+    prompt = tok.decode(with_tools.prompt_token_ids, skip_special_tokens=False)
+    assert "get_weather" in prompt and "get_weather" not in tok.decode(plain.prompt_token_ids)
+
+
 def _generate_with_fault(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
     """Prefill and one decode step, then flip a bit in the request's first page, then finish."""
     engine = llm.llm_engine

@@ -14,13 +14,16 @@ import pytest
 
 from pagedserve.lang import (
     Runtime,
+    ToolCall,
     assistant,
+    declare_tools,
     function,
     gen,
     run_batch,
     select,
     set_default_backend,
     system,
+    tool,
     user,
 )
 from pagedserve.testing import serve_app
@@ -154,6 +157,45 @@ def test_role_blocks_follow_the_chat_template_and_gen_constraints(demo_thread_se
     assert state.text.startswith("[gMASK]<sop><|system|>\nYou answer with numbers.<|user|>\n")
     assert re.fullmatch(r"[0-9]{1,4}", state["n"])
     assert isinstance(json.loads(state["j"])["n"], int)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_step_yields_the_call_and_the_result_goes_back(demo_thread_server, stream):
+    @function
+    def weather_agent(s, question):
+        s += declare_tools([WEATHER])
+        s += user(question)
+        s += assistant(gen("call", tools=[WEATHER], temperature=0, max_tokens=32))
+        s += tool(json.dumps({"city": s["call"].arguments["city"], "temperature": 21}))
+        s += assistant(gen("answer", max_tokens=8))
+
+    state = weather_agent("Weather in Paris?", stream=stream).wait()
+    assert state.error is None, state.error
+    call = state["call"]
+    assert isinstance(call, ToolCall) and call.name == "get_weather" and call.id
+    assert set(call.arguments) == {"city"} and len(call.arguments["city"]) <= 16
+    # the text is what the demo model's chat template makes of the same conversation
+    written = json.dumps(call.arguments)
+    assert state.text.startswith("[gMASK]<sop><|system|>\n# 可用工具\n\n## get_weather\n\n{")
+    assert (
+        f"<|user|>\nWeather in Paris?<|assistant|>\nget_weather\n{written}<|observation|>\n"
+        in state.text
+    )
+    assert state.text.endswith("<|assistant|>\n" + state["answer"])
 
 
 def test_a_failing_program_keeps_its_error_and_frees_the_server(demo_thread_server):

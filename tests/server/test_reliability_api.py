@@ -160,6 +160,23 @@ def test_a_1mb_prompt_is_a_400_saying_it_is_too_long(fuzz_server):
     assert error["code"] == "context_length_exceeded"
 
 
+TOO_LONG = "a " * 5_000  # more tokens than the demo server's max_model_len
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": TOO_LONG}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, "messages"),
+        ("/generate", {"text": TOO_LONG}, "text"),
+        ("/generate", {"input_ids": [5] * 10_000}, "input_ids"),
+    ],
+)
+def test_a_prompt_too_long_names_the_field_it_came_in(fuzz_server, path, body, param):
+    error = assert_client_error(post(fuzz_server, path, {**body, "max_tokens": 4}), param)
+    assert error["code"] == "context_length_exceeded" and "max_model_len" in error["message"]
+
+
 def test_10000_stop_strings_are_a_400(fuzz_server):
     body = {"prompt": "Hi", "stop": [f"s{i}" for i in range(10_000)]}
     error = assert_client_error(post(fuzz_server, "/v1/completions", body), "stop")

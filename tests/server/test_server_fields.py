@@ -142,6 +142,7 @@ COMPLETION_FIELDS = [
     ({"logprobs": 2, "echo": True}, {"logprobs": 2, "prompt_logprobs": 2}),
     ({"echo": True}, {"logprobs": None, "prompt_logprobs": None}),
 ]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_FIELDS = [
     ({"max_tokens": 5}, {"max_tokens": 5}),
     ({"max_completion_tokens": 6, "max_tokens": 5}, {"max_tokens": 6}),
@@ -149,14 +150,22 @@ CHAT_FIELDS = [
     ({"logprobs": True}, {"logprobs": 0}),
     ({"logprobs": False, "top_logprobs": 2}, {"logprobs": None}),
 ]
+# the chat route's own mapping (tools.py; test_server_sampling.py maps without the route)
+TOOL_FIELDS = [
+    (  # a call is delimited by special tokens: the text keeps them for the parser
+        {"tools": [TOOL], "tool_choice": "required"},
+        {"skip_special_tokens": False},
+    ),
+]
 # fields that do not become sampling settings, each shown by a test below or in test_server.py
 NOT_SAMPLING = {"model", "stream", "stream_options", "user", "prompt", "echo", "suffix"}
 NOT_SAMPLING_CHAT = {"model", "stream", "stream_options", "user", "messages"}
 NOT_SAMPLING_CHAT |= {"add_generation_prompt"}
+NOT_SAMPLING_CHAT |= {"parallel_tool_calls", "include_reasoning"}  # test_tools.py shows them
 
 
 def mapping_cases():
-    for endpoint, own in (("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS)):
+    for endpoint, own in (("completions", COMPLETION_FIELDS), ("chat", CHAT_FIELDS + TOOL_FIELDS)):
         for fields, expected in SHARED_FIELDS + STRUCTURED_FIELDS + own:
             yield pytest.param(endpoint, fields, expected, id=f"{endpoint}-{'-'.join(fields)}")
 
@@ -184,7 +193,11 @@ def test_a_request_without_fields_gets_vllms_defaults(live_server, endpoint):
     "model, cases, others",
     [
         (CompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + COMPLETION_FIELDS, NOT_SAMPLING),
-        (ChatCompletionRequest, SHARED_FIELDS + STRUCTURED_FIELDS + CHAT_FIELDS, NOT_SAMPLING_CHAT),
+        (
+            ChatCompletionRequest,
+            SHARED_FIELDS + STRUCTURED_FIELDS + CHAT_FIELDS + TOOL_FIELDS,
+            NOT_SAMPLING_CHAT,
+        ),
     ],
 )
 def test_every_request_field_has_a_mapping_case(model, cases, others):

@@ -6,6 +6,7 @@ request, and with a host tier its frames show as a map of their own, swapped-out
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -244,6 +245,64 @@ def test_completion_mode_answers_with_one_of_the_choices_given(browser, console_
         what="the completion",
     )[-1]
     assert answer.find_element(By.CLASS_NAME, "text").text in ("mutable", "immutable")
+
+
+WEATHER_TOOLS = (
+    '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+    '"properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]'
+)
+
+
+@pytest.mark.browser
+def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, console_server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.select import Select
+
+    driver = browser
+    _open_with_key(driver, console_server)
+    driver.find_element(By.ID, "clear").click()
+    tools = driver.find_element(By.ID, "tools")
+    tools.send_keys("[not json")
+    driver.find_element(By.ID, "prompt").send_keys("Weather in Paris?", Keys.ENTER)
+    assert "do not parse" in driver.find_element(By.ID, "answer-status").text
+    assert tools.get_attribute("aria-invalid") == "true"
+    assert not driver.find_elements(By.CSS_SELECTOR, "#transcript > li")  # nothing was sent
+
+    tools.clear()
+    tools.send_keys(WEATHER_TOOLS)
+    Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+    driver.find_element(By.ID, "prompt").send_keys(Keys.ENTER)  # the message is still there
+    answer = _wait(
+        lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"),
+        what="the call",
+    )[-1]
+    call = answer.find_element(By.CSS_SELECTOR, ".calls .tool-call").text
+    name, _, arguments = call.partition("(")
+    assert name == "get_weather" and set(json.loads(arguments.removesuffix(")"))) == {"city"}
+    prompt = driver.find_element(By.ID, "prompt")
+    assert "get_weather" in prompt.get_attribute("placeholder")  # the next message is its result
+
+    Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
+    prompt.send_keys('{"temperature": 21}', Keys.ENTER)
+    _wait(
+        lambda: (
+            len(driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"))
+            == 2
+        ),
+        what="the answer after the result",
+    )
+    roles = [
+        li.get_attribute("class")
+        for li in driver.find_elements(By.CSS_SELECTOR, "#transcript > li")
+    ]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    last = driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant")[-1]
+    assert last.find_element(By.CLASS_NAME, "text").text.strip()
+    assert not last.find_element(By.CLASS_NAME, "calls").is_displayed()
+    assert _unlabelled_controls(driver) == []
+    driver.find_element(By.ID, "tools").clear()
+    driver.find_element(By.ID, "clear").click()
 
 
 def _open_with_key(driver, url: str) -> None:

@@ -66,6 +66,18 @@ def test_wheel_ships_every_preset(wheel_venv):
         assert repr(path.stem) in listed, f"{path} is missing from the wheel"
 
 
+def test_wheel_ships_the_chat_templates(wheel_venv):
+    from pagedserve.models.chat_templates import BUILTIN_CHAT_TEMPLATES, builtin_chat_template
+
+    bin_dir, env, workdir = wheel_venv
+    code = (
+        "from pagedserve.models.chat_templates import BUILTIN_CHAT_TEMPLATES as b, "
+        "builtin_chat_template as t; import json; print(json.dumps({n: t(n) for n in b}))"
+    )
+    shipped = json.loads(_run([str(bin_dir / "python"), "-c", code], cwd=workdir, env=env).stdout)
+    assert shipped == {name: builtin_chat_template(name) for name in BUILTIN_CHAT_TEMPLATES}
+
+
 def test_installed_tune_finds_the_model_and_device_presets(wheel_venv):
     from pagedserve.engine.memory_plan import tune
 

@@ -34,8 +34,27 @@ def curl_examples() -> list[str]:
 
 
 def python_examples(server: bool) -> list[str]:
-    """The Python blocks that talk to the server (they name its address), or the others."""
-    return [b for b in code_blocks("python") if (f":{README_PORT}" in b) == server]
+    """The Python blocks that talk to the server (they name its address), or the others; the
+    tool examples aside (they need the server the README starts for them)."""
+    blocks = [b for b in code_blocks("python") if b not in tool_examples()]
+    return [b for b in blocks if (f":{README_PORT}" in b) == server]
+
+
+def tool_examples() -> list[str]:
+    """The Python blocks that send tools to the server."""
+    return [b for b in code_blocks("python") if f":{README_PORT}" in b and "tools=" in b]
+
+
+def tool_server_flags() -> list[str]:
+    """The flags of the `pagedserve serve` line the README runs the tool examples against."""
+    lines = [
+        line.split()[2:]
+        for b in code_blocks("bash")
+        for line in b.splitlines()
+        if line.startswith("pagedserve serve ") and "--tool-call-parser" in line
+    ]
+    assert len(lines) == 1, "the README shows no (or more than one) serve line for its tools"
+    return lines[0]
 
 
 def on_port(example: str, port: int) -> str:
@@ -146,6 +165,17 @@ def test_readme_python_example_against_the_server_runs_as_a_script(readme_server
     _, port = readme_server
     example = on_port(python_examples(server=True)[index], port)
     assert _run([sys.executable, "-c", example]).stdout.strip(), "printed nothing"
+
+
+def test_readme_agent_loop_runs_against_the_server_it_starts():
+    """The tool-calling agent loop, against `pagedserve serve` with the README's flags: it
+    prints the call's arguments (valid for the tool's schema) and the answer."""
+    (example,) = tool_examples()
+    with serve(*tool_server_flags()) as (_, url):
+        port = int(url.rsplit(":", 1)[1])
+        out = _run([sys.executable, "-c", on_port(example, port)]).stdout
+    arguments, _, answer = out.partition(" -> ")
+    assert set(json.loads(arguments)) == {"city"} and answer.strip()
 
 
 def test_readme_offline_python_examples_run_as_one_script():

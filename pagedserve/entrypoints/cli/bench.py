@@ -47,8 +47,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=[*DATASETS, "agent"],
         default="random",
         help="random, sharegpt or agent (default %(default)s); agent runs multi-step programs "
-        "(select, fork, constrained gen) through SGLang's native API: --num-prompts programs, "
+        "(--agent-program) through SGLang's native API: --num-prompts programs, "
         "--max-concurrency at once (default 8)",
+    )
+    parser.add_argument(
+        "--agent-program",
+        choices=["select", "tools"],
+        default="select",
+        help="--dataset agent's program: select (select a tool, fork two thoughts, a "
+        "JSON-schema answer) or tools (call a function in the model's tool-call format, read "
+        "its result, answer) (default %(default)s)",
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     parser.add_argument("--num-prompts", type=int, default=100)

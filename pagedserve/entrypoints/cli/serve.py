@@ -60,6 +60,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_scheduler_args(groups["Scheduler"].add_argument)
     _add_device_args(groups["Device"].add_argument)
     _add_server_args(groups["Server"].add_argument)
+    _add_tool_args(groups["Server"].add_argument)  # vLLM keeps them with its frontend's flags
     return parser
 
 
@@ -318,6 +319,72 @@ def _add_server_args(a: Callable[..., argparse.Action]) -> None:
     )
 
 
+def _add_tool_args(a: Callable[..., argparse.Action]) -> None:
+    a(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help="let the model decide whether to call the request's tools (tool_choice 'auto', the "
+        "default with tools); needs --tool-call-parser (default off: 'auto' is a 400 naming "
+        "this flag)",
+    )
+    a(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the model's tool-call format: glm4 (GLM-4-9B-chat, GLM-4-0414, the demo model: "
+        "the name, a newline, the JSON arguments) or glm45 (GLM-4.5's XML), or one a "
+        "--tool-parser-plugin registers (default: none; tool_choice 'required' and named "
+        "functions then use the glm4 form)",
+    )
+    a(
+        "--tool-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="a Python file that registers tool-call parsers "
+        "(@ToolParserManager.register_module('name')) (default: none)",
+    )
+    a(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split a thinking model's output into reasoning_content and content: glm4 (GLM-Z1's "
+        "<think>...</think>) (default: none; the thinking stays in content)",
+    )
+    chat_template = a(
+        "--chat-template",
+        default=None,
+        metavar="NAME_OR_FILE",
+        help="the chat template: a jinja file, or a built-in (glm4-chat, glm4-0414, "
+        "glm-z1-0414: GLM-4's formats, with OpenAI's tool messages) (default: the model's own; "
+        "a model with GLM-4's published template gets its built-in counterpart)",
+    )
+    offer(chat_template, ["glm4-chat", "glm4-0414", "glm-z1-0414"])
+
+
+def tool_settings(args: argparse.Namespace) -> dict:
+    """The tool, reasoning and template flags as ``build_app`` takes them; ``ValueError`` (or
+    ``FileNotFoundError``) names a bad flag."""
+    from pagedserve.models.chat_templates import load_chat_template
+    from pagedserve.server.reasoning_parsers import ReasoningParserManager
+    from pagedserve.server.tool_parsers import ToolParserManager
+
+    if args.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. glm4)")
+    if args.tool_call_parser:
+        ToolParserManager.get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+    return {
+        "tool_call_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": bool(args.enable_auto_tool_choice),
+        "reasoning_parser": args.reasoning_parser,
+        "chat_template": load_chat_template(args.chat_template) if args.chat_template else None,
+    }
+
+
 def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; values from ``--config FILE`` fill in every flag not given on the line."""
     args = parser.parse_args(argv)
@@ -359,6 +426,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         if args.node_rank:
             return _serve_node(args)
+        tools = tool_settings(args)
         engine = _build_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
@@ -366,7 +434,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 1
-    return _serve(engine, args)
+    return _serve(engine, args, tools)
 
 
 def _build_engine(args: argparse.Namespace):
@@ -388,7 +456,7 @@ def _serve_node(args: argparse.Namespace) -> int:
     return serve_node(EngineConfig.from_kwargs(**engine_kwargs(args)), args.log_level)
 
 
-def _serve(engine, args: argparse.Namespace) -> int:
+def _serve(engine, args: argparse.Namespace, tools: dict) -> int:
     """Serve until SIGTERM (drained: exit 0) or the engine core's death (exit 1)."""
     import uvicorn
 
@@ -405,6 +473,7 @@ def _serve(engine, args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         max_request_body=args.max_request_body,
         allowed_origins=args.allowed_origins,
+        **tools,
     )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop
     # measured no faster than asyncio here, so asyncio (README "Serving")

@@ -1,5 +1,6 @@
 // pagedserve web console: a playground over /v1/chat/completions and /v1/completions (streamed
-// with fetch + ReadableStream), and a monitor over /device, /device/pages and /metrics.
+// with fetch + ReadableStream; chat with tools: the calls the model makes, and their results
+// typed in as role "tool" messages), and a monitor over /device, /device/pages and /metrics.
 // No library and no build step; every URL is relative, so the page works behind a path prefix.
 "use strict";
 
@@ -102,15 +103,31 @@ function mode() {
   return document.querySelector("input[name=mode]:checked").value;
 }
 
-function addEntry(role, text) {
+function addEntry(role, text, calls = []) {
   const li = document.createElement("li");
   li.className = role;
-  li.innerHTML = '<div class="role"></div><div class="text"></div><div class="stats"></div>';
+  li.innerHTML =
+    '<div class="role"></div><div class="reasoning" hidden></div><div class="text"></div>' +
+    '<ol class="calls" aria-label="Tool calls" hidden></ol><div class="stats"></div>';
   li.querySelector(".role").textContent = role;
-  li.querySelector(".text").textContent = text;
+  li.querySelector(".text").textContent = text ?? "";
+  showCalls(li, calls);
   $("transcript").append(li);
   scrollToEnd();
   return li;
+}
+
+// A call as the model made it: the function's name and its JSON arguments.
+function showCalls(entry, calls) {
+  const list = entry.querySelector(".calls");
+  list.replaceChildren();
+  for (const call of calls) {
+    const item = document.createElement("li");
+    item.className = "tool-call";
+    item.textContent = `${call.function.name}(${call.function.arguments})`;
+    list.append(item);
+  }
+  list.hidden = calls.length === 0;
 }
 
 // Scrolls the transcript, not the page: at phone width the page stays where the reader is.
@@ -121,7 +138,8 @@ function scrollToEnd() {
 
 function restoreConversation() {
   state.messages = JSON.parse(sessionStorage.getItem(CHAT_STORE) || "[]");
-  for (const m of state.messages) addEntry(m.role, m.content);
+  for (const m of state.messages) addEntry(m.role, m.content, m.tool_calls || []);
+  onToolsAnswered();
 }
 
 function saveConversation() {
@@ -133,6 +151,22 @@ function clearConversation() {
   saveConversation();
   $("transcript").replaceChildren();
   $("answer-status").textContent = "";
+  onToolsAnswered();
+}
+
+// The calls of the last assistant message that no tool message answers yet.
+function pendingCalls() {
+  const last = state.messages.findLastIndex((m) => m.role === "assistant");
+  const calls = last >= 0 ? state.messages[last].tool_calls || [] : [];
+  const answered = new Set(state.messages.slice(last + 1).map((m) => m.tool_call_id));
+  return calls.filter((c) => !answered.has(c.id));
+}
+
+function onToolsAnswered() {
+  const next = pendingCalls()[0];
+  $("prompt").placeholder = next
+    ? `The result of ${next.function.name} (sent as a role "tool" message)`
+    : "Type a message (Enter sends, Shift+Enter is a new line)";
 }
 
 function number(id) {
@@ -182,6 +216,25 @@ function structuredFields() {
   }
 }
 
+// OpenAI's tools, as typed (a JSON list), and tool_choice.
+function toolFields() {
+  const box = $("tools");
+  box.removeAttribute("aria-invalid");
+  if (box.value.trim() === "") return {};
+  let tools;
+  try {
+    tools = JSON.parse(box.value);
+  } catch (e) {
+    box.setAttribute("aria-invalid", "true");
+    throw new Error(`the tools do not parse as JSON: ${e.message}`);
+  }
+  if (!Array.isArray(tools)) {
+    box.setAttribute("aria-invalid", "true");
+    throw new Error("the tools must be a JSON list of functions");
+  }
+  return { tools, tool_choice: $("tool-choice").value };
+}
+
 function onStructuredChange() {
   const kind = STRUCTURED[$("structured").value];
   $("constraint-label").hidden = !kind || !kind.hint;
@@ -193,7 +246,7 @@ function requestBody(prompt) {
   if (mode() === "completion") return { ...body, ...samplingFields(), prompt };
   const system = $("system").value.trim();
   const messages = system ? [{ role: "system", content: system }, ...state.messages] : state.messages;
-  return { ...body, ...samplingFields(), messages };
+  return { ...body, ...samplingFields(), ...toolFields(), messages };
 }
 
 async function send(event) {
@@ -201,27 +254,54 @@ async function send(event) {
   const prompt = $("prompt").value;
   if (state.controller || prompt.trim() === "") return;
   const chat = mode() === "chat";
+  const answering = chat ? pendingCalls()[0] : undefined; // a tool's result, typed in
+  const message = answering
+    ? { role: "tool", tool_call_id: answering.id, content: prompt }
+    : { role: "user", content: prompt };
   let body;
   try {
-    if (chat) state.messages.push({ role: "user", content: prompt });
+    if (chat) state.messages.push(message);
     body = requestBody(prompt);
   } catch (e) {
     if (chat) state.messages.pop();
     $("answer-status").textContent = e.message;
     return;
   }
-  addEntry(chat ? "user" : "prompt", prompt);
+  addEntry(chat ? message.role : "prompt", prompt);
   $("prompt").value = "";
+  if (answering && pendingCalls().length) { // more calls to answer before the model goes on
+    saveConversation();
+    onToolsAnswered();
+    return;
+  }
   const entry = addEntry(chat ? "assistant" : "completion", "");
-  const text = await stream(chat ? "v1/chat/completions" : "v1/completions", body, entry);
-  if (chat && text !== null) state.messages.push({ role: "assistant", content: text });
-  if (chat && text === null) state.messages.pop();
+  const answer = await stream(chat ? "v1/chat/completions" : "v1/completions", body, entry);
+  if (chat && answer !== null) {
+    const reply = { role: "assistant", content: answer.calls.length ? answer.text || null : answer.text };
+    if (answer.calls.length) reply.tool_calls = answer.calls;
+    state.messages.push(reply);
+  }
+  if (chat && answer === null) state.messages.pop();
   saveConversation();
+  onToolsAnswered();
 }
 
-// Streams one answer into ``entry``; returns its text, or null when nothing came back.
+// Adds one streamed piece of tool calls (delta.tool_calls, by index) to ``calls``.
+function addCallDeltas(calls, deltas) {
+  for (const d of deltas || []) {
+    const call = (calls[d.index] ??= { id: "", type: "function", function: { name: "", arguments: "" } });
+    if (d.id) call.id = d.id;
+    if (d.function?.name) call.function.name = d.function.name;
+    call.function.arguments += d.function?.arguments ?? "";
+  }
+}
+
+// Streams one answer into ``entry``; returns its text and tool calls, or null when nothing came
+// back.
 async function stream(path, body, entry) {
   const out = entry.querySelector(".text");
+  const thinking = entry.querySelector(".reasoning");
+  const calls = [];
   const timing = { start: performance.now(), first: null, end: null, tokens: 0, chunks: 0 };
   state.controller = new AbortController();
   setBusy(true, entry);
@@ -237,10 +317,16 @@ async function stream(path, body, entry) {
       if (chunk.usage) timing.tokens = chunk.usage.completion_tokens;
       const choice = chunk.choices?.[0];
       const delta = choice ? (choice.delta?.content ?? choice.text ?? "") : "";
-      if (delta) {
+      const reasoning = choice?.delta?.reasoning_content ?? "";
+      const toolDeltas = choice?.delta?.tool_calls;
+      if (delta || reasoning || toolDeltas?.length) {
         timing.first ??= performance.now();
         timing.chunks += 1;
         out.textContent += delta;
+        thinking.textContent += reasoning;
+        thinking.hidden = thinking.textContent === "";
+        addCallDeltas(calls, toolDeltas);
+        showCalls(entry, calls);
         scrollToEnd();
       }
     }
@@ -257,7 +343,7 @@ async function stream(path, body, entry) {
   entry.querySelector(".stats").textContent = formatTiming(timing);
   setBusy(false, entry);
   $("answer-status").textContent = `Answer complete: ${formatTiming(timing)}`;
-  return out.textContent;
+  return { text: out.textContent, calls };
 }
 
 function formatTiming({ start, first, end, tokens, chunks }) {
@@ -286,7 +372,7 @@ function onPromptKey(event) {
 }
 
 function onModeChange() {
-  $("system-label").hidden = mode() !== "chat";
+  for (const id of ["system-label", "tools-label", "tool-choice-label"]) $(id).hidden = mode() !== "chat";
 }
 
 // ---- monitor ------------------------------------------------------------------------------------

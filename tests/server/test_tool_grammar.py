@@ -1,0 +1,165 @@
+"""The grammars a tool choice puts on the output, run by llguidance over real tokenizers (the
+demo model's, and one whose GLM-4.5 tags are special tokens): what they let a model write and
+what they refuse."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.presets import demo_model_dir
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.errors import APIError
+from pagedserve.server.protocol import ChatCompletionToolsParam
+from pagedserve.server.reasoning_parsers import ReasoningParserManager
+from pagedserve.server.tool_parsers import ToolParserManager
+from pagedserve.server.tools import ToolRequest, attach_tool_grammar, tool_request
+from tests.helpers.glm_formats import CLOCK, WEATHER
+from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+
+XML_TAGS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+STOPS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+PARIS = '{"location": "Paris"}'
+
+
+@pytest.fixture(scope="module")
+def demo() -> Tokenizer:
+    return Tokenizer(demo_model_dir())
+
+
+@pytest.fixture(scope="module")
+def glm45_vocab(tmp_path_factory) -> Tokenizer:
+    """A tokenizer in which GLM-4.5's tags and </think> are special tokens, as in GLM-4.5's."""
+    path = tmp_path_factory.mktemp("glm45-tokenizer")
+    build_tiny_tokenizer(path, special_tokens=(*SPECIAL_TOKENS, *XML_TAGS, "</think>"))
+    return Tokenizer(path)
+
+
+def _matcher(tokenizer: Tokenizer, grammar: str) -> llguidance.LLMatcher:
+    eos = [tokenizer.token_to_id(t) for t in STOPS]
+    llg = llguidance.LLTokenizer(
+        str(tokenizer.model_dir / "tokenizer.json"), n_vocab=tokenizer.vocab_size, eos_token=eos
+    )
+    return llguidance.LLMatcher(llg, llguidance.grammar_from("lark", grammar), log_level=0)
+
+
+def _grammar(tokenizer, parser_name, request: ToolRequest, prompt: str | None = None) -> str:
+    parser = ToolParserManager.get_tool_parser(parser_name)(tokenizer, request.tools)
+    reasoning = None
+    if prompt is not None:
+        reasoning = ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+    params = SamplingParams()
+    attach_tool_grammar(params, request, parser, reasoning)
+    return params.structured_outputs.grammar
+
+
+def _accepts(tokenizer, grammar: str, text: str) -> bool:
+    matcher = _matcher(tokenizer, grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def _tools(*tools) -> list[ChatCompletionToolsParam]:
+    return [ChatCompletionToolsParam(**t) for t in tools]
+
+
+def _strict(tool: dict) -> dict:
+    return {**tool, "function": {**tool["function"], "strict": True}}
+
+
+# ---- glm4 --------------------------------------------------------------------------------------
+def test_required_takes_only_valid_calls_of_declared_tools(demo):
+    g = _grammar(demo, "glm4", ToolRequest(_tools(WEATHER, CLOCK), "required"))
+    assert _accepts(demo, g, f"get_weather\n{PARIS}")
+    assert _accepts(demo, g, 'get_weather\n{"location": "Paris", "unit": "celsius"}')
+    assert _accepts(demo, g, f"get_weather\n{PARIS}<|assistant|>get_time\n{{}}")
+    assert _accepts(demo, g, f"get_weather\n{PARIS}<|assistant|>\nget_time\n{{}}")  # the demo's
+    assert not _accepts(demo, g, "\nget_time\n{}")  # the name comes first
+    assert not _accepts(demo, g, 'get_weather\n{"location": 5}')  # a string is required
+    assert not _accepts(demo, g, 'get_weather\n{"unit": "celsius"}')  # location is required
+    assert not _accepts(demo, g, 'get_weather\n{"location": "Paris", "x": 1}')  # no other keys
+    assert not _accepts(demo, g, 'get_weather\n{"location": "Paris", "unit": "kelvin"}')
+    assert not _accepts(demo, g, 'get_time\n{"now": true}')
+    assert not _accepts(demo, g, "get_stock\n{}")
+    assert not _accepts(demo, g, "It is sunny.")
+
+
+def test_arguments_are_an_object_even_when_the_schema_says_nothing(demo):
+    anything = {"type": "function", "function": {"name": "log", "parameters": {}}}
+    g = _grammar(demo, "glm4", ToolRequest(_tools(anything), "required"))
+    assert _accepts(demo, g, 'log\n{"line": "x"}')
+    assert not _accepts(demo, g, "log\n5") and not _accepts(demo, g, 'log\n"x"')
+
+
+def test_a_named_function_and_one_call_without_parallel_tool_calls(demo):
+    named = ToolRequest(_tools(WEATHER, CLOCK), "named", named="get_time", parallel=False)
+    g = _grammar(demo, "glm4", named)
+    assert _accepts(demo, g, "get_time\n{}")
+    assert not _accepts(demo, g, f"get_weather\n{PARIS}")
+    assert not _accepts(demo, g, "get_time\n{}<|assistant|>get_time\n{}")
+
+
+def test_auto_holds_only_strict_tools_to_their_schema(demo):
+    g = _grammar(demo, "glm4", ToolRequest(_tools(_strict(WEATHER), CLOCK), "auto"))
+    assert _accepts(demo, g, "\nIt is sunny in Paris.")
+    assert _accepts(demo, g, f"get_weather\n{PARIS}")
+    assert not _accepts(demo, g, 'get_weather\n{"location": 5}')
+    assert not _accepts(demo, g, "\nget_weather\nsunny")
+    assert _accepts(demo, g, 'get_time\n{"any": "thing"}')  # not strict: any JSON object
+    assert tool_request(_tools(WEATHER), "auto", True, True).enforced() == []  # no grammar
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])  # </think> as text, as a special
+def test_thinking_comes_before_the_call(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    g = _grammar(tok, "glm4", ToolRequest(_tools(WEATHER), "required"), "<|assistant|>\n<think>")
+    assert _accepts(tok, g, f"I will look it up.</think>get_weather\n{PARIS}")
+    assert _accepts(tok, g, f"</think>\nget_weather\n{PARIS}")
+    assert not _accepts(tok, g, f"get_weather\n{PARIS}")  # the thinking is still open
+    strict_auto = ToolRequest(_tools(_strict(WEATHER)), "auto")
+    g = _grammar(tok, "glm45", strict_auto, "<|assistant|>\n<think>")
+    assert _accepts(tok, g, "hm</think>Sunny.") and _accepts(tok, g, "hm</think>" + XML_CALL)
+
+
+# ---- glm45 ---------------------------------------------------------------------------------------
+XML_CALL = (
+    "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_value>\n"
+    "</tool_call>"
+)
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_required_takes_valid_xml_calls(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    g = _grammar(tok, "glm45", ToolRequest(_tools(WEATHER, CLOCK), "required"))
+    assert _accepts(tok, g, XML_CALL)
+    assert _accepts(tok, g, XML_CALL.replace("\n", ""))  # GLM-4.7 writes no newlines
+    assert _accepts(tok, g, XML_CALL + "<tool_call>get_time</tool_call>")
+    with_unit = XML_CALL.replace(
+        "</tool_call>", "<arg_key>unit</arg_key><arg_value>celsius</arg_value></tool_call>"
+    )
+    assert _accepts(tok, g, with_unit)
+    assert not _accepts(tok, g, with_unit.replace("celsius", "kelvin"))
+    assert not _accepts(tok, g, "<tool_call>get_weather\n</tool_call>")  # location is required
+    assert not _accepts(tok, g, "Sunny.")
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_auto_with_a_strict_tool_allows_text_first(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    g = _grammar(tok, "glm45", ToolRequest(_tools(_strict(WEATHER)), "auto"))
+    assert _accepts(tok, g, "Let me check." + XML_CALL)
+    assert _accepts(tok, g, "Sunny.")
+    assert not _accepts(tok, g, "<tool_call>get_weather\n</tool_call>")
+
+
+# ---- the request's constraint ----------------------------------------------------------------
+def test_a_tool_choice_that_constrains_and_a_structured_output_cannot_both_apply(demo):
+    request = ToolRequest(_tools(WEATHER), "required")
+    parser = ToolParserManager.get_tool_parser("glm4")(demo, request.tools)
+    params = SamplingParams()
+    attach_tool_grammar(params, request, parser)
+    with pytest.raises(APIError) as e:
+        attach_tool_grammar(params, request, parser)
+    assert e.value.status == 400 and e.value.param == "tool_choice"

@@ -1,0 +1,436 @@
+"""The tool-call parsers on outputs in the real formats, whole and streamed.
+
+Prompts are rendered as the published GLM-4-9B-chat and GLM-4-0414 templates render them
+(tests/helpers/glm_formats.py), outputs are what those models write after them, and the streams
+are cut at every point between two characters (inside the name, inside the JSON) and at every
+special token (``<|assistant|>``, ``<|observation|>``, which arrive whole). What a stream adds up
+to is what the whole output gives; the calls, put back into the conversation, render as the
+model wrote them."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedserve.models.chat_templates import builtin_chat_template
+from pagedserve.models.tokenizer import Tokenizer
+from pagedserve.presets import demo_model_dir
+from pagedserve.server.chat_output import ChatOutputParser
+from pagedserve.server.protocol import ChatCompletionToolsParam, DeltaMessage
+from pagedserve.server.reasoning_parsers import ReasoningParserManager
+from pagedserve.server.tool_parsers import ToolParserManager
+from tests.helpers.glm_formats import PUBLISHED, TOOLS, render_published
+
+SPECIALS = ("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(demo_model_dir())
+
+
+@pytest.fixture(scope="module")
+def glm4(tokenizer):
+    return ToolParserManager.get_tool_parser("glm4")(tokenizer, _tools(TOOLS))
+
+
+@pytest.fixture(scope="module")
+def glm45(tokenizer):
+    return ToolParserManager.get_tool_parser("glm45")(tokenizer, _tools(TOOLS))
+
+
+def _tools(tools: list[dict]) -> list[ChatCompletionToolsParam]:
+    return [ChatCompletionToolsParam(**t) for t in tools]
+
+
+def _pieces(text: str) -> list[str]:
+    """The text as a stream can deliver it: every character, but a special token whole."""
+    out, i = [], 0
+    while i < len(text):
+        special = next((s for s in SPECIALS if text.startswith(s, i)), None)
+        out.append(special or text[i])
+        i += len(out[-1])
+    return out
+
+
+def _stream(parser: ChatOutputParser, deliveries: list[str]) -> list[DeltaMessage]:
+    text, deltas = "", []
+    for n, piece in enumerate(deliveries):
+        text += piece
+        delta = parser.delta(text, finished=n == len(deliveries) - 1)
+        if delta is not None:
+            deltas.append(delta)
+    return deltas
+
+
+def _reassemble(deltas: list[DeltaMessage]) -> tuple[str | None, list[dict], str | None]:
+    """(content, calls, reasoning) as the openai SDK's stream helpers add the deltas up."""
+    content, reasoning, calls = None, None, {}
+    for d in deltas:
+        if d.content is not None:
+            content = (content or "") + d.content
+        if d.reasoning_content is not None:
+            reasoning = (reasoning or "") + d.reasoning_content
+        for c in d.tool_calls or []:
+            entry = calls.setdefault(c.index, {"id": None, "name": None, "arguments": ""})
+            if c.id is not None:
+                assert entry["id"] is None, "a call's id came twice"
+                entry["id"], entry["name"] = c.id, c.function.name
+                assert c.type == "function"
+            else:
+                assert entry["id"] is not None, "arguments before the call's id and name"
+            entry["arguments"] += c.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)], reasoning
+
+
+def _every_cut(make_parser, output: str):
+    """Deltas of every way of cutting the output in two, and of it piece by piece."""
+    pieces = _pieces(output)
+    yield _stream(make_parser(), pieces)
+    for cut in range(1, len(pieces)):
+        yield _stream(make_parser(), ["".join(pieces[:cut]), "".join(pieces[cut:])])
+
+
+def _whole(parser, output: str):
+    parsed = ChatOutputParser(parser).parse(output)
+    calls = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in parsed.tool_calls
+    ]
+    return parsed.content, calls
+
+
+def _assert_streams_add_up(parser, output: str):
+    content, calls = _whole(parser, output)
+    for deltas in _every_cut(lambda: ChatOutputParser(parser), output):
+        s_content, s_calls, _ = _reassemble(deltas)
+        assert (s_content or None) == content
+        assert [{"name": c["name"], "arguments": c["arguments"]} for c in s_calls] == calls
+    return content, calls
+
+
+# ---- glm4: GLM-4-9B-chat and GLM-4-0414 -------------------------------------------------------
+GLM4_OUTPUTS = [  # (what the model writes after the prompt, the calls, the content)
+    (
+        'get_weather\n{"location": "Paris"}<|observation|>',
+        [("get_weather", '{"location": "Paris"}')],
+        None,
+    ),
+    (
+        'get_weather\n{"location": "Paris", "unit": "celsius"}<|assistant|>get_time\n{}'
+        "<|observation|>",
+        [("get_weather", '{"location": "Paris", "unit": "celsius"}'), ("get_time", "{}")],
+        None,
+    ),
+    ("get_time\n{}<|observation|>", [("get_time", "{}")], None),
+    ("get_time<|observation|>", [("get_time", "{}")], None),  # a name alone: no arguments
+    ("\nIt is sunny in Paris.<|user|>", [], "\nIt is sunny in Paris."),
+    ("\nget_weather is a tool I have.<|user|>", [], "\nget_weather is a tool I have."),
+    (
+        "\nLet me look.<|assistant|>get_time\n{}<|observation|>",
+        [("get_time", "{}")],
+        "\nLet me look.",
+    ),
+    (
+        'get_weather\n{"location": "巴黎"}<|observation|>',
+        [("get_weather", '{"location": "巴黎"}')],
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("published", ["glm-4-9b-chat", "GLM-4-9B-0414"])
+@pytest.mark.parametrize("output,calls,content", GLM4_OUTPUTS)
+def test_glm4_reads_calls_after_the_published_prompt_whole_and_streamed(
+    tokenizer, glm4, published, output, calls, content
+):
+    messages = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    prompt = render_published(published, messages, TOOLS)
+    assert prompt.endswith("<|assistant|>")  # the model's text starts right after it
+    got_content, got_calls = _assert_streams_add_up(glm4, output)
+    assert [(c["name"], c["arguments"]) for c in got_calls] == calls
+    assert got_content == content
+    for c in got_calls:
+        schema = next(t for t in TOOLS if t["function"]["name"] == c["name"])
+        jsonschema.validate(json.loads(c["arguments"]), schema["function"]["parameters"])
+    if calls and content is None:  # the call, sent back, renders as the model wrote it
+        history = [
+            *messages,
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": f"call_{i}", "type": "function", "function": c}
+                    for i, c in enumerate(got_calls)
+                ],
+            },
+        ]
+        again = _render(tokenizer, PUBLISHED[published][1], history, TOOLS)
+        expected = output.removesuffix("<|observation|>")
+        if output == "get_time<|observation|>":
+            expected = "get_time\n{}"
+        assert again == prompt + expected
+        assert again == render_published(published, history, TOOLS, add_generation_prompt=False)
+
+
+def _render(tokenizer, builtin, messages, tools):
+    import copy
+
+    tok = copy.copy(tokenizer)
+    tok.chat_template = builtin_chat_template(builtin)
+    return tok.apply_chat_template(messages, add_generation_prompt=False, tools=tools)
+
+
+def test_a_marker_that_arrives_in_pieces_is_waited_for(glm4):
+    """A special token is one token, so it arrives whole; text that spells one in pieces is
+    held until it is clear (nothing of it leaks into the content)."""
+    output = 'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{}<|observation|>'
+    content, calls = _whole(glm4, output)
+    s_content, s_calls, _ = _reassemble(_stream(ChatOutputParser(glm4), list(output)))
+    assert (s_content, [(c["name"], c["arguments"]) for c in s_calls]) == (
+        content,
+        [(c["name"], c["arguments"]) for c in calls],
+    )
+
+
+def test_a_name_that_is_not_a_declared_tool_is_text(glm4):
+    content, calls = _assert_streams_add_up(glm4, 'get_stock\n{"symbol": "X"}<|observation|>')
+    assert calls == [] and content == 'get_stock\n{"symbol": "X"}'
+
+
+def test_arguments_that_are_not_json_are_text_and_the_reason_is_logged(glm4, caplog):
+    with caplog.at_level(logging.WARNING):
+        content, calls = _whole(glm4, 'get_weather\n{"location": Paris}<|observation|>')
+    assert calls == [] and content == 'get_weather\n{"location": Paris}'
+    assert "not a tool call of get_weather" in caplog.text and "not JSON" in caplog.text
+    # streamed: text as well when the call arrives whole; a call already streamed stays one
+    output = 'get_weather\n{"location": Paris}<|observation|>'
+    assert _reassemble(_stream(ChatOutputParser(glm4), [output]))[:2] == (content, [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        _, streamed, _ = _reassemble(_stream(ChatOutputParser(glm4), _pieces(output)))
+    assert [c["arguments"] for c in streamed] == ['{"location": Paris}']
+    assert "a streamed tool call of get_weather is not valid" in caplog.text
+
+
+def test_a_call_is_not_shown_before_its_name_and_its_first_brace(glm4):
+    parser = ChatOutputParser(glm4)
+    for partial in ("get_wea", "get_weather", "get_weather\n"):
+        assert parser.delta(partial, finished=False) is None
+    first = parser.delta('get_weather\n{"loc', finished=False).tool_calls[0]
+    assert first.function.name == "get_weather" and first.function.arguments == '{"loc'
+    more = parser.delta('get_weather\n{"location": "Pa', finished=False).tool_calls[0]
+    assert more.id is None and more.function.arguments == 'ation": "Pa'
+
+
+def test_one_call_only_without_parallel_tool_calls(glm4):
+    output = 'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{}<|observation|>'
+    parsed = ChatOutputParser(glm4, parallel=False).parse(output)
+    assert [c.function.name for c in parsed.tool_calls] == ["get_weather"]
+    _, calls, _ = _reassemble(_stream(ChatOutputParser(glm4, parallel=False), _pieces(output)))
+    assert [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_a_truncated_call_is_text(glm4):
+    content, calls = _whole(glm4, 'get_weather\n{"location": "Par')
+    assert calls == [] and content == 'get_weather\n{"location": "Par'
+
+
+def test_special_tokens_the_client_skips_are_dropped_from_content(glm4):
+    parsed = ChatOutputParser(glm4, specials=("[gMASK]",)).parse("\nHi[gMASK] there<|user|>")
+    assert parsed.content == "\nHi there"
+
+
+# ---- glm45: the XML form ----------------------------------------------------------------------
+GLM45_OUTPUTS = [
+    (
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call><|observation|>",
+        [("get_weather", '{"location": "Paris", "unit": "celsius"}')],
+        None,
+    ),
+    (  # GLM-4.7's form, without newlines; text first; a call without arguments
+        "I will check.<tool_call>get_weather<arg_key>location</arg_key><arg_value>New York"
+        "</arg_value></tool_call><tool_call>get_time</tool_call><|observation|>",
+        [("get_weather", '{"location": "New York"}'), ("get_time", "{}")],
+        "I will check.",
+    ),
+    ("It is sunny.<|user|>", [], "It is sunny."),
+    (
+        "<tool_call>get_stock\n<arg_key>s</arg_key>\n<arg_value>X</arg_value>\n</tool_call>",
+        [],
+        "<tool_call>get_stock\n<arg_key>s</arg_key>\n<arg_value>X</arg_value>\n</tool_call>",
+    ),
+]
+
+
+@pytest.mark.parametrize("output,calls,content", GLM45_OUTPUTS)
+def test_glm45_reads_the_xml_form_whole_and_streamed(glm45, output, calls, content):
+    got_content, got_calls = _assert_streams_add_up(glm45, output)
+    assert [(c["name"], c["arguments"]) for c in got_calls] == calls
+    assert got_content == content
+
+
+def test_glm45_values_are_json_where_the_schema_says_so(tokenizer):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "n": {"type": "integer"},
+                    "tags": {"type": "array"},
+                    "s": {"type": "string"},
+                },
+            },
+        },
+    }
+    parser = ToolParserManager.get_tool_parser("glm45")(tokenizer, _tools([tool]))
+    output = (
+        "<tool_call>f\n<arg_key>n</arg_key>\n<arg_value>5</arg_value>\n<arg_key>tags</arg_key>\n"
+        '<arg_value>["a", "b"]</arg_value>\n<arg_key>s</arg_key>\n<arg_value>5</arg_value>\n'
+        "</tool_call>"
+    )
+    _, calls = _assert_streams_add_up(parser, output)
+    assert json.loads(calls[0]["arguments"]) == {"n": 5, "tags": ["a", "b"], "s": "5"}
+
+
+# ---- reasoning: GLM-Z1 ----------------------------------------------------------------------------
+def _z1(tokenizer, messages, tools=None):
+    return ReasoningParserManager.get_reasoning_parser("glm4")(
+        tokenizer, render_published("GLM-Z1-9B-0414", messages, tools)
+    )
+
+
+def test_glm_z1s_thinking_is_split_from_its_answer_whole_and_streamed(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    assert reasoning.opened_by_prompt  # the template opened <think>: the output closes it
+    output = "\nTwo and two.\n</think>\n\n4<|user|>"
+    parsed = ChatOutputParser(None, reasoning, specials=("<|user|>",)).parse(output)
+    assert (parsed.reasoning, parsed.content) == ("\nTwo and two.\n", "\n\n4")
+    for deltas in _every_cut(
+        lambda: ChatOutputParser(None, reasoning, specials=("<|user|>",)), output
+    ):
+        content, _, thinking = _reassemble(deltas)
+        assert (thinking, content) == (parsed.reasoning, parsed.content)
+
+
+def test_thinking_then_a_call(tokenizer, glm4):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "Paris?"}], TOOLS)
+    output = 'I should look it up.</think>get_weather\n{"location": "Paris"}<|observation|>'
+    parsed = ChatOutputParser(glm4, reasoning).parse(output)
+    assert parsed.reasoning == "I should look it up." and parsed.content is None
+    assert parsed.tool_calls[0].function.arguments == '{"location": "Paris"}'
+    for deltas in _every_cut(lambda: ChatOutputParser(glm4, reasoning), output):
+        content, calls, thinking = _reassemble(deltas)
+        assert thinking == "I should look it up." and content is None
+        assert [c["arguments"] for c in calls] == ['{"location": "Paris"}']
+
+
+def test_thinking_cut_by_max_tokens_is_all_reasoning(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    parsed = ChatOutputParser(None, reasoning).parse("Two and")
+    assert (parsed.reasoning, parsed.content) == ("Two and", None)
+
+
+def test_a_prompt_that_opens_no_thinking_starts_with_the_answer(tokenizer):
+    prompt = render_published("GLM-4-9B-0414", [{"role": "user", "content": "2+2?"}])
+    reasoning = ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+    assert ChatOutputParser(None, reasoning).parse("\n4").content == "\n4"
+    parsed = ChatOutputParser(None, reasoning).parse("<think>hm</think>4")
+    assert (parsed.reasoning, parsed.content) == ("hm", "4")
+
+
+def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    parser = ChatOutputParser(None, reasoning, include_reasoning=False)
+    assert parser.parse("hm</think>4").reasoning is None
+    assert (
+        ChatOutputParser(None, reasoning, include_reasoning=False)
+        .delta("hm</think>4", True)
+        .reasoning
+        is None
+    )
+
+
+# ---- any output at all --------------------------------------------------------------------------
+# Calls in both formats (of declared functions and of others), markers, JSON and text pieces, in
+# any order: what a small or confused model may write.
+NAMES = st.sampled_from(["get_weather", "get_time", "get_stock"])
+ARGUMENTS = st.dictionaries(
+    st.sampled_from(["location", "unit"]),
+    st.sampled_from(["Paris", "巴黎", " New York\n", "celsius", 1, [1, 2], {"a": None}]),
+    max_size=2,
+)
+GLM4_CALLS = st.builds(lambda n, a: f"{n}\n{json.dumps(a, ensure_ascii=False)}", NAMES, ARGUMENTS)
+GLM45_CALLS = st.builds(
+    lambda n, a, sep: (
+        f"<tool_call>{n}{sep}"
+        + "".join(
+            f"<arg_key>{k}</arg_key>{sep}<arg_value>{v if isinstance(v, str) else json.dumps(v)}"
+            f"</arg_value>{sep}"
+            for k, v in a.items()
+        )
+        + "</tool_call>"
+    ),
+    NAMES,
+    ARGUMENTS,
+    st.sampled_from(["", "\n"]),
+)
+PIECES = st.sampled_from(
+    [
+        *("get_weather", "get_", "Paris", "x", " ", "\n", "\\", "{", "}", '"', ":", ","),
+        *("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "<think>", "</think>"),
+        *("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ]
+)
+OUTPUTS = st.lists(st.one_of(PIECES, GLM4_CALLS, GLM45_CALLS), max_size=12).map("".join)
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+@settings(max_examples=500)
+@given(
+    output=OUTPUTS,
+    name=st.sampled_from(["glm4", "glm45"]),
+    thinking=st.booleans(),
+    parallel=st.booleans(),
+    cut=st.integers(1, 200),
+)
+def test_any_output_parses_without_error_and_its_stream_adds_up(
+    tokenizer, output, name, thinking, parallel, cut
+):
+    """A malformed output is text, never an exception (the server's 500): the whole output's
+    calls are declared functions with object arguments, and a stream, piece by piece or in two,
+    adds up to the whole (but for a call already streamed whose arguments end up not JSON,
+    which stays a call)."""
+    parser = ToolParserManager.get_tool_parser(name)(tokenizer, _tools(TOOLS))
+    prompt = "<|assistant|>\n<think>" if thinking else "<|assistant|>"
+    reasoning = ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+    whole = ChatOutputParser(parser, reasoning, parallel).parse(output)
+    for c in whole.tool_calls:
+        assert c.function.name in parser.tools and _is_object(c.function.arguments)
+    pieces = _pieces(output) or [""]
+    cut = min(cut, len(pieces))
+    for deliveries in (pieces, ["".join(pieces[:cut]), "".join(pieces[cut:])]):
+        content, calls, thinking_text = _reassemble(
+            _stream(ChatOutputParser(parser, reasoning, parallel), deliveries)
+        )
+        assert (thinking_text or None) == (whole.reasoning or None)
+        streamed = [(c["name"], c["arguments"]) for c in calls]
+        expected = [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+        bad = next((i for i, c in enumerate(calls) if not _is_object(c["arguments"])), None)
+        if bad is None:
+            assert streamed == expected and (content or None) == (whole.content or None)
+        else:  # the whole output has that call's text as content
+            assert streamed[:bad] == expected[:bad]
+            assert calls[bad]["arguments"] in (whole.content or "")
