@@ -8,7 +8,18 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("glm", "glm4", "chatglm")
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 QUANT_CONFIG_FILES = ("quant_config.json", "quantize_config.json")
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary that ``tp_size`` ranks split evenly (``tensor_parallel.py``): the vocabulary
+    itself on one rank; else rounded up to a multiple of 64 (vLLM's ``pad_vocab_size``), then of
+    ``tp_size`` (where vLLM would refuse the size)."""
+    if tp_size == 1:
+        return vocab_size
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return -(-padded // tp_size) * tp_size
 
 
 @dataclass
