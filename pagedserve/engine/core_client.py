@@ -9,6 +9,7 @@ PUSH for input, PULL for output.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -106,6 +107,9 @@ class MPCoreClient(CoreClient):
             daemon=config.parallel.tensor_parallel_size == 1,
         )
         self.proc.start()
+        # before multiprocessing's own exit hook, which would wait without end for a core that
+        # is not a daemon (tp > 1) and stops only once this process is gone
+        atexit.register(self.shutdown)
         try:
             self.info = self._wait_ready()
         except BaseException:
@@ -148,6 +152,7 @@ class MPCoreClient(CoreClient):
         return self.proc.pid
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self.shutdown)
         if self.proc.is_alive():
             self.send([SHUTDOWN], block=False)  # a core on its way out may read no more
             self.proc.join(timeout)
