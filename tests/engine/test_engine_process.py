@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -281,6 +282,40 @@ def test_serve_at_tp_2_stops_on_a_signal_leaving_no_process_and_no_socket_file(
                 assert _finish_reason(lines) == "length"
         assert proc.wait(60) == (-signal.SIGKILL if how == "SIGKILL" else 0)
     assert wait_until_gone(tag) == []  # the engine core and its tensor-parallel rank
+    assert list(sockets.glob("pagedserve-*")) == []
+
+
+ENGINE_CORE_SCRIPT = """
+import sys
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import AsyncLLMEngine
+
+if __name__ == "__main__":
+    config = EngineConfig.from_kwargs(
+        model=sys.argv[1], device="cpu", tensor_parallel_size=2, num_kv_pages=16
+    )
+    engine = AsyncLLMEngine.from_config(config, log_level="warning")
+    print("loaded", engine.health()["tp_worker_pids"], flush=True)
+    # the program ends with its engine core (not a daemon at tp > 1) never shut down
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_core_never_shut_down_does_not_block_the_programs_end(tiny_glm4, tmp_path):
+    script = tmp_path / "core.py"
+    script.write_text(ENGINE_CORE_SCRIPT)
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    env, tag = tagged_env(TMPDIR=str(sockets))
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny_glm4[0])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0 and "loaded [" in run.stdout, run.stderr
+    assert wait_until_gone(tag) == []
     assert list(sockets.glob("pagedserve-*")) == []
 
 
