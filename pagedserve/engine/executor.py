@@ -102,7 +102,8 @@ class MultiprocExecutor(Executor):
 
     Its lifetime is bounded at both ends. Start-up watches every local rank: one that dies before
     it has joined the rendezvous or loaded its shard fails the start at once, with its reason (a
-    rank that never ran: the main module's re-import, ``check_main_module``), and a failed start
+    rank that never ran: the main module's re-import, ``check_main_module``); one still in that
+    re-import after ``dist_timeout`` seconds fails it then, with the same fix; and a failed start
     stops what it began. ``shutdown`` stops the ranks (STOP while they can hear it, a bounded join,
     then a kill) and leaves the process group, so that another engine can start in this process;
     it runs when called, when the engine that owns the executor is garbage-collected, and at
@@ -130,9 +131,7 @@ class MultiprocExecutor(Executor):
         atexit.register(self.shutdown)
         try:
             self._start_ranks(log_level)
-            backend = distributed_backend(config.device.device)
-            init_distributed(parallel, 0, backend, self.address, self._check_starting)
-            self.joined = True
+            self._join()
         except BaseException:
             self.shutdown()
             raise
@@ -150,6 +149,14 @@ class MultiprocExecutor(Executor):
             self.procs[rank], self.conns[rank], self.reports[rank] = proc, parent, []
             proc.start()
             child.close()  # the rank's end: EOF here once the rank is gone
+
+    def _join(self) -> None:
+        backend = distributed_backend(self.config.device.device)
+        try:
+            init_distributed(self.config.parallel, 0, backend, self.address, self._check_starting)
+        except RendezvousTimeoutError as e:
+            raise self._never_ran_error() or e from None
+        self.joined = True
 
     def load(self) -> Worker:
         try:
@@ -210,6 +217,24 @@ class MultiprocExecutor(Executor):
         if self._reported(rank, "started") is None:
             return RuntimeError(f"{ended} before it ran ({output}). {SPAWN_HINT}")
         return RuntimeError(f"{ended} while starting ({output})")
+
+    def _never_ran_error(self) -> Exception | None:
+        """Why the rendezvous timed out when a local rank is alive but never ran: its process is
+        still in spawn's re-import of the main module, which waits (an ``input()``, a server
+        started at import) or is slow (a busy machine). None when every local rank ran."""
+        late = [r for r in self.procs if self._read_reports(r) and not self._reported(r, "started")]
+        if not late:
+            return None
+        ranks = ", ".join(f"{rank} (pid {self.procs[rank].pid})" for rank in late)
+        flag = self.usage_context.name_of("dist_timeout")
+        timeout = f"{self.config.parallel.dist_timeout:g} s ({flag})"
+        return RuntimeError(
+            f"tensor-parallel rank {ranks} never ran within {timeout}: its process is "
+            "still re-importing the program's main module, as multiprocessing's spawn does first. "
+            "Importing the main module must only define things: put what the program does (not "
+            'only the LLM(...)) under `if __name__ == "__main__":`; on a machine that is merely '
+            f"busy, raise {flag}"
+        )
 
     # ---- steps --------------------------------------------------------------------------------
     def execute_model(self, sched, forks) -> ModelRunnerOutput:
@@ -391,12 +416,16 @@ def _wait_for_ranks(
         if check_ranks is not None:
             check_ranks()
         if time.monotonic() > deadline:
-            raise ValueError(
+            raise RendezvousTimeoutError(
                 f"tensor-parallel rank 0 hosted the rendezvous at {address}, but only {joined} "
                 f"of the {others} other ranks joined within {parallel.dist_timeout:g} s; "
                 f"{_rendezvous_advice(parallel)}"
             )
         time.sleep(JOIN_POLL_S)
+
+
+class RendezvousTimeoutError(ValueError):
+    """Rank 0 waited ``dist_timeout`` seconds and some ranks never joined."""
 
 
 def _rendezvous_advice(parallel: ParallelConfig) -> str:

@@ -605,3 +605,31 @@ def test_a_script_whose_ranks_crash_re_importing_it_ends_with_a_clear_error(
     assert re.search(r"rank 1 \(pid \d+\) exited with code 1 before it ran", run.stderr)
     assert 'put the code that builds LLM(...) under `if __name__ == "__main__":`' in run.stderr
     assert left == []
+
+
+WAITS_WHEN_IMPORTED = """
+import time
+from pagedserve import LLM
+
+if __name__ != "__main__":  # a rank's re-import: it waits, as a server started at import would
+    time.sleep(3600)
+LLM(model={model!r}, tensor_parallel_size=2, device="cpu", dist_timeout={timeout})
+print("started")
+"""
+
+
+def test_a_script_whose_ranks_wait_re_importing_it_ends_at_dist_timeout_with_the_fix(
+    odd_vocab_dir, tmp_path
+):
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_WHEN_IMPORTED.format(model=str(odd_vocab_dir), timeout=10))
+    start = time.monotonic()
+    run, left = _run_script(script)
+    assert run.returncode == 1 and "started" not in run.stdout
+    assert time.monotonic() - start >= 10  # it waited its dist_timeout, then gave up
+    assert re.search(
+        r"rank 1 \(pid \d+\) never ran within 10 s \(dist_timeout\): its process", run.stderr
+    )
+    assert "still re-importing the program's main module" in run.stderr
+    assert 'under `if __name__ == "__main__":`' in run.stderr
+    assert left == []  # the waiting rank was killed
