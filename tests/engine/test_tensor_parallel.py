@@ -28,6 +28,7 @@ import torch.multiprocessing
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.executor import check_parallel_config
+from pagedserve.engine.memory_plan import weight_bytes
 from pagedserve.hal import load_device_preset
 from pagedserve.models import load_config, load_state_dict
 from pagedserve.models.config import pad_vocab_size
@@ -292,10 +293,14 @@ DENSE_AND_INT4 = {"dense": {}, "int4": {"quantization": "int4", "quantize_lm_hea
 
 
 def _greedy_outputs(path, **kwargs):
+    """(the odd prompts' greedy outputs with logprobs, each card's bytes of weights)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     with _llm(path, **kwargs) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in ODD_PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+        cards = llm.llm_engine.get_device_stats()
+    cards = cards if isinstance(cards, list) else [cards]  # tp 1: one record
+    weights = [c["tiers"]["weight"]["used_bytes"] for c in cards]
+    return [o.outputs[0] for o in outs], weights
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -305,10 +310,13 @@ def test_an_odd_vocabulary_gives_one_cards_greedy_tokens_and_logprobs(
 ):
     kwargs = DENSE_AND_INT4[quant]  # int4: the decoder's linears and lm_head (its padding too)
     if quant not in odd_vocab_one_card:
-        odd_vocab_one_card[quant] = _greedy_outputs(odd_vocab_dir, **kwargs)
+        odd_vocab_one_card[quant] = _greedy_outputs(odd_vocab_dir, **kwargs)[0]
     reference = odd_vocab_one_card[quant]
-    got = _greedy_outputs(odd_vocab_dir, tensor_parallel_size=tp, **kwargs)
+    got, weights = _greedy_outputs(odd_vocab_dir, tensor_parallel_size=tp, **kwargs)
     assert [o.token_ids for o in got] == [o.token_ids for o in reference]
+    if quant == "dense":  # what tune plans for each card: the padded vocabulary's share
+        planned = weight_bytes(load_config(odd_vocab_dir), tp, "none", 32, dtype_bytes=4)
+        assert weights == [sum(planned)] * tp
     for out, ref in zip(got, reference):
         for logprobs, ref_logprobs in zip(out.logprobs, ref.logprobs):
             # 29 padding logits in the softmax would move every logprob by log(640/611) = 0.046
