@@ -285,6 +285,52 @@ def test_serve_at_tp_2_stops_on_a_signal_leaving_no_process_and_no_socket_file(
     assert list(sockets.glob("pagedserve-*")) == []
 
 
+def _wait_for(found, what: str, timeout: float = 120.0):
+    """``found()`` once it is truthy; fails, naming ``what``, after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := found()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group"])
+def test_serve_at_tp_2_stopped_while_its_engine_starts_ends_leaving_nothing(
+    tiny_glm4, tmp_path, how
+):
+    """A supervisor's stop or a Ctrl-C while the engine core and its rank are still starting:
+    the server says so and exits 128 + the signal's number, as a shell reports it (0, had it
+    just become ready and drained), its engine core and rank end too, and no ipc socket
+    directory is left."""
+    from pagedserve.testing import free_port
+
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    env, tag = tagged_env(TMPDIR=str(sockets))
+    flags = serve_flags(tiny_glm4[0], "--tp-size", "2", "--port", str(free_port()))
+    cmd = [sys.executable, "-m", "pagedserve", "serve", *flags, "--log-level", "warning"]
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        # made before the engine core starts: the server now waits for it to load
+        _wait_for(lambda: list(sockets.glob("pagedserve-*")), "ipc socket directory")
+        if how == "SIGTERM":
+            server.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    assert server.returncode in (128 + signum, 0), err.decode()[-3000:]
+    if server.returncode:
+        assert f"stopped by {signum.name} while starting" in err.decode()
+    assert wait_until_gone(tag) == []  # the engine core and its tensor-parallel rank
+    assert list(sockets.glob("pagedserve-*")) == []
+
+
 ENGINE_CORE_SCRIPT = """
 import sys
 from pagedserve.config import EngineConfig
