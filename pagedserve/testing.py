@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -31,11 +31,15 @@ def serve(
     log: IO | int | None = subprocess.DEVNULL,
     log_level: str | None = None,
     timeout: float = 600,
+    env: Mapping[str, str] | None = None,
+    start_new_session: bool = False,
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     """``pagedserve serve FLAGS`` on 127.0.0.1 (``port``, default a free one) in a child process:
     (the process, its base URL) once /health answers 200; terminated (then killed) after. Its
     output goes to ``log`` (default: dropped; None: this process's); ``log_level`` None leaves the
-    server's own (or the one FLAGS set)."""
+    server's own (or the one FLAGS set). ``env``: its environment (default: this process's);
+    ``start_new_session``: a process group of its own, which a signal can reach as a terminal's
+    Ctrl-C reaches a foreground job."""
     import httpx
 
     port = port or free_port()
@@ -43,7 +47,11 @@ def serve(
     cmd = [sys.executable, "-m", "pagedserve", "serve", *flags, "--host", HOST, "--port", str(port)]
     cmd += ["--log-level", log_level] if log_level else []
     server = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT if log is not None else None
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not None else None,
+        env=env,
+        start_new_session=start_new_session,
     )
     try:
         deadline = time.monotonic() + timeout

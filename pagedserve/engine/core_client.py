@@ -9,6 +9,7 @@ PUSH for input, PULL for output.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -39,15 +40,15 @@ class CoreClient:
     def __init__(self, ctx: zmq.Context, input_address: str, output_address: str):
         self.ctx = ctx
         self.input_address, self.output_address = input_address, output_address
+        self._send_lock = threading.Lock()  # the event loop and a test thread may both send
+        self.info: dict = {}
+        self.closed = False
         self.input_socket = ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)
         self.input_socket.bind(input_address)
         self.output_socket = ctx.socket(zmq.PULL)
         self.output_socket.setsockopt(zmq.RCVHWM, 0)
         self.output_socket.bind(output_address)
-        self._send_lock = threading.Lock()  # the event loop and a test thread may both send
-        self.info: dict = {}
-        self.closed = False
 
     def send(self, message: list, block: bool = True) -> None:
         data = encode(message)
@@ -93,10 +94,35 @@ class MPCoreClient(CoreClient):
     """The engine core in a process of its own; the constructor returns once it has loaded."""
 
     def __init__(self, config, log_level: str = "info"):
-        self.ipc_dir = tempfile.mkdtemp(prefix="pagedserve-")
-        super().__init__(
-            zmq.Context.instance(), f"ipc://{self.ipc_dir}/input", f"ipc://{self.ipc_dir}/output"
-        )
+        self.ipc_dir = ""
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        try:  # whatever stops the start (an error, serve's StartInterrupted) removes what it made
+            self._make_ipc_dir()
+            super().__init__(
+                zmq.Context.instance(),
+                f"ipc://{self.ipc_dir}/input",
+                f"ipc://{self.ipc_dir}/output",
+            )
+            self._start_core(config, log_level)
+            self.info = self._wait_ready()
+        except BaseException:
+            self.shutdown(timeout=5)
+            raise
+
+    def _make_ipc_dir(self) -> None:
+        """A directory as ``tempfile.mkdtemp`` makes it, whose name this client holds before the
+        directory exists (a signal's exception from inside mkdtemp would lose it). The name stays
+        short: a socket's path has at most 107 bytes."""
+        while True:
+            name = f"pagedserve-{uuid.uuid4().hex[:16]}"
+            self.ipc_dir = os.path.join(tempfile.gettempdir(), name)
+            try:
+                os.mkdir(self.ipc_dir, 0o700)
+                return
+            except FileExistsError:  # not ours: never removed
+                self.ipc_dir = ""
+
+    def _start_core(self, config, log_level: str) -> None:
         self.proc = multiprocessing.get_context("spawn").Process(
             target=_run_engine_core,
             args=(config, self.input_address, self.output_address, log_level, os.getpid()),
@@ -106,11 +132,10 @@ class MPCoreClient(CoreClient):
             daemon=config.parallel.tensor_parallel_size == 1,
         )
         self.proc.start()
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self.shutdown(timeout=5)
-            raise
+        # after start(), which registers multiprocessing's own exit hook (importing its util) if
+        # nothing did before: ours must run first, for that hook waits without end for a core
+        # that is not a daemon (tp > 1) and stops only once this process is gone
+        atexit.register(self.shutdown)
 
     def _wait_ready(self) -> dict:
         poller = zmq.Poller()
@@ -148,15 +173,21 @@ class MPCoreClient(CoreClient):
         return self.proc.pid
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self.proc.is_alive():
+        """Stop the engine core (SHUTDOWN, a bounded wait, then a kill), close the sockets and
+        remove their directory; also of a start stopped part way."""
+        atexit.unregister(self.shutdown)
+        proc = self.proc
+        if proc is not None and proc.is_alive():  # not alive: never started, or gone
             self.send([SHUTDOWN], block=False)  # a core on its way out may read no more
-            self.proc.join(timeout)
-        if self.proc.is_alive():
-            logger.warning("the engine core did not stop in %.0f s; killing it", timeout)
-            self.proc.kill()
-            self.proc.join(5)
-        self._close_sockets()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("the engine core did not stop in %.0f s; killing it", timeout)
+                proc.kill()
+                proc.join(5)
+        if hasattr(self, "output_socket"):  # a start stopped before both were bound: left to gc
+            self._close_sockets()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class InprocCoreClient(CoreClient):

@@ -8,16 +8,24 @@ mapping, block tables, logits rows, page copies) before rank 0 runs its own shar
 model all-reduces after its row-parallel layers and all-gathers the logits.
 
 A rank that dies makes the executor unhealthy (``check_health`` raises): the engine core then
-reports itself dead, so ``/health`` answers 503 and the requests in flight fail.
+reports itself dead, so ``/health`` answers 503 and the requests in flight fail. A rank that dies
+while starting fails the start at once, and no engine blocks its process's exit
+(``MultiprocExecutor``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -35,6 +43,13 @@ STEP, DEVICE_STATS, STOP = 1, 2, 3  # what rank 0 tells the others, once per mes
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0's next step
 JOIN_TIMEOUT_S = 10.0
+JOIN_POLL_S = 0.05  # how often rank 0 looks at the rendezvous and its ranks while they join
+JOINED_KEY = "pagedserve/joined"  # in the TCP store: how many ranks other than 0 have arrived
+SPAWN_HINT = (
+    "Tensor-parallel ranks are processes started with multiprocessing's spawn, which re-imports "
+    "the program's main module first: run the program from a script file (not from standard "
+    'input), and put the code that builds LLM(...) under `if __name__ == "__main__":`'
+)
 
 
 class Executor:
@@ -83,33 +98,65 @@ def create_executor(config: EngineConfig, usage_context: UsageContext) -> Execut
 
 
 class MultiprocExecutor(Executor):
-    """Rank 0 here; the other ranks of this node in processes of their own (``run_worker``)."""
+    """Rank 0 here; the other ranks of this node in processes of their own (``run_worker``).
+
+    Its lifetime is bounded at both ends. Start-up watches every local rank: one that dies before
+    it has joined the rendezvous or loaded its shard fails the start at once, with its reason (a
+    rank that never ran: the main module's re-import, ``check_main_module``); one still in that
+    re-import after ``dist_timeout`` seconds fails it then, with the same fix; and a failed start
+    stops what it began. ``shutdown`` stops the ranks (STOP while they can hear it, a bounded join,
+    then a kill) and leaves the process group, so that another engine can start in this process;
+    it runs when called, when the engine that owns the executor is garbage-collected, and at
+    interpreter exit. The ranks are daemons that exit by themselves when this process is gone.
+    """
 
     def __init__(self, config: EngineConfig, usage_context: UsageContext, log_level: str = "info"):
         super().__init__(config, usage_context)
         parallel = config.parallel
         check_parallel_config(config, usage_context)
+        check_main_module()
+        check_no_process_group()
         self.world_size = parallel.tensor_parallel_size
         self.address = parallel.dist_init_addr or f"127.0.0.1:{_free_port()}"
         self.failed: str | None = None
-        ctx = torch.multiprocessing.get_context("spawn")
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, multiprocessing.connection.Connection] = {}
-        for rank in range(1, parallel.ranks_per_node):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=run_worker,
-                args=(config, rank, self.address, child, log_level),
-                name=f"pagedserve-tp-rank-{rank}",
-                daemon=True,
-            )
-            proc.start()
-            self.procs[rank], self.conns[rank] = proc, parent
+        self.reports: dict[int, list[tuple]] = {}  # what each local rank said while starting
+        self.joined = False  # this process is in the group that this executor made
+        self.loaded = False  # every rank has its shard and its KV pages: it runs steps
+        self.closed = False
+        # after multiprocessing's own exit hook (registered when multiprocessing.connection was
+        # imported), so before it at exit: that hook would wait forever for a rank that ignores
+        # SIGTERM
+        atexit.register(self.shutdown)
         try:
-            init_distributed(parallel, 0, distributed_backend(config.device.device), self.address)
+            self._start_ranks(log_level)
+            self._join()
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_ranks(self, log_level: str) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, self.config.parallel.ranks_per_node):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=run_worker,
+                args=(self.config, rank, self.address, child, log_level),
+                name=f"pagedserve-tp-rank-{rank}",
+                daemon=True,
+            )
+            self.procs[rank], self.conns[rank], self.reports[rank] = proc, parent, []
+            proc.start()
+            child.close()  # the rank's end: EOF here once the rank is gone
+
+    def _join(self) -> None:
+        backend = distributed_backend(self.config.device.device)
+        try:
+            init_distributed(self.config.parallel, 0, backend, self.address, self._check_starting)
+        except RendezvousTimeoutError as e:
+            raise self._never_ran_error() or e from None
+        self.joined = True
 
     def load(self) -> Worker:
         try:
@@ -120,21 +167,74 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         self.runner.broadcast_step = self._broadcast_step
+        self.loaded = True
         return self.worker
 
+    # ---- start-up -----------------------------------------------------------------------------
     def _wait_loaded(self) -> None:
         """Until every local rank has its weights; a rank that cannot load says why here."""
         for rank, conn in self.conns.items():
-            ready = multiprocessing.connection.wait([conn, self.procs[rank].sentinel])
-            if conn not in ready:
-                raise RuntimeError(
-                    f"tensor-parallel rank {rank} exited with code {self.procs[rank].exitcode} "
-                    "while loading; see the log above"
-                )
-            status, *detail = conn.recv()
-            if status == "error":
-                text, user_error = detail
-                raise ValueError(text) if user_error else RuntimeError(text)
+            while not self._reported(rank, "ready"):
+                ready = multiprocessing.connection.wait([conn, self.procs[rank].sentinel])
+                if conn not in ready or not self._read_reports(rank):
+                    raise self._start_error(rank)
+                if self._reported(rank, "error"):
+                    raise self._start_error(rank)
+
+    def _check_starting(self) -> None:
+        """Raise why a local rank is gone, while rank 0 waits for the ranks to join."""
+        for rank, proc in self.procs.items():
+            if not proc.is_alive():
+                raise self._start_error(rank)
+
+    def _read_reports(self, rank: int) -> bool:
+        """Take what ``rank`` has sent; False when its end is closed (the rank is gone)."""
+        conn = self.conns[rank]
+        try:
+            while conn.poll():
+                self.reports[rank].append(conn.recv())
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _reported(self, rank: int, status: str) -> tuple | None:
+        return next((r for r in self.reports[rank] if r[0] == status), None)
+
+    def _start_error(self, rank: int) -> Exception:
+        """Why ``rank`` failed to start: its own error when it could send one; else how it
+        ended, and for a rank that never ran, the usual cause and its fix."""
+        proc = self.procs[rank]
+        self._read_reports(rank)
+        error = self._reported(rank, "error")
+        if error is not None:
+            _, text, user_error = error
+            if user_error:
+                return ValueError(text)
+            return RuntimeError(f"tensor-parallel rank {rank} failed while starting:\n{text}")
+        proc.join(JOIN_TIMEOUT_S)
+        ended = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        output = "its traceback is above" if proc.exitcode == 1 else "see its output above"
+        if self._reported(rank, "started") is None:
+            return RuntimeError(f"{ended} before it ran ({output}). {SPAWN_HINT}")
+        return RuntimeError(f"{ended} while starting ({output})")
+
+    def _never_ran_error(self) -> Exception | None:
+        """Why the rendezvous timed out when a local rank is alive but never ran: its process is
+        still in spawn's re-import of the main module, which waits (an ``input()``, a server
+        started at import) or is slow (a busy machine). None when every local rank ran."""
+        late = [r for r in self.procs if self._read_reports(r) and not self._reported(r, "started")]
+        if not late:
+            return None
+        ranks = ", ".join(f"{rank} (pid {self.procs[rank].pid})" for rank in late)
+        flag = self.usage_context.name_of("dist_timeout")
+        timeout = f"{self.config.parallel.dist_timeout:g} s ({flag})"
+        return RuntimeError(
+            f"tensor-parallel rank {ranks} never ran within {timeout}: its process is "
+            "still re-importing the program's main module, as multiprocessing's spawn does first. "
+            "Importing the main module must only define things: put what the program does (not "
+            'only the LLM(...)) under `if __name__ == "__main__":`; on a machine that is merely '
+            f"busy, raise {flag}"
+        )
 
     # ---- steps --------------------------------------------------------------------------------
     def execute_model(self, sched, forks) -> ModelRunnerOutput:
@@ -166,6 +266,8 @@ class MultiprocExecutor(Executor):
 
     # ---- health and shutdown ------------------------------------------------------------------
     def check_health(self) -> None:
+        if self.closed:
+            raise RuntimeError("the tensor-parallel ranks were shut down")
         if self.failed is not None:
             raise RuntimeError(self.failed)
         for rank, proc in self.procs.items():
@@ -181,22 +283,37 @@ class MultiprocExecutor(Executor):
         return [proc.pid for proc in self.procs.values()]
 
     def shutdown(self) -> None:
-        """Tell the ranks to stop when they can still hear it; else end their processes."""
-        stopped = False
-        if self.failed is None and self.worker is not None and dist.is_initialized():
-            try:
-                self._send(STOP)
-                stopped = True
-            except RuntimeError:
-                pass
+        """Stop the ranks and leave the process group; idempotent, and at most about
+        ``JOIN_TIMEOUT_S`` per rank: a rank that does not stop when told is killed."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.shutdown)
+        stopped = self._tell_ranks_to_stop()
         for proc in self.procs.values():
             proc.join(JOIN_TIMEOUT_S if stopped else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(JOIN_TIMEOUT_S)
+        for conn in self.conns.values():
+            conn.close()
         self.procs.clear()
-        if stopped:  # a group with a lost rank is left to the process's exit
+        self.conns.clear()
+        if self.joined:  # gloo leaves a group at once, a lost rank or not
+            self.joined = False
             dist.destroy_process_group()
+
+    def _tell_ranks_to_stop(self) -> bool:
+        """STOP to every rank, when each is alive and waiting for rank 0's next message."""
+        if not self.loaded or self.failed is not None:
+            return False
+        if not all(proc.is_alive() for proc in self.procs.values()):
+            return False
+        try:
+            self._send(STOP)
+        except RuntimeError:
+            return False
+        return True
 
 
 # ---- start-up ---------------------------------------------------------------------------------
@@ -235,35 +352,108 @@ def check_parallel_config(config: EngineConfig, usage_context: UsageContext) -> 
         )
 
 
-def init_distributed(parallel: ParallelConfig, rank: int, backend: str, address: str) -> None:
-    """Join the process group through a TCP store at ``address`` (rank 0 hosts it); wait at most
-    ``dist_timeout`` seconds for every rank to arrive."""
+def init_distributed(
+    parallel: ParallelConfig,
+    rank: int,
+    backend: str,
+    address: str,
+    check_ranks: Callable[[], None] | None = None,
+) -> None:
+    """Join the process group through a TCP store at ``address`` (rank 0 hosts it): rank 0 waits
+    at most ``dist_timeout`` seconds for every other rank to arrive, calling ``check_ranks`` (which
+    raises when a local rank is gone) while it waits."""
+    check_no_process_group()
+    store = _join_store(parallel, rank, address)
+    if rank == 0:
+        _wait_for_ranks(store, parallel, address, check_ranks)
+    else:
+        store.add(JOINED_KEY, 1)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=parallel.tensor_parallel_size,
+        timeout=GROUP_TIMEOUT,
+    )
+
+
+def check_no_process_group() -> None:
     if dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is already initialised in this process: one tensor-parallel "
-            "engine per process; shut the other one down first"
+            "engine per process; shut the other one down first (LLM.shutdown())"
         )
+
+
+def _join_store(parallel: ParallelConfig, rank: int, address: str) -> dist.TCPStore:
     host, _, port = address.rpartition(":")
-    world_size = parallel.tensor_parallel_size
     try:
-        store = dist.TCPStore(
+        return dist.TCPStore(
             host,
             int(port),
-            world_size,
+            parallel.tensor_parallel_size,
             is_master=rank == 0,
             timeout=timedelta(seconds=parallel.dist_timeout),
-            wait_for_workers=True,
+            wait_for_workers=False,  # rank 0 waits in _wait_for_ranks, watching its own ranks
         )
     except (RuntimeError, ValueError, OSError) as e:
         role = "host the rendezvous at" if rank == 0 else "reach the rendezvous at"
         raise ValueError(
             f"tensor-parallel rank {rank} could not {role} {address} within "
-            f"{parallel.dist_timeout:g} s ({e}); check --dist-init-addr, that node 0 is started "
-            f"and that every node of --nnodes {parallel.nnodes} joins"
+            f"{parallel.dist_timeout:g} s ({e}); {_rendezvous_advice(parallel)}"
         ) from None
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+
+
+def _wait_for_ranks(
+    store: dist.TCPStore,
+    parallel: ParallelConfig,
+    address: str,
+    check_ranks: Callable[[], None] | None,
+) -> None:
+    others = parallel.tensor_parallel_size - 1
+    deadline = time.monotonic() + parallel.dist_timeout
+    while (joined := store.add(JOINED_KEY, 0)) < others:
+        if check_ranks is not None:
+            check_ranks()
+        if time.monotonic() > deadline:
+            raise RendezvousTimeoutError(
+                f"tensor-parallel rank 0 hosted the rendezvous at {address}, but only {joined} "
+                f"of the {others} other ranks joined within {parallel.dist_timeout:g} s; "
+                f"{_rendezvous_advice(parallel)}"
+            )
+        time.sleep(JOIN_POLL_S)
+
+
+class RendezvousTimeoutError(ValueError):
+    """Rank 0 waited ``dist_timeout`` seconds and some ranks never joined."""
+
+
+def _rendezvous_advice(parallel: ParallelConfig) -> str:
+    return (
+        f"check --dist-init-addr, that node 0 is started and that every node of --nnodes "
+        f"{parallel.nnodes} joins (or raise --dist-timeout)"
     )
+
+
+def check_main_module() -> None:
+    """Refuse to start ranks that cannot start. Each rank's process is started with
+    multiprocessing's spawn, which first re-imports this program's main module: a main module
+    read from standard input cannot be read again, and a main module that builds the engine when
+    imported would build it again in every rank (which is where this raises, in the rank)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # spawn's bootstrap
+        raise RuntimeError(
+            "this is a tensor-parallel rank's process re-importing the program's main module, "
+            f"and the main module starts a tensor-parallel engine when imported. {SPAWN_HINT}"
+        )
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or path is None:
+        return  # imported by name (python -m), or none to import (an interactive session)
+    if not os.path.isfile(os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)):
+        raise RuntimeError(
+            f"tensor-parallel ranks cannot start: this program's main module is {path!r}, "
+            f"which a rank's process cannot read again. {SPAWN_HINT}"
+        )
 
 
 def _free_port() -> int:
@@ -283,9 +473,11 @@ def run_worker(
     """A rank's process (or a node's first rank, in ``serve --node-rank N``): join, load its
     shard, report to ``conn`` (rank 0's end, on the same machine), then run steps until STOP."""
     if conn is not None:  # the engine core owns this process's lifetime
+        conn.send(("started",))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    _exit_with_parent()
     torch.set_num_threads(max(torch.get_num_threads() // config.parallel.ranks_per_node, 1))
     try:
         backend = distributed_backend(config.device.device)
@@ -295,7 +487,7 @@ def run_worker(
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
         if conn is None:
             raise
-        conn.send(("error", str(e) if user_error else repr(e), user_error))
+        conn.send(("error", str(e) if user_error else traceback.format_exc(), user_error))
         sys.exit(1)
     if conn is not None:
         conn.send(("ready",))
@@ -303,6 +495,21 @@ def run_worker(
     logger.info("tensor-parallel rank %d ready on %s", rank, worker.device.describe())
     worker_loop(worker)
     dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """End this process when the one that started it is gone (killed, with no time to stop its
+    ranks): a rank waits for rank 0's next message without a deadline, and would outlive it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        logger.warning("the process that started this rank (pid %s) is gone; exiting", parent.pid)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedserve-parent-watch", daemon=True).start()
 
 
 def worker_loop(worker: Worker) -> None:

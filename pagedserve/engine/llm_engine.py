@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -55,6 +56,19 @@ class LLMEngine:
         self._check_tier_settings()
         self.tokenizer = self._load_tokenizer()
         self.executor = create_executor(config, usage_context)
+        # the ranks stop however this engine ends: shutdown(), garbage collection or exit
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        try:
+            self._load()
+        except BaseException:
+            self.shutdown()  # a start that fails part way leaves nothing running
+            raise
+        logger.info("%s", self.describe())
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def _load(self) -> None:
+        """Rank 0's card, shard and KV pages, and what schedules and samples over them."""
+        config, usage_context = self.config, self.usage_context
         worker = self.executor.load()  # rank 0: this process's card, shard and KV pages
         self.dtype, self.device, self.model = worker.dtype, worker.device, worker.model
         self.device.seal_weights()  # the patrol scrub's checksums, of the weights as placed
@@ -102,9 +116,7 @@ class LLMEngine:
         self.rejected: list[tuple[str, str]] = []  # (request id, why) found after admission
         self.failed: list[tuple[str, str]] = []  # (request id, why): a step failed under them
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
-        logger.info("%s", self.describe())
 
-    # ---- start-up -----------------------------------------------------------------------------
     def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.model.tokenizer or self.model_path)
         if not (path / "tokenizer.json").is_file():
@@ -184,6 +196,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request, or raise ``RequestRejectedError`` saying why it can never run."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine has been shut down; start a new one")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.check_request(prompt_token_ids, params)
@@ -511,8 +525,13 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do at size 1)."""
-        self.executor.shutdown()
+        """Stop the other tensor-parallel ranks and leave their process group (nothing to stop
+        at size 1), and the grammar compiler's thread; idempotent. Garbage collection of the
+        engine and interpreter exit stop the ranks too."""
+        self._finalizer()
+        manager = getattr(self, "structured_output_manager", None)
+        if manager is not None:
+            manager.shutdown()
 
     def _host_pages(self) -> dict:
         """``host_pages`` for ``get_device_stats``: the host tier's frames (none: no entry)."""

@@ -12,8 +12,9 @@ All figures are per tensor-parallel rank, in bytes:
   costs 0.5 byte per weight plus one 16-bit scale and one 16-bit zero per group of
   ``--quant-group-size`` inputs per output (0.625 byte per weight at group 32). Tensor parallelism
   splits q/o and the MLP by ``tp``, k/v by kv head (replicated when ``tp`` exceeds the kv heads,
-  as vLLM does), and the vocabulary of embed_tokens and lm_head (vocab-parallel); norms are
-  replicated. They must fit the card's weight tier.
+  as vLLM does), and the vocabulary of embed_tokens and lm_head (vocab-parallel, padded as
+  ``models/tensor_parallel.py`` pads it); norms are replicated. They must fit the card's weight
+  tier.
 - KV cache per token: ``2 x layers x kv_heads_per_rank x head_dim x kv_dtype_bytes``. GLM-4-9B in
   bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
   KV-cache formula gave about 4.6 GB; that figure is too low). With ``--kv-cache-dtype int8`` a
@@ -47,7 +48,7 @@ from pagedserve.hal.device_preset import (
     load_device_preset,
 )
 from pagedserve.hal.memory import format_bytes
-from pagedserve.models.config import GlmConfig, load_config
+from pagedserve.models.config import GlmConfig, load_config, pad_vocab_size
 from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
 MAX_NUM_SEQS_CAP = 256
@@ -188,7 +189,7 @@ def weight_bytes(
     model: GlmConfig, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
 ) -> tuple[int, int]:
     """(16-bit bytes: embeddings, lm_head, norms, biases; linear bytes) per rank."""
-    hidden, vocab_rank = model.hidden_size, math.ceil(model.vocab_size / tp)
+    hidden, vocab_rank = model.hidden_size, pad_vocab_size(model.vocab_size, tp) // tp
     norms_per_layer = 4 if model.architecture == "glm4" else 2
     shapes = linear_shapes(model, tp)
     bias = sum(out for _, out in shapes[:3]) if model.attention_bias else 0

@@ -56,12 +56,29 @@ def _logging_above_the_bar() -> Iterator[None]:
 
 
 class LLM:
+    """An engine in this process. At ``tensor_parallel_size`` > 1 it has worker processes and a
+    process group: ``shutdown()`` (or the end of a ``with LLM(...) as llm:`` block) stops them,
+    and so do the garbage collector once the ``LLM`` is gone and interpreter exit; then another
+    tensor-parallel ``LLM`` can start in this process. The workers re-import the main module
+    (multiprocessing's spawn): build the ``LLM`` in a script file, under
+    ``if __name__ == "__main__":``."""
+
     def __init__(self, model: str = "demo", **kwargs: Any):
         _route_logging()
         context = UsageContext.LLM_CLASS
         config = EngineConfig.from_kwargs(context, model=model, **kwargs)
         self.llm_engine = LLMEngine(config, context)
         self._counter = 0
+
+    def shutdown(self) -> None:
+        """Stop the engine: its tensor-parallel workers and their process group; idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

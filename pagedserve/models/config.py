@@ -13,7 +13,18 @@ SUPPORTED_MODEL_TYPES = ("glm", "glm4", "chatglm")
 # an INT8 KV cache stores each token's head as head_dim int8 codes and their fp32 scale
 # (``hal.kernels.quantize_kv``; no torch here, so the width is repeated)
 INT8_KV_SCALE_BYTES = 4  # hal.kernels.KV_SCALE_BYTES: the scale stored after each head's codes
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 QUANT_CONFIG_FILES = ("quant_config.json", "quantize_config.json")
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary that ``tp_size`` ranks split evenly (``tensor_parallel.py``): the vocabulary
+    itself on one rank; else rounded up to a multiple of 64 (vLLM's ``pad_vocab_size``), then of
+    ``tp_size`` (where vLLM would refuse the size)."""
+    if tp_size == 1:
+        return vocab_size
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return -(-padded // tp_size) * tp_size
 
 
 @dataclass

@@ -252,8 +252,9 @@ class GlmForCausalLM:
         return dev.add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel: each rank looks up the ids in its part of the vocabulary (zeros for the
-        others) and one all-reduce sums the rows."""
+        """Vocab-parallel: each rank looks up the ids in its part of the padded vocabulary (zeros
+        for the others) and one all-reduce sums the rows. No id reaches a padding row: the
+        engine refuses ids outside the real vocabulary."""
         if self.tp.size == 1:
             return self.embed_tokens[input_ids]
         start, stop = self.tp.vocab_range
@@ -262,8 +263,14 @@ class GlmForCausalLM:
         return self.device.all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] fp32; at tp > 1 each rank's vocabulary slice, all-gathered."""
-        return self.device.all_gather(self.device.linear(hidden, self.lm_head).float(), dim=-1)
+        """[rows, vocab] fp32, exactly the real vocabulary; at tp > 1 each rank's slice of the
+        padded vocabulary, all-gathered, and the padding's columns (zero logits, which could
+        outrank every real token) cut off before sampling, logprobs or grammar masks see them."""
+        logits = self.device.all_gather(self.device.linear(hidden, self.lm_head).float(), dim=-1)
+        vocab_size = self.config.vocab_size
+        if logits.shape[-1] == vocab_size:
+            return logits
+        return logits[:, :vocab_size].contiguous()
 
     def _decoder_layer(
         self,

@@ -131,13 +131,13 @@ def _read_file(
 
 
 def _read_shard(tensor_slice, shard: Shard) -> torch.Tensor:
-    """Only the rows (dim 0) or columns (dim 1) of ``shard`` from the file."""
+    """Only the rows (dim 0) or columns (dim 1) of ``shard`` from the file (and its padding)."""
     if tensor_slice.get_shape()[shard.dim] != shard.full:  # not the shape the config implies
         return tensor_slice[:]
     pieces = [
         tensor_slice[a:b] if shard.dim == 0 else tensor_slice[:, a:b] for a, b in shard.ranges
     ]
-    return torch.cat(pieces, shard.dim)
+    return shard.pad(torch.cat(pieces, shard.dim))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

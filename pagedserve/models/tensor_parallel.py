@@ -2,10 +2,16 @@
 
 - column-parallel (output rows split): q/k/v (by attention heads; KV heads replicated when there
   are fewer than ranks), gate_up (the gate half and the up half each split), lm_head and the
-  embedding (by vocabulary: vocab-parallel);
+  embedding (by vocabulary: vocab-parallel, over the padded vocabulary below);
 - row-parallel (input columns split): o_proj and down_proj, whose partial outputs one all-reduce
   sums;
 - norms and the o/down outputs are whole on every rank.
+
+The vocabulary is padded as vLLM's ``VocabParallelEmbedding`` pads it (``pad_vocab_size``, in
+``config.py``): to a multiple of 64, then of the size, so that every rank holds as many rows and
+the logits gather into one tensor whatever the checkpoint's vocabulary. The padding rows are
+zeros at the end of the last ranks' shards; no token id reaches them in the embedding, and
+``GlmForCausalLM.compute_logits`` cuts their logits off before anything samples from them.
 
 A ``Shard`` says which rows or columns of the full tensor a rank keeps; the loader reads only those
 from safetensors files, and the model slices what arrives whole (a dequantized layer, a chatglm
@@ -20,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.models.config import GlmConfig
+from pagedserve.models.config import GlmConfig, pad_vocab_size
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(.+)$")
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,15 @@ class Shard:
     dim: int  # 0: output rows; 1: input columns
     full: int  # the full tensor's size along ``dim``
     ranges: tuple[tuple[int, int], ...]  # the [start, stop) pieces this rank keeps, concatenated
+    padding: int = 0  # zero rows appended after them: the padded vocabulary's share of this rank
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the pieces, concatenated) with this shard's padding appended along ``dim``."""
+        if not self.padding:
+            return t
+        shape = list(t.shape)
+        shape[self.dim] = self.padding
+        return torch.cat([t, t.new_zeros(shape)], self.dim)
 
 
 @dataclass(frozen=True)
@@ -50,9 +66,13 @@ class TensorParallel:
         return self.config.num_kv_heads_per_rank(self.size)
 
     @property
+    def padded_vocab_size(self) -> int:
+        return pad_vocab_size(self.config.vocab_size, self.size)
+
+    @property
     def vocab_range(self) -> tuple[int, int]:
-        per_rank = self.config.vocab_size // self.size
-        return self.rank * per_rank, (self.rank + 1) * per_rank
+        """This rank's rows of the padded vocabulary (those past ``vocab_size`` are padding)."""
+        return self._range(self.padded_vocab_size // self.size)
 
     def check(self, int4_group_size: int | None, flag: str = "--tp-size") -> None:
         """Raise ``ValueError`` naming why ``size`` cannot split this model evenly."""
@@ -65,8 +85,6 @@ class TensorParallel:
             problems.append(f"it and the {kv} KV heads do not divide one another")
         if c.intermediate_size % tp:
             problems.append(f"it does not divide intermediate_size {c.intermediate_size}")
-        if c.vocab_size % tp:
-            problems.append(f"it does not divide the vocabulary of {c.vocab_size}")
         if int4_group_size and not problems:
             for name, columns in (
                 ("o_proj", heads * c.head_dim),
@@ -90,8 +108,10 @@ class TensorParallel:
         if self.size == 1 or not name.endswith((".weight", ".bias")):
             return None  # quantized tensors (qweight, scales ...) are cut in canonical form
         c, D = self.config, self.config.head_dim
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return Shard(0, c.vocab_size, (self.vocab_range,))
+        if name in VOCAB_TENSORS:
+            start, stop = self.vocab_range
+            real = (min(start, c.vocab_size), min(stop, c.vocab_size))
+            return Shard(0, c.vocab_size, (real,), (stop - start) - (real[1] - real[0]))
         m = _LAYER.match(name)
         if m is None:
             return None
@@ -116,7 +136,7 @@ class TensorParallel:
         shard = self.shard(name)
         if shard is None or t.shape[shard.dim] != shard.full:
             return t
-        return _cat(t, shard.dim, shard.ranges)
+        return shard.pad(_cat(t, shard.dim, shard.ranges))
 
     def take_int4(
         self, prefix: str, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, group_size: int

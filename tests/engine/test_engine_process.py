@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from tests.helpers.metrics import read_metrics
+from tests.helpers.processes import tagged_env, wait_until_gone
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 ENGINE = dict(dtype="float32", num_kv_pages=256, block_size=16, max_model_len=256, device="cpu")
@@ -235,6 +237,132 @@ def test_a_killed_engine_process_fails_requests_and_the_server_exits_non_zero(ti
         assert detected < 1.0, f"/health took {detected:.2f} s to turn 503"
         assert "error" in json.loads(rest[-2][6:]) and rest[-1] == "data: [DONE]"
         assert proc.wait(30) != 0
+
+
+# ---- a clean stop at tensor-parallel size 2 -----------------------------------------------------
+def _finish_reason(lines) -> str | None:
+    """The finish_reason that the rest of a completion stream ends with."""
+    reason = None
+    for line in lines:
+        if line.startswith("data: {"):
+            reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+    return reason
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "SIGKILL"])
+def test_serve_at_tp_2_stops_on_a_signal_leaving_no_process_and_no_socket_file(
+    tiny_glm4, tmp_path, how
+):
+    """SIGTERM (a supervisor's stop) or Ctrl-C (SIGINT to the whole foreground process group):
+    the request in flight finishes, the server exits 0. SIGKILL of the server: its engine core
+    and ranks notice and end. Either way no process and no ipc socket file is left."""
+    from pagedserve.testing import serve
+
+    sockets = tmp_path / "tmp"  # where the server makes its ipc socket directory
+    sockets.mkdir()
+    env, tag = tagged_env(TMPDIR=str(sockets))
+    flags = serve_flags(tiny_glm4[0], "--tp-size", "2", "--log-level", "warning")
+    with serve(*flags, env=env, start_new_session=True) as (proc, url):
+        assert len(list(sockets.glob("pagedserve-*"))) == 1
+        body = {"prompt": PROMPT_IDS, "max_tokens": 40, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # running
+            if how == "SIGTERM":
+                proc.send_signal(signal.SIGTERM)
+            elif how == "SIGINT to the group":
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.kill()
+            if how == "SIGKILL":
+                with pytest.raises(httpx.HTTPError):
+                    _finish_reason(lines)
+            else:  # drained: the request in flight gets all its tokens
+                assert _finish_reason(lines) == "length"
+        assert proc.wait(60) == (-signal.SIGKILL if how == "SIGKILL" else 0)
+    assert wait_until_gone(tag) == []  # the engine core and its tensor-parallel rank
+    assert list(sockets.glob("pagedserve-*")) == []
+
+
+def _wait_for(found, what: str, timeout: float = 120.0):
+    """``found()`` once it is truthy; fails, naming ``what``, after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := found()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group"])
+def test_serve_at_tp_2_stopped_while_its_engine_starts_ends_leaving_nothing(
+    tiny_glm4, tmp_path, how
+):
+    """A supervisor's stop or a Ctrl-C while the engine core and its rank are still starting:
+    the server says so and exits 128 + the signal's number, as a shell reports it (0, had it
+    just become ready and drained), its engine core and rank end too, and no ipc socket
+    directory is left."""
+    from pagedserve.testing import free_port
+
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    env, tag = tagged_env(TMPDIR=str(sockets))
+    flags = serve_flags(tiny_glm4[0], "--tp-size", "2", "--port", str(free_port()))
+    cmd = [sys.executable, "-m", "pagedserve", "serve", *flags, "--log-level", "warning"]
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    try:
+        # made before the engine core starts: the server now waits for it to load
+        _wait_for(lambda: list(sockets.glob("pagedserve-*")), "ipc socket directory")
+        if how == "SIGTERM":
+            server.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    assert server.returncode in (128 + signum, 0), err.decode()[-3000:]
+    if server.returncode:
+        assert f"stopped by {signum.name} while starting" in err.decode()
+    assert wait_until_gone(tag) == []  # the engine core and its tensor-parallel rank
+    assert list(sockets.glob("pagedserve-*")) == []
+
+
+ENGINE_CORE_SCRIPT = """
+import sys
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import AsyncLLMEngine
+
+if __name__ == "__main__":
+    config = EngineConfig.from_kwargs(
+        model=sys.argv[1], device="cpu", tensor_parallel_size=2, num_kv_pages=16
+    )
+    engine = AsyncLLMEngine.from_config(config, log_level="warning")
+    print("loaded", engine.health()["tp_worker_pids"], flush=True)
+    # the program ends with its engine core (not a daemon at tp > 1) never shut down
+"""
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_core_never_shut_down_does_not_block_the_programs_end(tiny_glm4, tmp_path):
+    script = tmp_path / "core.py"
+    script.write_text(ENGINE_CORE_SCRIPT)
+    sockets = tmp_path / "tmp"
+    sockets.mkdir()
+    env, tag = tagged_env(TMPDIR=str(sockets))
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny_glm4[0])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0 and "loaded [" in run.stdout, run.stderr
+    assert wait_until_gone(tag) == []
+    assert list(sockets.glob("pagedserve-*")) == []
 
 
 def test_admission_counts_a_stream_from_the_moment_it_is_handed_out():

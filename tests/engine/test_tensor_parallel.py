@@ -1,11 +1,18 @@
-"""Tensor parallelism: a node's cards, Megatron sharding held to tp 1's greedy tokens, a model larger
-than one card served over two, two "machines" on loopback, and a dead rank failing cleanly."""
+"""Tensor parallelism: a node's cards, Megatron sharding held to tp 1's greedy tokens, any
+vocabulary (padded), a lifecycle (stop, start again, never a hang), a model larger than one card
+served over two, two "machines" on loopback, and a dead rank failing cleanly.
+
+Every test here runs under a timeout that fails it instead of hanging the suite, and every test
+must leave no rank process and no process group behind (``no_rank_outlives_its_test``)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,19 +22,46 @@ import httpx
 import openai
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.executor import check_parallel_config
+from pagedserve.engine.memory_plan import weight_bytes
 from pagedserve.hal import load_device_preset
-from pagedserve.models import load_config
+from pagedserve.models import load_config, load_state_dict
+from pagedserve.models.config import pad_vocab_size
 from pagedserve.models.tensor_parallel import TensorParallel
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.testing import free_port, serve
-from tests.helpers.models import build_tiny_hf_model
+from tests.helpers.models import build_tiny_hf_model, build_tiny_model_dir
+from tests.helpers.processes import alive, tagged_env, wait_until_gone
+
+pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = [[11, 12, 13], [(5 * i) % 300 + 10 for i in range(29)], [99]]
 MAX_TOKENS = 6
+ODD_VOCAB = 611  # neither 2 nor 4 divides it
+ODD_PROMPTS = [[11, 12, 13], [(5 * i) % 600 + 10 for i in range(29)], [ODD_VOCAB - 1], [99]]
+SCRIPT_TIMEOUT_S = 120  # the scripts below run with this --dist-timeout, and must end within it
+
+
+def _rank_processes() -> list[multiprocessing.process.BaseProcess]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("pagedserve-tp")]
+
+
+@pytest.fixture(autouse=True)
+def no_rank_outlives_its_test():
+    """After each test: no rank process of this process alive, no process group left."""
+    yield
+    ranks, group = _rank_processes(), dist.is_initialized()
+    for proc in ranks:  # clean up for the next test, then fail this one
+        proc.kill()
+        proc.join(10)
+    if group:
+        dist.destroy_process_group()
+    assert not ranks and not group, f"left behind: ranks {ranks}, a process group: {group}"
 
 
 # ---- cards ------------------------------------------------------------------------------------
@@ -77,8 +111,6 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks(tmp_path):
 
 
 def test_each_rank_reads_only_its_rows_and_columns(tmp_path):
-    from pagedserve.models import load_state_dict
-
     build_tiny_hf_model(tmp_path, "glm")
     config = load_config(tmp_path)
     whole = load_state_dict(tmp_path, config)
@@ -124,9 +156,14 @@ def test_device_collectives_combine_the_ranks_and_count_the_bytes_sent():
     procs = [ctx.Process(target=_collectives, args=(r, address, results)) for r in range(2)]
     for proc in procs:
         proc.start()
-    got = dict((r[0], r[1:]) for r in (results.get(timeout=120) for _ in procs))
-    for proc in procs:
-        proc.join(30)
+    try:
+        got = dict((r[0], r[1:]) for r in (results.get(timeout=120) for _ in procs))
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
     for rank in range(2):
         summed, gathered, broadcast, sent = got[rank]
         assert summed == [3.0] * 4
@@ -147,11 +184,21 @@ def tp_model_dirs(tmp_path_factory):
     return paths
 
 
-def _greedy(path, **kwargs) -> tuple[list[list[int]], LLM]:
-    llm = LLM(model=str(path), dtype="float32", device="cpu", num_kv_pages=64, **kwargs)
+def _llm(path, **kwargs) -> LLM:
+    return LLM(
+        **{"model": str(path), "dtype": "float32", "device": "cpu", "num_kv_pages": 64, **kwargs}
+    )
+
+
+def _greedy_tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy(path, **kwargs) -> list[list[int]]:
+    with _llm(path, **kwargs) as llm:
+        return _greedy_tokens(llm)
 
 
 @pytest.mark.parametrize(
@@ -164,17 +211,13 @@ def _greedy(path, **kwargs) -> tuple[list[list[int]], LLM]:
     ],
 )
 def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(tp_model_dirs, arch, tp, kwargs):
-    reference, llm = _greedy(tp_model_dirs[arch], **kwargs)
-    llm.llm_engine.shutdown()
-    got, llm = _greedy(tp_model_dirs[arch], tensor_parallel_size=tp, **kwargs)
-    try:
-        assert got == reference
+    reference = _greedy(tp_model_dirs[arch], **kwargs)
+    with _llm(tp_model_dirs[arch], tensor_parallel_size=tp, **kwargs) as llm:
+        assert _greedy_tokens(llm) == reference
         cards = llm.llm_engine.get_device_stats()
         assert [c["tp_rank"] for c in cards] == list(range(tp))
         assert all(c["collective_bytes_sent"] > 0 for c in cards)
         assert llm.llm_engine.get_stats()["collective_bytes_sent_total"] > 0
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs, tmp_path):
@@ -185,11 +228,7 @@ def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs
     argv = ["--model-path", str(tp_model_dirs["glm"]), "--output-path", str(tmp_path / "awq")]
     argv += ["--format", "autoawq", "--calib-samples", "2", "--calib-seq-len", "16"]
     assert run_quantize(add_quantize_args(argparse.ArgumentParser()).parse_args(argv)) == 0
-    reference, llm = _greedy(tmp_path / "awq")
-    llm.llm_engine.shutdown()
-    got, llm = _greedy(tmp_path / "awq", tensor_parallel_size=2)
-    llm.llm_engine.shutdown()
-    assert got == reference
+    assert _greedy(tmp_path / "awq", tensor_parallel_size=2) == _greedy(tmp_path / "awq")
 
 
 def test_swapped_pages_move_on_every_rank_and_keep_tp_1_greedy_tokens(tp_model_dirs):
@@ -227,17 +266,168 @@ def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(tp_model_dirs):
 
     logprobs = []
     for tp in (1, 2):
-        llm = LLM(
+        with LLM(
             model=str(tp_model_dirs["glm4"]),
             dtype="bfloat16",
             device="cpu",
             num_kv_pages=64,
             tensor_parallel_size=tp,
-        )
-        logprobs.append(prompt_logprobs(llm, PROMPTS[1]))
-        llm.llm_engine.shutdown()
+        ) as llm:
+            logprobs.append(prompt_logprobs(llm, PROMPTS[1]))
     diff = (logprobs[0] - logprobs[1]).abs()
     assert diff.mean() < 0.02 and diff.max() < 0.2, (diff.mean(), diff.max())
+
+
+# ---- any vocabulary: padded as vLLM pads it, never seen past compute_logits -------------------
+def test_the_vocabulary_is_padded_to_a_multiple_of_64_then_of_the_size():
+    assert pad_vocab_size(ODD_VOCAB, 1) == ODD_VOCAB  # one rank: nothing to split
+    assert [pad_vocab_size(ODD_VOCAB, tp) for tp in (2, 4, 8)] == [640, 640, 640]
+    assert pad_vocab_size(ODD_VOCAB, 3) == 642  # 640 rows do not split in 3: where vLLM refuses
+    assert pad_vocab_size(320, 2) == 320 and pad_vocab_size(151552, 8) == 151552  # GLM-4's
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_dir(tmp_path_factory):
+    """GLM-4-0414 with a vocabulary of 611 and a tokenizer (of 300 of them); heads of 32 so that
+    o_proj's 128 input columns split into whole INT4 groups of 32 even at tp 4."""
+    path = tmp_path_factory.mktemp("odd-vocab")
+    build_tiny_model_dir(path, "glm4", vocab_size=ODD_VOCAB, head_dim=32, intermediate_size=128)
+    return path
+
+
+def test_each_rank_keeps_its_rows_of_an_odd_vocabulary_and_zeros_past_its_end(odd_vocab_dir):
+    config = load_config(odd_vocab_dir)
+    whole = load_state_dict(odd_vocab_dir, config)
+    for tp in (2, 4):
+        TensorParallel(config, 0, tp).check(32)  # not refused
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            read = [
+                load_state_dict(odd_vocab_dir, config, tp=TensorParallel(config, r, tp))[name]
+                for r in range(tp)
+            ]
+            cut = [TensorParallel(config, r, tp).take(name, whole[name]) for r in range(tp)]
+            for parts in (read, cut):  # read from the file, or cut from a whole tensor
+                assert [p.shape[0] for p in parts] == [640 // tp] * tp
+                rows = torch.cat(parts)
+                assert torch.equal(rows[:ODD_VOCAB], whole[name])
+                assert not rows[ODD_VOCAB:].any()
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_one_card(odd_vocab_dir):
+    """tp 1's greedy outputs (with logprobs) of the odd vocabulary, by quantization."""
+    return {}
+
+
+DENSE_AND_INT4 = {"dense": {}, "int4": {"quantization": "int4", "quantize_lm_head": "int4"}}
+
+
+def _greedy_outputs(path, **kwargs):
+    """(the odd prompts' greedy outputs with logprobs, each card's bytes of weights)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    with _llm(path, **kwargs) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ODD_PROMPTS], params, use_tqdm=False)
+        cards = llm.llm_engine.get_device_stats()
+    cards = cards if isinstance(cards, list) else [cards]  # tp 1: one record
+    weights = [c["tiers"]["weight"]["used_bytes"] for c in cards]
+    return [o.outputs[0] for o in outs], weights
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("quant", DENSE_AND_INT4)
+def test_an_odd_vocabulary_gives_one_cards_greedy_tokens_and_logprobs(
+    odd_vocab_dir, odd_vocab_one_card, quant, tp
+):
+    kwargs = DENSE_AND_INT4[quant]  # int4: the decoder's linears and lm_head (its padding too)
+    if quant not in odd_vocab_one_card:
+        odd_vocab_one_card[quant] = _greedy_outputs(odd_vocab_dir, **kwargs)[0]
+    reference = odd_vocab_one_card[quant]
+    got, weights = _greedy_outputs(odd_vocab_dir, tensor_parallel_size=tp, **kwargs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in reference]
+    if quant == "dense":  # what tune plans for each card: the padded vocabulary's share
+        planned = weight_bytes(load_config(odd_vocab_dir), tp, "none", 32, dtype_bytes=4)
+        assert weights == [sum(planned)] * tp
+    for out, ref in zip(got, reference):
+        for logprobs, ref_logprobs in zip(out.logprobs, ref.logprobs):
+            # 29 padding logits in the softmax would move every logprob by log(640/611) = 0.046
+            assert logprobs.keys() == ref_logprobs.keys()
+            assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
+def test_sampling_and_grammars_at_tp_2_never_see_the_padding(odd_vocab_dir):
+    """Seeded sampling over the whole distribution (the padding's zero logits would hold about 4%
+    of it) and a grammar's mask give what one card gives, and no id past the vocabulary."""
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True, logprobs=5)
+    choices = ["Paris", "London", "New York"]
+    choice = StructuredOutputsParams(choice=choices)
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice)
+    runs = []
+    for tp in (1, 2):
+        with _llm(odd_vocab_dir, tensor_parallel_size=tp) as llm:
+            prompts = [{"prompt_token_ids": p} for p in ODD_PROMPTS]
+            outs = [o.outputs[0] for o in llm.generate(prompts, sampled, use_tqdm=False)]
+            answer = llm.generate("The city is", constrained, use_tqdm=False)[0].outputs[0]
+        runs.append(([o.token_ids for o in outs], [o.logprobs for o in outs], answer.text))
+    (tokens, logprobs, answer), (ref_tokens, ref_logprobs, ref_answer) = runs[1], runs[0]
+    assert tokens == ref_tokens and answer == ref_answer and answer in choices
+    ids = [t for seq in tokens for t in seq] + [t for seq in logprobs for lp in seq for t in lp]
+    assert max(ids) < ODD_VOCAB
+    for seq, ref_seq in zip(logprobs, ref_logprobs):
+        for lp, ref_lp in zip(seq, ref_seq):
+            assert lp == pytest.approx(ref_lp, abs=1e-4)
+
+
+# ---- a lifecycle: shut down, start again, in one process --------------------------------------
+def _answer(llm: LLM) -> list[int]:
+    return _greedy_tokens(llm, PROMPTS[:1])[0]
+
+
+def test_sequential_engines_of_tp_2_4_and_1_in_one_process_each_shut_down_all_answer(
+    odd_vocab_dir,
+):
+    answers = []
+    with _llm(odd_vocab_dir, tensor_parallel_size=2) as llm:  # the end of a with block
+        with pytest.raises(RuntimeError, match="one tensor-parallel engine per process"):
+            _llm(odd_vocab_dir, tensor_parallel_size=2)  # refused before it starts a rank
+        answers.append(_answer(llm))
+        pids = llm.llm_engine.executor.worker_pids
+        assert len(_rank_processes()) == 1
+    assert not any(map(alive, pids)) and not dist.is_initialized()
+    llm = _llm(odd_vocab_dir, tensor_parallel_size=4)  # shutdown()
+    answers.append(_answer(llm))
+    pids = llm.llm_engine.executor.worker_pids
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert len(pids) == 3 and not any(map(alive, pids)) and not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        _answer(llm)
+    with _llm(odd_vocab_dir) as llm:
+        answers.append(_answer(llm))
+    llm = _llm(odd_vocab_dir, tensor_parallel_size=2)  # del, then the garbage collector
+    answers.append(_answer(llm))
+    pids = llm.llm_engine.executor.worker_pids
+    del llm
+    gc.collect()
+    assert not any(map(alive, pids)) and not dist.is_initialized()
+    assert answers == answers[:1] * 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"tensor_parallel_size": 3}, "cannot split this model"),  # in every rank's Worker
+        ({"num_kv_pages": None, "gpu_memory_utilization": 1e-9}, "no room for KV pages"),  # loaded
+    ],
+    ids=["refused-by-the-ranks", "after-loading"],
+)
+def test_a_start_that_fails_part_way_leaves_nothing_and_the_next_one_starts(
+    odd_vocab_dir, kwargs, error
+):
+    with pytest.raises(ValueError, match=error):
+        _llm(odd_vocab_dir, **{"tensor_parallel_size": 2, **kwargs})
+    assert not _rank_processes() and not dist.is_initialized()
+    with _llm(odd_vocab_dir, tensor_parallel_size=2) as llm:
+        assert _answer(llm)
 
 
 # ---- serving: a model larger than one card ---------------------------------------------------
@@ -369,3 +559,115 @@ def test_a_killed_worker_turns_health_503_and_fails_the_pending_request(tiny_glm
     assert '"error"' in rest[-1] and "rank" in rest[-1]
     assert ended_after < 10
     assert sum(line.count('"text"') for line in rest) < 500
+
+
+# ---- no hangs: a program with a tensor-parallel engine always ends -----------------------------
+ENGINE_SCRIPT = """
+import os, signal, sys
+from pagedserve import LLM, SamplingParams
+
+def main(model, how):
+    llm = LLM(model=model, tensor_parallel_size=2, device="cpu", dtype="float32", num_kv_pages=16,
+              dist_timeout={timeout})
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    print("answer", llm.generate({{"prompt_token_ids": [11, 12]}}, params, use_tqdm=False)[0]
+          .outputs[0].token_ids, flush=True)
+    if how == "kill-a-rank":  # the next step fails; the script ends on that exception
+        os.kill(llm.llm_engine.executor.worker_pids[0], signal.SIGKILL)
+        llm.generate({{"prompt_token_ids": [11, 12]}}, params, use_tqdm=False)
+    if how == "killed":  # no time to stop anything: the ranks must notice on their own
+        os.kill(os.getpid(), signal.SIGKILL)
+    # "left-running": the script ends with the engine never shut down
+"""
+
+
+def _run_script(
+    path, *args: str, stdin: str | None = None
+) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run a Python program in a child process; (its result, the processes it left behind)."""
+    env, tag = tagged_env()
+    run = subprocess.run(
+        [sys.executable, str(path), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SCRIPT_TIMEOUT_S,  # its --dist-timeout: a start that hung would end here
+    )
+    return run, wait_until_gone(tag)
+
+
+@pytest.mark.parametrize(
+    "how, returncode",
+    [("left-running", 0), ("kill-a-rank", 1), ("killed", -signal.SIGKILL)],
+)
+def test_an_engine_never_shut_down_does_not_block_the_programs_end(
+    odd_vocab_dir, tmp_path, how, returncode
+):
+    script = tmp_path / "engine.py"
+    body = ENGINE_SCRIPT.format(timeout=SCRIPT_TIMEOUT_S)
+    script.write_text(body + '\nif __name__ == "__main__":\n    main(*sys.argv[1:])\n')
+    run, left = _run_script(script, str(odd_vocab_dir), how)
+    assert run.returncode == returncode, run.stderr
+    assert "answer [" in run.stdout
+    if how == "kill-a-rank":
+        assert "a tensor-parallel rank failed during a step" in run.stderr
+    assert left == [], f"processes outlived the program: {left}"
+
+
+UNGUARDED = """
+from pagedserve import LLM
+LLM(model={model!r}, tensor_parallel_size=2, device="cpu", dist_timeout={timeout})
+print("started")
+"""
+
+
+def test_a_script_from_standard_input_ends_with_a_clear_error(odd_vocab_dir):
+    script = UNGUARDED.format(model=str(odd_vocab_dir), timeout=SCRIPT_TIMEOUT_S)
+    run, left = _run_script("-", stdin=script)
+    assert run.returncode == 1 and "started" not in run.stdout
+    assert "main module is '<stdin>', which a rank's process cannot read again" in run.stderr
+    assert "from a script file" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    assert left == []
+
+
+def test_a_script_whose_ranks_crash_re_importing_it_ends_with_a_clear_error(
+    odd_vocab_dir, tmp_path
+):
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.format(model=str(odd_vocab_dir), timeout=SCRIPT_TIMEOUT_S))
+    run, left = _run_script(script)
+    assert run.returncode == 1 and "started" not in run.stdout
+    # the rank's own traceback, then the parent's error with the fix
+    assert "RuntimeError: this is a tensor-parallel rank's process re-importing" in run.stderr
+    assert re.search(r"rank 1 \(pid \d+\) exited with code 1 before it ran", run.stderr)
+    assert 'put the code that builds LLM(...) under `if __name__ == "__main__":`' in run.stderr
+    assert left == []
+
+
+WAITS_WHEN_IMPORTED = """
+import time
+from pagedserve import LLM
+
+if __name__ != "__main__":  # a rank's re-import: it waits, as a server started at import would
+    time.sleep(3600)
+LLM(model={model!r}, tensor_parallel_size=2, device="cpu", dist_timeout={timeout})
+print("started")
+"""
+
+
+def test_a_script_whose_ranks_wait_re_importing_it_ends_at_dist_timeout_with_the_fix(
+    odd_vocab_dir, tmp_path
+):
+    script = tmp_path / "waits.py"
+    script.write_text(WAITS_WHEN_IMPORTED.format(model=str(odd_vocab_dir), timeout=10))
+    start = time.monotonic()
+    run, left = _run_script(script)
+    assert run.returncode == 1 and "started" not in run.stdout
+    assert time.monotonic() - start >= 10  # it waited its dist_timeout, then gave up
+    assert re.search(
+        r"rank 1 \(pid \d+\) never ran within 10 s \(dist_timeout\): its process", run.stderr
+    )
+    assert "still re-importing the program's main module" in run.stderr
+    assert 'under `if __name__ == "__main__":`' in run.stderr
+    assert left == []  # the waiting rank was killed

@@ -11,10 +11,12 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -427,14 +429,46 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.node_rank:
             return _serve_node(args)
         tools = tool_settings(args)
-        engine = _build_engine(args)
+        with _signals_stop_the_start():
+            engine = _build_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 1
+    except StartInterrupted as e:
+        name = signal.Signals(e.signum).name
+        print(f"pagedserve serve: stopped by {name} while starting", file=sys.stderr)
+        return 128 + e.signum  # as a shell reports a program that a signal ended
     return _serve(engine, args, tools)
+
+
+class StartInterrupted(BaseException):  # noqa: N818 - a stop, as KeyboardInterrupt is
+    """SIGTERM or SIGINT arrived while the engine core was starting."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_stop_the_start() -> Iterator[None]:
+    """SIGTERM (a supervisor's stop) and SIGINT (Ctrl-C) raise ``StartInterrupted`` while the
+    engine loads, so that what it started is stopped on the way out (``MPCoreClient``: the
+    engine core, and with it its tensor-parallel ranks, and the socket directory). Python's own
+    SIGTERM would end this process at once and leave them to notice; once serving, uvicorn
+    handles both (a drain)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise StartInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _build_engine(args: argparse.Namespace):
