@@ -129,7 +129,7 @@ class Device:
         return max(int(min(limits.values()) // page_bytes), 0)
 
     def host_memory_limit(self) -> float:
-        """Bytes a pool may take from this machine: half its free RAM where the device's memory
+        """Bytes a pool may take from this machine: half its available RAM where the device's memory
         is the host's (``cpu``, ``kunlun-emu``), so that a preset larger than the machine does
         not swap it to death; unbounded otherwise."""
         return host_memory_limit() if self.preset.in_host_memory else float("inf")

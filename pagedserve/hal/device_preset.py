@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 
@@ -90,8 +91,15 @@ class DevicePreset:
 
 
 def host_memory_limit() -> float:
-    """Half of this machine's free RAM: what a KV pool in host memory may take (inf where the
-    OS does not say)."""
+    """Half of this machine's available RAM: what a KV pool in host memory may take (inf where
+    the OS does not say). Available, not free: the page cache gives its memory back when asked
+    (Linux's MemAvailable counts it), so a machine that has read many files is not a small one."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / 2
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
