@@ -247,6 +247,22 @@ def _logprob_dicts(
     return dicts
 
 
+# ---- speculative decoding ----
+
+
+def verify_drafts(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts a sequence accepts: the longest prefix of ``drafts`` equal to the tokens
+    sampled at the rows before them (``sampled[j]`` was drawn at draft ``j``'s position). The
+    sequence then outputs ``sampled[: accepted + 1]``: for a greedy sequence exactly the tokens
+    one-at-a-time decoding gives, as each was the argmax after the same tokens."""
+    num_accepted = 0
+    for draft, token in zip(drafts, sampled):
+        if draft != token:
+            break
+        num_accepted += 1
+    return num_accepted
+
+
 # ---- sampling ----
 
 
