@@ -44,10 +44,8 @@ class ScheduledRequest:
         """After this step every known token (and every draft) is computed, so a next token is
         sampled (and the drafts verified)."""
         req = self.request
-        return (
-            req.num_computed_tokens + self.num_new_tokens
-            == req.num_tokens + len(self.spec_token_ids)
-        )
+        num_done = req.num_computed_tokens + self.num_new_tokens
+        return num_done == req.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
