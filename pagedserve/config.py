@@ -209,7 +209,8 @@ class SpeculativeConfig(_Config):
             return cls(**value)
         except ValidationError as e:
             problems = "; ".join(
-                f"{'.'.join(str(x) for x in err['loc']) or 'value'}: {err['msg']}"
+                f"{'.'.join(str(x) for x in err['loc']) or 'value'}: "
+                f"{err['msg'].removeprefix('Value error, ')}"
                 for err in e.errors()
             )
             raise ValueError(problems) from None

@@ -40,7 +40,11 @@ def _engine_defaults() -> dict:
     from pagedserve.config import EngineConfig
 
     sections = [field.annotation for field in EngineConfig.model_fields.values()]
-    return {name: f.default for section in sections for name, f in section.model_fields.items()}
+    return {  # (speculative decoding is one flag of JSON, off by default)
+        name: f.default
+        for section in sections
+        for name, f in getattr(section, "model_fields", {}).items()
+    }
 
 
 def _as_shown(value) -> str:
