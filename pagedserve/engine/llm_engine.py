@@ -556,6 +556,7 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting),
             },
             "generation_tokens_total": self.stats["generation_tokens_total"],
+            **self._speculative_stats(),
             "faults_detected": dev.num_faults_detected,
             "faults": dev.faults.to_dict(),
             "weight_pages": {
@@ -566,6 +567,23 @@ class LLMEngine:
         }
         cards = [{**card, **shared} for card in self.executor.device_stats()]
         return cards[0] if len(cards) == 1 else cards
+
+    def _speculative_stats(self) -> dict:
+        """``speculative`` for ``get_device_stats``: the drafts' figures (no speculation: none)."""
+        spec = self.config.speculative
+        if spec is None:
+            return {}
+        s = self.spec_stats
+        return {
+            "speculative": {
+                "method": spec.method,
+                "num_speculative_tokens": spec.num_speculative_tokens,
+                "draft_tokens": s.num_draft_tokens,
+                "accepted_tokens": s.num_accepted_tokens,
+                "acceptance_rate": s.acceptance_rate,
+                "mean_acceptance_length": s.mean_acceptance_length,
+            }
+        }
 
     def check_health(self) -> None:
         """Raise ``RuntimeError`` when a tensor-parallel rank is gone."""

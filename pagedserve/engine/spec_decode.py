@@ -106,25 +106,24 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed ones (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step outputs on average: 1 (the model's own) plus its accepted
+        drafts, vLLM's "mean acceptance length" (0 before any draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
     def to_dict(self) -> dict:
-        """``get_stats``'s entries; the acceptance rate and mean accepted length follow from
-        them (``acceptance_rate``, ``mean_acceptance_length``)."""
+        """``get_stats``'s entries (vLLM's counter names, and the two figures they give)."""
         return {
             "spec_decode_num_drafts_total": self.num_drafts,
             "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_draft_acceptance_rate": self.acceptance_rate,
+            "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
         }
-
-
-def acceptance_rate(stats: dict) -> float | None:
-    """Accepted drafts over proposed ones; None before any draft."""
-    drafts = stats.get("spec_decode_num_draft_tokens_total", 0)
-    return stats.get("spec_decode_num_accepted_tokens_total", 0) / drafts if drafts else None
-
-
-def mean_acceptance_length(stats: dict) -> float | None:
-    """Tokens a verification step outputs on average: 1 (the model's own) plus its accepted
-    drafts (vLLM's mean acceptance length); None before any draft."""
-    steps = stats.get("spec_decode_num_drafts_total", 0)
-    return 1 + stats.get("spec_decode_num_accepted_tokens_total", 0) / steps if steps else None
