@@ -99,7 +99,10 @@ def test_acceptance_shows_in_metrics_device_and_smi(spec_server, capsys):
 
 def test_a_bad_speculative_config_is_a_cli_error_naming_the_flag():
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--speculative-config"]
-    for value, message in [("{nope", "not valid JSON"), ('{"num_speculative_tokens": 0}', "greater than or equal to 1")]:
+    for value, message in [
+        ("{nope", "not valid JSON"),
+        ('{"num_speculative_tokens": 0}', "greater than or equal to 1"),
+    ]:
         r = subprocess.run([*cmd, value], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2
         assert "argument --speculative-config:" in r.stderr and message in r.stderr, r.stderr
