@@ -453,9 +453,9 @@ class LLMEngine:
 
     def _propose_drafts(self, seq: Request) -> None:
         """Drafts for a running sequence's next step, as many as its ``max_tokens`` and the
-        context length leave room for (greedy sequences: only they are verified yet)."""
+        context length leave room for."""
         state = seq.draft_state
-        if state is None or not seq.sampling_params.greedy:
+        if state is None:
             return
         p = seq.sampling_params
         room = min(p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)

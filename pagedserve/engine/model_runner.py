@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import Sampler, SamplingMetadata, verify_drafts
+from pagedserve.engine.sampler import Sampler, SamplingMetadata, accept_drafts
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.hal import AttentionMetadata, Device
 from pagedserve.models.glm4 import GlmForCausalLM
@@ -150,22 +150,18 @@ class ModelRunner:
     ) -> None:
         """Sample every row, then verify each sequence's drafts against its rows. A draft row is
         sampled as if its drafts before it were already output tokens (penalties, min_tokens),
-        so that a greedy sequence gets exactly the tokens it would get one step at a time."""
+        so that a sequence's tokens are those of one step at a time (greedy: the same ones;
+        sampled: the same distribution)."""
         row_seqs, row_outputs = [], []
         for r, drafts in samplers:
             for j in range(len(drafts) + 1):
                 row_seqs.append(r)
                 row_outputs.append(r.output_token_ids + drafts[:j] if j else r.output_token_ids)
         result = self.sampler(logits, self._sampling_metadata(row_seqs, row_outputs))
-        at = 0
-        for r, drafts in samplers:
-            end = at + len(drafts) + 1
-            tokens = result.sampled_token_ids[at:end]
-            num_accepted = verify_drafts(drafts, tokens)
-            out.sampled_token_ids[r.request_id] = tokens[: num_accepted + 1]
-            lps = result.logprobs[at : at + num_accepted + 1]
-            out.logprobs[r.request_id] = None if lps[0] is None else lps
-            at = end
+        accepted = accept_drafts(result, [drafts for _, drafts in samplers])
+        for (r, _), (tokens, logprobs) in zip(samplers, accepted):
+            out.sampled_token_ids[r.request_id] = tokens
+            out.logprobs[r.request_id] = logprobs
 
     @torch.inference_mode()
     def run_step(self, inp: ModelInput) -> torch.Tensor | None:

@@ -150,9 +150,9 @@ def test_greedy_with_drafts_matches_transformers_under_preemption_and_a_tight_bu
     _assert_pool_drained(llm)
 
 
-def test_a_batch_mixing_drafting_and_sampled_requests_gives_each_its_own_output(model):
-    """Greedy requests draft; sampled ones (seeded) do not, and draw what they draw without
-    speculation; penalties and logprobs of the greedy ones are those of one token a step."""
+def test_a_batch_mixing_greedy_and_sampled_requests_gives_each_its_own_output(model):
+    """Greedy requests (logprobs, penalties) output what they output without speculation, one
+    token at a time; sampled ones draft too (their law is the sampler tests'), and finish."""
     path, _ = model
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
@@ -165,7 +165,10 @@ def test_a_batch_mixing_drafting_and_sampled_requests_gives_each_its_own_output(
     kwargs = dict(block_size=4, num_kv_pages=512)
     _, plain = _generate(path, params, **kwargs)
     llm, spec = _generate(path, params, speculative_config=NGRAM, **kwargs)
-    for a, b in zip(plain, spec):
+    for p, a, b in zip(params, plain, spec):
+        assert len(b.token_ids) == MAX_TOKENS and b.finish_reason == "length"
+        if not p.greedy:
+            continue
         assert a.token_ids == b.token_ids
         assert (a.logprobs is None) == (b.logprobs is None)
         if a.logprobs is not None:
@@ -174,6 +177,20 @@ def test_a_batch_mixing_drafting_and_sampled_requests_gives_each_its_own_output(
                 assert list(x.values()) == pytest.approx(list(y.values()), abs=1e-5)
     assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
     _assert_pool_drained(llm)
+
+
+def test_sampled_requests_draft_and_are_reproducible_with_a_seed(model):
+    path, _ = model
+    params = SamplingParams(temperature=0.2, top_k=3, seed=11, max_tokens=MAX_TOKENS)
+    runs = []
+    for _ in range(2):
+        spec = {**NGRAM, "prompt_lookup_min": 1}  # drafts after any token seen before
+        llm, outs = _generate(path, params, num_kv_pages=512, speculative_config=spec)
+        runs.append([o.token_ids for o in outs])
+        # (the tiny models' top tokens are near ties: a sampled one rarely matches a draft)
+        assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] > 0
+        _assert_pool_drained(llm)
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 13])
