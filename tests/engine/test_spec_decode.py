@@ -225,3 +225,28 @@ def test_drafts_stop_at_the_context_length(model):
     )
     assert outs[0].token_ids == refs[0][:9] and outs[0].finish_reason == "length"
     _assert_pool_drained(llm)
+
+
+def test_constrained_requests_do_not_draft_and_keep_their_grammar(tiny_glm4):
+    """Drafts are not grammar-checked yet: a request under a grammar does not speculate, beside
+    ones that do, and answers as it would without speculation."""
+    import re
+
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    path = tiny_glm4[0]
+    phone = r"\d{3}-\d{4}"
+    text = "call 555-1234 or 555-1234 or 555-"
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=phone)
+    )
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = {}
+    for spec in (None, {**NGRAM, "prompt_lookup_min": 1}):
+        llm = LLM(model=str(path), dtype="float32", num_kv_pages=256, speculative_config=spec)
+        got = llm.generate([text, text], [constrained, free], use_tqdm=False)
+        outs[spec is None] = [o.outputs[0].text for o in got]
+        assert re.fullmatch(phone, outs[spec is None][0])
+        _assert_pool_drained(llm)
+    assert outs[True] == outs[False]
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] > 0
