@@ -129,12 +129,100 @@ class ParallelConfig(_Config):
         return self.tensor_parallel_size // self.nnodes
 
 
+# --speculative-config's methods: drafts from the sequence's own earlier tokens (prompt lookup)
+SPECULATIVE_METHODS = ("ngram",)
+# a verification step keeps to the decode kernels while each sequence has at most this many query
+# rows (hal/csrc/attention.h's FEW_QUERY_ROWS): its next token and its drafts
+MAX_SPECULATIVE_TOKENS = 7
+
+
+class SpeculativeConfig(_Config):
+    """vLLM's ``--speculative-config`` for n-gram speculation: after each step, the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens are looked up earlier in the sequence,
+    and the ``num_speculative_tokens`` that followed the longest match are verified next step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = Field(..., ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"method {value!r} is not supported; use one of {', '.join(SPECULATIVE_METHODS)} "
+                "(drafts looked up in the sequence itself: no draft model)"
+            )
+        return value
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _few_enough(cls, value: int) -> int:
+        if value > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"{value} drafts a step is more than {MAX_SPECULATIVE_TOKENS}, the most a "
+                f"verification step keeps to the decode kernels with; use 1 to "
+                f"{MAX_SPECULATIVE_TOKENS}"
+            )
+        return value
+
+    def model_post_init(self, _context: object) -> None:
+        """vLLM's defaults: either bound alone stands for both, neither is 5; min <= max."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 5, 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        if lo > hi:
+            raise ValueError(
+                f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}; the n-grams looked up "
+                "run from max down to min, so min must be <= max"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig:
+        """A JSON text (the CLI's) or a mapping (``LLM(speculative_config={...})``); raises
+        ``ValueError`` saying what is wrong."""
+        import json
+
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"not valid JSON ({e.msg} at character {e.pos}); expected e.g. "
+                    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"expected a JSON object of method, num_speculative_tokens, prompt_lookup_min and "
+                f"prompt_lookup_max, got {type(value).__name__}"
+            )
+        try:
+            return cls(**value)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc']) or 'value'}: "
+                f"{err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()
+            )
+            raise ValueError(problems) from None
+
+
 class EngineConfig(_Config):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_kwargs(
@@ -149,11 +237,20 @@ class EngineConfig(_Config):
             "device": DeviceConfig,
             "parallel": ParallelConfig,
         }
-        tree: dict[str, dict] = {name: {} for name in sections}
+        tree: dict = {name: {} for name in sections}
+        speculative = kwargs.pop("speculative_config", None)
+        if speculative is not None:
+            try:
+                tree["speculative"] = SpeculativeConfig.parse(speculative)
+            except ValueError as e:
+                raise ValueError(
+                    f"invalid setting: {usage_context.name_of('speculative_config')}: {e}"
+                ) from None
         for key, value in kwargs.items():
             owner = next((n for n, c in sections.items() if key in c.model_fields), None)
             if owner is None:
                 known = sorted(f for c in sections.values() for f in c.model_fields)
+                known.append("speculative_config")
                 raise TypeError(f"unknown engine argument {key!r}; known: {', '.join(known)}")
             tree[owner][key] = value
         try:

@@ -276,6 +276,20 @@ class BlockManager:
             self._cache_full_blocks(req, table, num_tokens)
         return True
 
+    def trim(self, req: SequenceLike) -> int:
+        """Return the pages past the request's known tokens: those its rejected drafts were
+        written to (a speculative step allocated them). No such page holds a cached block, as
+        only blocks full of known tokens are cached. How many pages were returned."""
+        table = self.block_tables[req.request_id]
+        keep = self._num_blocks(req.num_tokens)
+        extra = table[keep:]
+        if not extra:
+            return 0
+        del table[keep:]
+        for page in reversed(extra):
+            self.allocator.free(page)
+        return len(extra)
+
     def free(self, req: SequenceLike) -> None:
         """Release the request's pages, tail first so that tail blocks are evicted before the prefix."""
         assert req.request_id in self.block_tables, (

@@ -126,7 +126,7 @@ class EngineCore:
         self.num_steps += 1
         self.errors.extend([rid, "rejected", why] for rid, why in self.engine.take_rejected())
         self.errors.extend([rid, "step_failed", why] for rid, why in self.engine.take_failed())
-        return [_output(group, index) for group, index in advanced]
+        return [_output(group, index, num_new) for group, index, num_new in advanced]
 
     def step_encoded(self) -> bytes:
         """A step and its message, as the loop sends it (what benchmarks/step_overhead.py times)."""
@@ -206,11 +206,12 @@ class EngineCore:
         }
 
 
-def _output(group: RequestGroup, index: int) -> EngineCoreOutput:
+def _output(group: RequestGroup, index: int, num_new: int = 1) -> EngineCoreOutput:
+    """A sequence's ``num_new`` tokens of this step (more than one: accepted drafts)."""
     seq = group.seqs[index]
-    logprobs = [seq.logprobs[-1]] if seq.sampling_params.logprobs is not None else None
+    logprobs = seq.logprobs[-num_new:] if seq.sampling_params.logprobs is not None else None
     first = None
-    if index == 0 and seq.num_output_tokens == 1:
+    if index == 0 and seq.num_output_tokens == num_new:
         first = [
             group.prompt_logprobs,
             seq.num_cached_tokens,
@@ -220,7 +221,7 @@ def _output(group: RequestGroup, index: int) -> EngineCoreOutput:
     return EngineCoreOutput(
         group.request_id,
         index,
-        [seq.output_token_ids[-1]],
+        seq.output_token_ids[-num_new:],
         logprobs,
         seq.status.finish_reason,
         seq.stop_reason,

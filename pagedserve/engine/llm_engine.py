@@ -22,6 +22,7 @@ from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_group import RequestGroup, make_request_output
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.spec_decode import DraftState, NgramProposer, SpecDecodeStats
 from pagedserve.engine.stop_checker import check_stop
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
@@ -116,6 +117,9 @@ class LLMEngine:
         self.rejected: list[tuple[str, str]] = []  # (request id, why) found after admission
         self.failed: list[tuple[str, str]] = []  # (request id, why): a step failed under them
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.model.tokenizer or self.model_path)
@@ -247,7 +251,13 @@ class LLMEngine:
             params,
             self.eos_token_ids,
             arrival_time=arrival_time or time.monotonic(),
+            draft_state=DraftState() if self._drafts_for(params) else None,
         )
+
+    def _drafts_for(self, params: SamplingParams) -> bool:
+        """Whether a request speculates: with a proposer, and not under a grammar (its drafts
+        would need the matcher advanced through them to mask each draft row; not done yet)."""
+        return self.proposer is not None and params.structured_outputs is None
 
     def _detokenizer(self, prompt_ids: list[int], params: SamplingParams):
         if self.tokenizer is None or not self.detokenize:
@@ -292,12 +302,13 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled request one step; the outputs of those that got a token."""
-        groups = {group.request_id: group for group, _ in self.execute_step()}
+        groups = {group.request_id: group for group, _, _ in self.execute_step()}
         return [make_request_output(g) for g in groups.values()]
 
-    def execute_step(self) -> list[tuple[RequestGroup, int]]:
-        """Schedule, run the model and append the sampled tokens: (group, sequence index) of each
-        sequence that got a token, in batch order. A group that finishes leaves ``groups`` here."""
+    def execute_step(self) -> list[tuple[RequestGroup, int, int]]:
+        """Schedule, run the model and append the sampled tokens: (group, sequence index, number
+        of new tokens) of each sequence that got any (several: accepted drafts), in batch order.
+        A group that finishes leaves ``groups`` here."""
         for req in self.fault_recovery.recover_kv_pages():
             req.release_matcher()
         self._reject_failed_grammars()
@@ -385,13 +396,16 @@ class LLMEngine:
 
     def _update(
         self, sched: SchedulerOutput, forks: dict[str, list[Request]], result: ModelRunnerOutput
-    ) -> list[tuple[RequestGroup, int]]:
+    ) -> list[tuple[RequestGroup, int, int]]:
         advanced = []
         costs, timing = self.scheduler.costs, result.timing
         costs.observe_copies(timing.num_pages_moved, timing.move_seconds)
         costs.observe_forward(timing.num_tokens, timing.forward_seconds)
+        drafts = {}  # sequence id -> the drafts it verified this step
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            if s.spec_token_ids:
+                drafts[s.request.request_id] = s.spec_token_ids
         for rid, (start, entries) in result.prompt_logprobs.items():
             group = self.groups[rid]
             group.prompt_logprobs[start : start + len(entries)] = entries
@@ -405,15 +419,47 @@ class LLMEngine:
                 self.scheduler.admit_forked(child)
             self.groups[parent_id].pending_forks = []
         ended = []
-        for seq_id, token in result.sampled_token_ids.items():
+        for seq_id, tokens in result.sampled_token_ids.items():
             group, index = self._group_of(seq_id)
-            if self._append_token(group, index, token, result.logprobs[seq_id]):
-                ended.append(group)
-            advanced.append((group, index))
+            seq = group.seqs[index]
+            num_drafts = len(drafts.get(seq_id, ()))
+            if num_drafts:
+                self._verified(seq, num_drafts, len(tokens) - 1)
+            logprobs = result.logprobs[seq_id]
+            num_new = 0
+            for i, token in enumerate(tokens):  # nothing past a stop is appended
+                num_new += 1
+                if self._append_token(group, index, token, logprobs and logprobs[i]):
+                    ended.append(group)
+                    break
+            else:
+                if num_drafts > len(tokens) - 1:  # the pages only rejected drafts were written to
+                    self.block_manager.trim(seq)
+                self._propose_drafts(seq)
+            advanced.append((group, index, num_new))
         for group in ended:
             if group.finished:
                 self.groups.pop(group.request_id, None)
         return advanced
+
+    # ---- speculative decoding -----------------------------------------------------------------
+    def _verified(self, seq: Request, num_drafts: int, num_accepted: int) -> None:
+        """A sequence's drafts were verified: its rejected ones are no longer computed tokens
+        (the pages only they were written to go back once its new tokens are appended)."""
+        seq.num_computed_tokens -= num_drafts - num_accepted
+        seq.spec_token_ids = []
+        self.spec_stats.observe(num_drafts, num_accepted)
+        seq.draft_state.observe(num_drafts, num_accepted)
+
+    def _propose_drafts(self, seq: Request) -> None:
+        """Drafts for a running sequence's next step, as many as its ``max_tokens`` and the
+        context length leave room for."""
+        state = seq.draft_state
+        if state is None:
+            return
+        p = seq.sampling_params
+        room = min(p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
+        seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, state, room)
 
     def _group_of(self, seq_id: str) -> tuple[RequestGroup, int]:
         rid, _, index = seq_id.partition("#")
@@ -469,6 +515,7 @@ class LLMEngine:
             **self._host_tier_stats(),
             "device_faults_total": dict(self.device.faults.detected),
             "collective_bytes_sent_total": self.device.collective_bytes_sent,
+            **self.spec_stats.to_dict(),
             **self.stats,
         }
 
@@ -509,6 +556,7 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting),
             },
             "generation_tokens_total": self.stats["generation_tokens_total"],
+            **self._speculative_stats(),
             "faults_detected": dev.num_faults_detected,
             "faults": dev.faults.to_dict(),
             "weight_pages": {
@@ -519,6 +567,23 @@ class LLMEngine:
         }
         cards = [{**card, **shared} for card in self.executor.device_stats()]
         return cards[0] if len(cards) == 1 else cards
+
+    def _speculative_stats(self) -> dict:
+        """``speculative`` for ``get_device_stats``: the drafts' figures (no speculation: none)."""
+        spec = self.config.speculative
+        if spec is None:
+            return {}
+        s = self.spec_stats
+        return {
+            "speculative": {
+                "method": spec.method,
+                "num_speculative_tokens": spec.num_speculative_tokens,
+                "draft_tokens": s.num_draft_tokens,
+                "accepted_tokens": s.num_accepted_tokens,
+                "acceptance_rate": s.acceptance_rate,
+                "mean_acceptance_length": s.mean_acceptance_length,
+            }
+        }
 
     def check_health(self) -> None:
         """Raise ``RuntimeError`` when a tensor-parallel rank is gone."""

@@ -1,7 +1,9 @@
 """Turns a ``SchedulerOutput`` into one flat, unpadded batch, runs the model and samples.
 
 Only the last position of each sequence that completes this step goes through ``lm_head`` (plus the
-prompt positions of requests that asked for prompt logprobs).
+prompt positions of requests that asked for prompt logprobs); a sequence with drafts sends its
+last ``1 + k`` positions (its next token, then one after each of its ``k`` drafts), and
+``sampler.verify_drafts`` keeps the drafts the model agrees with.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.engine.request import Request
-from pagedserve.engine.sampler import Sampler, SamplingMetadata
+from pagedserve.engine.sampler import Sampler, SamplingMetadata, accept_drafts
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.hal import AttentionMetadata, Device
 from pagedserve.models.glm4 import GlmForCausalLM
@@ -76,8 +78,9 @@ class StepTiming:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float] | None] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with drafts the accepted ones and the model's next
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]] | None] = field(default_factory=dict)  # per token
     # request id -> (first prompt position predicted, logprobs of the following prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
     timing: StepTiming = field(default_factory=StepTiming)
@@ -105,14 +108,16 @@ class ModelRunner:
         self, sched: SchedulerOutput, forks: dict[str, list[Request]] | None = None
     ) -> ModelRunnerOutput:
         """``forks`` maps a request id to the ``n > 1`` siblings that sample from its first logits."""
-        samplers: list[Request] = []
+        samplers: list[tuple[Request, list[int]]] = []  # (sequence, the drafts it verifies)
         sample_rows: list[int] = []
         inp, prompt_rows = self.prepare_inputs(sched)
         completing = [s for s in sched.scheduled if s.completes_sequence]
-        for s, row in zip(completing, inp.logits_rows):
+        rows = iter(inp.logits_rows)
+        for s in completing:
+            seq_rows = [next(rows) for _ in range(1 + len(s.spec_token_ids))]
             for r in [s.request, *(forks or {}).get(s.request.request_id, [])]:
-                samplers.append(r)
-                sample_rows.append(row)
+                samplers.append((r, s.spec_token_ids))
+                sample_rows += seq_rows
         inp.logits_rows = [row for rows in prompt_rows.values() for row in rows] + sample_rows
         if self.broadcast_step is not None:
             self.broadcast_step(inp)
@@ -134,11 +139,29 @@ class ModelRunner:
             logits = self.forward(inp)
         at = self._compute_prompt_logprobs(sched, prompt_rows, logits, out)
         if samplers:
-            result = self.sampler(logits[at:], self._sampling_metadata(samplers))
-            for r, token, lp in zip(samplers, result.sampled_token_ids, result.logprobs):
-                out.sampled_token_ids[r.request_id] = token
-                out.logprobs[r.request_id] = lp
+            self._sample(samplers, logits[at:], out)
         return out
+
+    def _sample(
+        self,
+        samplers: list[tuple[Request, list[int]]],
+        logits: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Sample every row, then verify each sequence's drafts against its rows. A draft row is
+        sampled as if its drafts before it were already output tokens (penalties, min_tokens),
+        so that a sequence's tokens are those of one step at a time (greedy: the same ones;
+        sampled: the same distribution)."""
+        row_seqs, row_outputs = [], []
+        for r, drafts in samplers:
+            for j in range(len(drafts) + 1):
+                row_seqs.append(r)
+                row_outputs.append(r.output_token_ids + drafts[:j] if j else r.output_token_ids)
+        result = self.sampler(logits, self._sampling_metadata(row_seqs, row_outputs))
+        accepted = accept_drafts(result, [drafts for _, drafts in samplers])
+        for (r, _), (tokens, logprobs) in zip(samplers, accepted):
+            out.sampled_token_ids[r.request_id] = tokens
+            out.logprobs[r.request_id] = logprobs
 
     @torch.inference_mode()
     def run_step(self, inp: ModelInput) -> torch.Tensor | None:
@@ -198,12 +221,13 @@ class ModelRunner:
                 slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
                 input_ids += s.request.all_token_ids[start:end]
+                input_ids += s.spec_token_ids  # the drafts follow the known tokens
                 positions += range(start, end)
                 slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             if s.completes_sequence:
-                logits_rows.append(len(input_ids) - 1)
+                logits_rows += range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids))
             n = self._num_prompt_logprob_rows(s.request, start, end)
             if n:
                 prompt_rows[i] = list(range(row0, row0 + n))
@@ -230,11 +254,13 @@ class ModelRunner:
             return 0
         return max(min(end, req.num_prompt_tokens - 1) - start, 0)
 
-    def _sampling_metadata(self, requests: list[Request]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, requests: list[Request], output_token_ids: list[list[int]]
+    ) -> SamplingMetadata:
         return SamplingMetadata(
             params=[r.sampling_params for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            output_token_ids=output_token_ids,
             generators=[self._generator(r) for r in requests],
             eos_token_ids=[r.eos_token_ids for r in requests],
             grammar_bitmask=self._grammar_bitmask(requests),

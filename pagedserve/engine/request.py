@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.engine.spec_decode import DraftState
     from pagedserve.engine.structured_output.request import StructuredOutputRequest
 
 
@@ -62,6 +63,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     structured_output: StructuredOutputRequest | None = None  # its grammar and matcher
+    # speculative decoding: the drafts its next step verifies (none: a plain decode step), and
+    # its back-off (``spec_decode.DraftState``; None: this engine does not speculate)
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_state: DraftState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -84,6 +89,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """vLLM v1's rule: what the scheduler catches ``num_computed_tokens`` up to, its drafts
+        included (they are computed, and verified, with its next token)."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

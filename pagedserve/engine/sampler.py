@@ -247,6 +247,47 @@ def _logprob_dicts(
     return dicts
 
 
+# ---- speculative decoding ----
+
+
+def verify_drafts(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts a sequence accepts: the longest prefix of ``drafts`` equal to the tokens
+    sampled at the rows before them (``sampled[j]`` was drawn at draft ``j``'s position, as if the
+    drafts before it were output). The sequence then outputs ``sampled[: accepted + 1]``.
+
+    Greedy: exactly the tokens one-at-a-time decoding gives, each the argmax after the same
+    tokens. Sampled: this is the speculative-sampling rule (Leviathan et al.; vLLM's rejection
+    sampler) for a draft that is one token with probability 1, as an n-gram draft is. That rule
+    accepts draft ``d`` with probability ``min(1, p(d) / q(d)) = p(d)`` and otherwise draws from
+    the residual ``max(p - q, 0)``, i.e. ``p`` without ``d``; so every token is emitted with
+    probability ``p(token)``, which is what drawing from ``p`` and comparing with ``d`` does.
+    The output is distributed as without speculation, each row's processing (temperature,
+    top-k/p, min-p, penalties) included; its random draws are not the same ones, so a seeded
+    request's tokens differ from its non-speculative ones (as in vLLM)."""
+    num_accepted = 0
+    for draft, token in zip(drafts, sampled):
+        if draft != token:
+            break
+        num_accepted += 1
+    return num_accepted
+
+
+def accept_drafts(
+    out: SamplerOutput, drafts: list[list[int]]
+) -> list[tuple[list[int], list[dict[int, float]] | None]]:
+    """Per sequence, the tokens it outputs and their logprobs: ``out`` has ``1 + len(d)`` rows
+    for each sequence's drafts ``d``, in order (``verify_drafts``)."""
+    results, at = [], 0
+    for d in drafts:
+        end = at + len(d) + 1
+        sampled = out.sampled_token_ids[at:end]
+        n = verify_drafts(d, sampled) + 1
+        logprobs = out.logprobs[at : at + n]
+        results.append((sampled[:n], None if logprobs[0] is None else logprobs))
+        at = end
+    return results
+
+
 # ---- sampling ----
 
 

@@ -9,6 +9,12 @@ swapped out (its pages copied to the host tier, ``num_computed_tokens`` kept), a
 ``--preemption-mode`` and ``swap_policy`` decide; either way it waits at the front of the queue,
 and a swapped one comes back by copy. A step that preempts admits nobody, so no step both swaps
 out and swaps in (vLLM v0's rule).
+
+Speculative decoding changes one thing: a running request's ``num_tokens_with_spec`` counts its
+drafts, so they are scheduled (and their KV slots allocated) as extra tokens under the same
+budget; a budget that cuts them short drops the drafts it has no room for. After the step the
+engine rolls ``num_computed_tokens`` back past the rejected drafts and returns their pages
+(``BlockManager.trim``). A preempted request loses its drafts.
 """
 
 from __future__ import annotations
@@ -31,12 +37,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_table: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # the drafts this step verifies
 
     @property
     def completes_sequence(self) -> bool:
-        """After this step every known token is computed, so a next token is sampled."""
+        """After this step every known token (and every draft) is computed, so a next token is
+        sampled (and the drafts verified)."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        num_done = req.num_computed_tokens + self.num_new_tokens
+        return num_done == req.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -96,7 +105,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if req.spec_token_ids:  # the drafts the budget has room for
+                del req.spec_token_ids[max(req.num_computed_tokens + n - req.num_tokens, 0) :]
             while not self.block_manager.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted request
                 self._preempt(victim)
@@ -158,7 +169,8 @@ class Scheduler:
         start = req.num_computed_tokens
         if start < req.num_lost_tokens:  # computing again what a preemption threw away
             self.num_recomputed_tokens += min(start + n, req.num_lost_tokens) - start
-        return ScheduledRequest(req, n, self.block_manager.get_block_table(req.request_id))
+        table = self.block_manager.get_block_table(req.request_id)
+        return ScheduledRequest(req, n, table, list(req.spec_token_ids))
 
     def preempt(self, req: Request, recompute: bool = False) -> None:
         """Take a running request back to the front of the queue; ``recompute``: its pages are
@@ -170,6 +182,7 @@ class Scheduler:
         """Swap the request's pages out, or free them: it recomputes from scratch later (prefix
         caching may help)."""
         bm = self.block_manager
+        req.spec_token_ids.clear()  # drafted for a next step it no longer gets
         num_pages, num_tokens = bm.num_pages_to_swap(req), req.num_computed_tokens
         mode = "recompute" if recompute else self.config.preemption_mode
         if bm.can_swap_out(req) and should_swap(mode, self.costs, num_pages, num_tokens):

@@ -21,6 +21,9 @@ GAUGES = {
     "num_requests_swapped": "Waiting requests whose KV pages are swapped out to the host tier.",
     "num_swapped_pages": "Host-tier page frames held by swapped-out requests.",
     "host_kv_cache_usage_perc": "Fraction of the host tier's KV frames held (1 = full).",
+    "spec_decode_draft_acceptance_rate": "Accepted drafts over proposed ones, since start-up.",
+    "spec_decode_mean_acceptance_length": "Tokens a verification step outputs on average: one, "
+    "plus its accepted drafts, since start-up.",
 }
 COUNTERS = {
     "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
@@ -35,6 +38,9 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens admitted.",
     "generation_tokens_total": "Tokens generated.",
     "collective_bytes_sent_total": "Bytes rank 0's card sent through tensor-parallel collectives.",
+    "spec_decode_num_drafts_total": "Verification steps of a sequence that had drafts.",
+    "spec_decode_num_draft_tokens_total": "Draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
 }
 LATENCY_BUCKETS = (
     0.005,
@@ -77,6 +83,14 @@ class _EngineStatsCollector(Collector):
         for kind, count in (stats.get("device_faults_total") or {}).items():
             faults.add_metric([kind], float(count))
         yield faults
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a step's drafts (0: the first).",
+            labels=["position"],
+        )
+        for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+            per_pos.add_metric([str(position)], float(count))
+        yield per_pos
 
 
 class ServerMetrics:

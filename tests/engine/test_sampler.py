@@ -474,3 +474,62 @@ def test_greedy_rows_without_logprobs_report_none_per_row():
     params = [SamplingParams(temperature=0.0)] * 3
     out = Sampler()(torch.randn(3, VOCAB), make_meta(params))
     assert out.logprobs == [None, None, None]
+
+
+# ---- speculative decoding: drafts verified by sampling
+
+
+# chi-square critical value at p = 1e-4 for 2 * VOCAB - 2 = 22 degrees of freedom: a correct rule
+# fails with probability 1e-4 for a random seed (the test's seed is fixed: it never flakes)
+CHI2_CRITICAL_DRAFTS = 55.52
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=6),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02),
+    ],
+)
+def test_drafts_verified_by_sampling_keep_the_target_distribution(logits, params):
+    """One draft ``d`` after row 0: a sequence outputs ``x`` ~ p0 when ``x != d``, else ``d``
+    then ``y`` ~ p1. The joint law of what it outputs must be that (the speculative-sampling
+    rule for a one-token draft), over 2 V - 1 outcomes; accepting every draft, or drawing the
+    second token from p0, must be rejected by the same test."""
+    from pagedserve.engine.sampler import accept_drafts
+
+    num, draft = 40_000, int(logits[0].argmax())
+    torch.manual_seed(4321)
+    rows = logits[:2].repeat(num, 1)  # row 0 then the draft's row, for each sequence
+    out = Sampler()(rows, make_meta([params] * (2 * num)))
+    results = accept_drafts(out, [[draft]] * num)
+    p0, p1 = (_target_probs(logits[i], params) for i in (0, 1))
+    expected = torch.cat([p0.clone().index_fill_(0, torch.tensor([draft]), 0), p0[draft] * p1])
+    observed = torch.tensor([t[0] if t[0] != draft else VOCAB + t[1] for t, _ in results])
+    assert all(len(t) == (2 if t[0] == draft else 1) for t, _ in results)
+    assert chi_square(observed, expected) < CHI2_CRITICAL_DRAFTS
+    # the test's power: a rule that always took the draft gives another law of the 2nd token
+    always = torch.tensor([VOCAB + s for s in out.sampled_token_ids[1::2]])
+    assert chi_square(always, torch.cat([torch.zeros(VOCAB), p1])) < CHI2_CRITICAL_DRAFTS
+    assert chi_square(always[: len(observed)], expected) > CHI2_CRITICAL_DRAFTS
+
+
+def _target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution the sampler draws from: temperature, then top-k, top-p and min-p (its
+    documented order), over the whole row in float64."""
+    probs = torch.softmax(row.double() / p.temperature, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(VOCAB, dtype=torch.bool)
+    top_k = p.top_k if p.top_k > 0 else VOCAB
+    mass = 0.0
+    for rank, i in enumerate(order.tolist()):
+        if rank >= top_k or mass >= p.top_p:
+            break
+        keep[i] = True
+        mass += float(probs[i])
+    probs = torch.where(keep, probs, 0)
+    probs /= probs.sum()
+    if p.min_p:
+        probs = torch.where(probs >= p.min_p * probs.max(), probs, 0)
+    return probs / probs.sum()

@@ -20,7 +20,11 @@ when and of the waiting queue's order, and checks the scheduler's decisions agai
   the token each KV slot and each host frame holds, and after every step every computed token of
   a running request is in its page, every token of a swapped-out one is in its host frames, and
   every cached block (in either tier) holds the tokens it is cached for;
-- every request finishes within a bound of steps, and every page and frame returns to its pool.
+- every request finishes within a bound of steps, and every page and frame returns to its pool;
+- with speculative decoding (``num_speculative_tokens``), the same, drafts included: a running
+  request's drafts are scheduled as extra tokens under the budget (dropped only when it runs out),
+  their KV slots written; the driver verifies them against its own next-token rule, rolls back
+  the rejected ones and returns their pages, as the engine does.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Driver:
     num_swap_frames: int = 0
     num_host_cache_frames: int = 0
     host_fault_steps: frozenset[int] = frozenset()  # steps that corrupt a swapped-out request
+    num_speculative_tokens: int = 0  # drafts a running request proposes (some of them wrong)
     step_count: int = 0
     groups: list[Group] = field(default_factory=list, repr=False)
     admitted: list[Request] = field(default_factory=list, repr=False)  # running, in admission order
@@ -89,6 +94,9 @@ class Driver:
     first_scheduled: dict[str, float] = field(default_factory=dict, repr=False)
     num_preemptions: int = 0
     prefix_lookups: list[int] = field(default_factory=lambda: [0, 0])  # tokens queried, hit
+    proposed: dict[str, int] = field(default_factory=dict, repr=False)  # drafts, before the budget
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         host_cache = self.num_host_cache_frames if self.enable_prefix_caching else 0
@@ -157,15 +165,16 @@ class Driver:
         self.check(out, running_before, swapped_before)
         self.outputs.append(out)
         self.run_model(out)
-        samplers = [s.request for s in out.scheduled if s.completes_sequence]
+        completing = [s for s in out.scheduled if s.completes_sequence]
+        samplers = [s.request for s in completing]
         self.samplers.append(samplers)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
         self.bm.moves_done()
+        for s in completing:
+            for seq in [s.request, *self.fork(s.request)]:
+                self.verify(seq, s.spec_token_ids if seq is s.request else [])
         self.check_contents()
-        for req in samplers:
-            for seq in [req, *self.fork(req)]:
-                self.sample(seq)
         self.step_count += 1
         return out
 
@@ -180,8 +189,9 @@ class Driver:
         bs = self.block_size
         for s in out.scheduled:
             start = s.request.num_computed_tokens
+            tokens = s.request.all_token_ids + s.spec_token_ids
             for pos in range(start, start + s.num_new_tokens):
-                self.kv[s.block_table[pos // bs]][pos % bs] = s.request.all_token_ids[pos]
+                self.kv[s.block_table[pos // bs]][pos % bs] = tokens[pos]
 
     def check_contents(self) -> None:
         """Every computed token where its sequence will read it; every cached block true."""
@@ -222,6 +232,8 @@ class Driver:
     def fault(self, victim: Request) -> None:
         """What the engine does when a device reports a corrupt page under a running request."""
         self.scheduler.preempt(victim, recompute=True)
+        assert not victim.spec_token_ids, "a preempted request keeps its drafts"
+        self.proposed.pop(victim.request_id, None)
         assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
         assert victim.request_id not in self.bm.block_tables
         assert self.scheduler.waiting[0] is victim and victim not in self.scheduler.running
@@ -241,6 +253,39 @@ class Driver:
             self.scheduler.admit_forked(child)
             self.admitted.append(child)
         return children
+
+    def verify(self, seq: Request, drafts: list[int]) -> None:
+        """The engine's verification: the sequence's tokens by the next-token rule, one per
+        draft it matches plus one; the rejected drafts rolled back and their pages returned;
+        then its drafts for the next step."""
+        seq.spec_token_ids = []
+        seq.num_computed_tokens -= len(drafts)  # each accepted draft counts again below
+        self.num_draft_tokens += len(drafts)
+        for j in range(len(drafts) + 1):
+            accepted = j < len(drafts) and self.next_token(seq) == drafts[j]
+            self.sample(seq)
+            if seq.status.finished:
+                return
+            if not accepted:
+                break
+            seq.num_computed_tokens += 1
+            self.num_accepted_tokens += 1
+        self.bm.trim(seq)
+        assert len(self.bm.get_block_table(seq.request_id)) <= -(-seq.num_tokens // self.block_size)
+        self.propose(seq)
+
+    def propose(self, seq: Request) -> None:
+        """Up to ``num_speculative_tokens`` drafts: the true continuation, wrong from a
+        position that depends on the step (some steps all right, some none)."""
+        room = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        k = min((self.step_count + len(seq.request_id)) % (self.num_speculative_tokens + 1), room)
+        wrong_from = (self.step_count * 5 + seq.num_tokens) % (self.num_speculative_tokens + 2)
+        drafts = []
+        for i in range(max(k, 0)):
+            token = ((seq.num_tokens + i) * 7 + seq.num_output_tokens + i) % 3
+            drafts.append(token if i < wrong_from else (token + 1) % 3)
+        seq.spec_token_ids = drafts
+        self.proposed[seq.request_id] = len(drafts)
 
     def sample(self, seq: Request) -> None:
         seq.append_output_token(self.next_token(seq))
@@ -354,6 +399,8 @@ class Driver:
             f"were {[r.request_id for r in newest_first]}"
         )
         for victim in out.preempted:
+            assert not victim.spec_token_ids, "a preempted request keeps its drafts"
+            self.proposed.pop(victim.request_id, None)
             assert victim.request_id not in self.bm.block_tables
             if victim.status is RequestStatus.SWAPPED:
                 assert self.preemption_mode != "recompute" and self.bm.is_swapped(victim)
@@ -372,8 +419,13 @@ class Driver:
         spent = 0
         for i, s in enumerate(out.scheduled):
             req = s.request
-            lacking = req.num_tokens - req.num_computed_tokens
+            proposed = self.proposed.pop(req.request_id, 0)
+            lacking = req.num_tokens + proposed - req.num_computed_tokens
             assert 1 <= s.num_new_tokens <= lacking, (req.request_id, s.num_new_tokens, lacking)
+            assert s.spec_token_ids == req.spec_token_ids
+            assert req.num_computed_tokens + s.num_new_tokens == req.num_tokens + len(
+                s.spec_token_ids
+            ) or (not s.spec_token_ids and not s.completes_sequence), "drafts without their token"
             spent += s.num_new_tokens
             if s.num_new_tokens < lacking:  # cut short: only by the end of the token budget
                 assert spent == self.max_num_batched_tokens, "a request was cut short needlessly"
@@ -454,7 +506,12 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @st.composite
-def workloads(draw, prefix_caching: bool | None = None, preemption_mode: str | None = None):
+def workloads(
+    draw,
+    prefix_caching: bool | None = None,
+    preemption_mode: str | None = None,
+    speculative: int | None = None,
+):
     block_size = draw(st.sampled_from([1, 2, 4]))
     max_num_seqs = draw(st.integers(1, 5))
     budget = draw(st.integers(1, 24))
@@ -479,6 +536,7 @@ def workloads(draw, prefix_caching: bool | None = None, preemption_mode: str | N
     caching = draw(st.booleans()) if prefix_caching is None else prefix_caching
     faults = draw(st.frozensets(st.integers(0, 30), max_size=2))
     mode = draw(st.sampled_from(PREEMPTION_MODES)) if preemption_mode is None else preemption_mode
+    num_speculative_tokens = draw(st.integers(0, 4)) if speculative is None else speculative
     swap_frames = draw(st.integers(0, 2 * num_pages)) if mode != "recompute" else 0
     driver = Driver(
         max_num_seqs,
@@ -491,6 +549,7 @@ def workloads(draw, prefix_caching: bool | None = None, preemption_mode: str | N
         num_swap_frames=swap_frames,
         num_host_cache_frames=draw(st.integers(0, 16)),
         host_fault_steps=draw(st.frozensets(st.integers(0, 30), max_size=2)),
+        num_speculative_tokens=num_speculative_tokens,
     )
     return driver, arrivals
 
@@ -510,6 +569,24 @@ def test_every_step_respects_the_limits_and_every_request_finishes(workload):
     assert [driver.groups[g].arrival.step for g in order] == [
         driver.groups[g].arrival.step for g in arrival_order
     ]
+
+
+@PROPERTY_SETTINGS
+@given(workloads(speculative=3))
+def test_with_drafts_every_step_respects_the_limits_and_every_page_returns(workload):
+    driver, arrivals = workload
+    driver.run(arrivals)
+    driver.check_finished()
+
+
+def test_drafts_are_scheduled_under_the_budget_and_rejected_ones_rolled_back():
+    driver = Driver(2, 6, 64, 2, num_speculative_tokens=3)
+    run(driver, [Arrival(0, [1, 2, 0] * 3, max_tokens=12), Arrival(0, [2] * 5, max_tokens=9)])
+    with_drafts = [s for out in driver.outputs for s in out.scheduled if s.spec_token_ids]
+    assert with_drafts, "no step verified drafts"
+    assert 0 < driver.num_accepted_tokens < driver.num_draft_tokens
+    # fewer steps than one token a step would take
+    assert len(driver.outputs) < 1 + 12 + 1
 
 
 @settings(max_examples=100, deadline=None)

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from pagedserve.config import KERNEL_CHOICES, KV_CACHE_DTYPES, PREEMPTION_MODES
+from pagedserve.config import (
+    KERNEL_CHOICES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SpeculativeConfig,
+)
 from pagedserve.entrypoints.cli.utils import offer, subparser
 from pagedserve.presets import preset_names
 
@@ -33,7 +38,7 @@ ENGINE_ARGS = (
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "kernels", "enforce_eager",
     "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
     "dist_init_addr", "dist_timeout", "kv_cache_dtype", "swap_space", "host_prefix_cache",
-    "preemption_mode",
+    "preemption_mode", "speculative_config",
 )  # fmt: skip
 
 
@@ -187,6 +192,26 @@ def _add_scheduler_args(a: Callable[..., argparse.Action]) -> None:
         "room), auto (swap when the copy costs less than the recompute, by the rates measured "
         "on this device; recompute when the swap space is full) (default auto)",
     )
+
+    a(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help="speculative decoding, as vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' drafts up '
+        "to num_speculative_tokens (1 to 7) tokens by looking the last prompt_lookup_max down to "
+        "prompt_lookup_min tokens up earlier in the sequence, and verifies them in one forward "
+        "pass; greedy output is unchanged (default: none)",
+    )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``'s JSON, or argparse's error naming the flag and what is wrong."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_device_args(a: Callable[..., argparse.Action]) -> None:

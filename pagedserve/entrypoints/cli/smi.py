@@ -95,6 +95,8 @@ def format_summary(devices: list[dict]) -> str:
         lines.append(f"|     {load:<80} |")
         if d.get("faults"):
             lines.append(f"|     {_faults_line(d['faults']):<80} |")
+        if d.get("speculative"):
+            lines.append(f"|     {_speculative_line(d['speculative']):<80} |")
         if "tp_rank" in d:
             sent = _mib(d.get("collective_bytes_sent", 0))
             sent = f"tensor-parallel rank {d['tp_rank']}   collectives sent {sent}"
@@ -108,6 +110,15 @@ def _host_pages_line(host: dict) -> str:
     return (
         f"host pages {host.get('swapped', 0)} swapped / {host.get('cached', 0)} cached / "
         f"{host.get('free', 0)} free of {host.get('total', 0)}"
+    )
+
+
+def _speculative_line(spec: dict) -> str:
+    """``speculative ngram x4   acceptance 62.5%   mean accepted length 3.10``."""
+    return (
+        f"speculative {spec.get('method')} x{spec.get('num_speculative_tokens')}   "
+        f"acceptance {100 * spec.get('acceptance_rate', 0.0):.1f}%   "
+        f"mean accepted length {spec.get('mean_acceptance_length', 0.0):.2f}"
     )
 
 
@@ -147,6 +158,9 @@ def format_detail(device: dict, index: int) -> str:
         f"    Generated tokens      : {device.get('generation_tokens_total', 0)}",
         f"    Faults detected       : {device.get('faults_detected', 0)}",
     ]
+    spec = device.get("speculative")
+    if spec:
+        lines.insert(-1, f"    {_speculative_line(spec)}")
     for kind, counts in device.get("faults", {}).items():
         lines.append(
             f"        {kind:<18}: injected {counts['injected']}, detected {counts['detected']}, "

@@ -448,6 +448,13 @@ function renderCard(card, d, map, figures, index) {
   fig("host-hit", hostQueries ? `${((100 * hostHits) / hostQueries).toFixed(1)}%` : "–");
   fig("swapped", figures.num_requests_swapped ?? 0);
   for (const el of card.querySelectorAll(".host-fig")) el.hidden = !d.host_pages;
+  // speculative decoding: the drafts' acceptance, from vLLM's counters (see SpecDecodeStats)
+  const drafts = figures.spec_decode_num_draft_tokens_total || 0;
+  const verifications = figures.spec_decode_num_drafts_total || 0;
+  const accepted = figures.spec_decode_num_accepted_tokens_total || 0;
+  fig("accept", drafts ? `${((100 * accepted) / drafts).toFixed(1)}%` : "–");
+  fig("accept-len", verifications ? (1 + accepted / verifications).toFixed(2) : "–");
+  for (const el of card.querySelectorAll(".spec-fig")) el.hidden = !d.speculative;
   fig("preempt", figures.num_preemptions_total ?? 0);
   fig("faults", d.faults_detected ?? 0);
   const ttftCount = figures.time_to_first_token_seconds_count || 0;

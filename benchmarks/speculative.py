@@ -1,0 +1,277 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts at batch 1: pagedserve side by side
+with llama-cpp-python's prompt-lookup decoding, on the demo model (converted to GGUF with
+llama.cpp's own converter, as ``benchmarks.compare`` does).
+
+    python -m benchmarks.compare --setup [--isa avx2]   # once: llama-cpp-python in its venv
+    python -m benchmarks.speculative [--isa avx2] [--runs 3]
+        # writes benchmarks/results/speculative_<kernels>.json
+
+Two workloads, greedy, batch 1, each the median of ``--repeats`` timed generations after a
+warm-up:
+- ``edit``: "rewrite this function" with the function in the prompt and the answer begun, so
+  that the answer repeats most of the prompt (where prompt lookup drafts are accepted);
+- ``free``: free generation from a short prompt (little to look up: speculation must cost
+  nothing here).
+
+For each, tokens/s (generated tokens / seconds, prompt included in the time) without and with
+speculation: pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
+K, "prompt_lookup_max": N}'`` against llama-cpp-python's
+``Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K, max_ngram_size=N))``; and
+pagedserve's acceptance rate and mean accepted length. ``--precision 16bit`` runs pagedserve in
+bf16 against llama.cpp's F16 file; ``int4`` pagedserve's INT4 (lm_head INT4) against Q4_0. No
+prefix caching: each repetition computes its prompt. Each system runs in its own process; check
+`uptime` first: nothing else should be running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench_models import cache_root
+from benchmarks.compare import CONVERT, PAGEDSERVE_KERNELS, llama_paths, llama_system_info
+from benchmarks.results import spread, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FUNCTION = '''def summarize_orders(orders, tax_rate):
+    """Total, mean and largest order value, tax included."""
+    total = 0.0
+    largest = None
+    for order in orders:
+        value = order["price"] * order["quantity"]
+        value = value * (1.0 + tax_rate)
+        total = total + value
+        if largest is None or value > largest:
+            largest = value
+    mean = total / len(orders) if orders else 0.0
+    return {"total": total, "mean": mean, "largest": largest}
+'''
+WORKLOADS = {
+    "edit": (
+        "Rename the variable `value` to `amount` in this function and return the whole "
+        f"function.\n\n{FUNCTION}\nHere is the function with `value` renamed to `amount`:\n\n"
+        "def summarize_orders(orders, tax_rate):\n"
+    ),
+    "free": "Once upon a time, in a small village by the sea, there lived",
+}
+
+
+def speculative_config(k: int, n: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+            "prompt_lookup_min": 2}  # fmt: skip
+
+
+def timed(run, repeats: int) -> tuple[float, int]:
+    """Median seconds of ``run()`` (which returns its number of tokens) after one warm-up."""
+    num_tokens = run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        num_tokens = run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), num_tokens
+
+
+# ---- workers (each in its own process) -----------------------------------------------------------
+def worker_pagedserve(args: argparse.Namespace) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    spec = speculative_config(args.k, args.n) if args.speculate else None
+    int4 = args.precision == "int4"
+    llm = LLM(
+        model="demo",
+        dtype="bfloat16",
+        quantization="int4" if int4 else None,
+        quantize_lm_head="int4" if int4 else None,
+        kernels=PAGEDSERVE_KERNELS[args.isa],
+        enable_prefix_caching=False,
+        speculative_config=spec,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows = {}
+    for name, prompt in WORKLOADS.items():
+        before = llm.llm_engine.get_stats()
+
+        def run(prompt=prompt):
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            return len(out.token_ids)
+
+        seconds, num_tokens = timed(run, args.repeats)
+        after = llm.llm_engine.get_stats()
+        rows[name] = {"tokens_per_s": num_tokens / seconds, "num_tokens": num_tokens}
+        if spec:
+            delta = {
+                k: after[k] - before[k]
+                for k in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                          "spec_decode_num_accepted_tokens_total")
+            }  # fmt: skip
+            drafts, steps = (
+                delta["spec_decode_num_draft_tokens_total"],
+                delta["spec_decode_num_drafts_total"],
+            )
+            accepted = delta["spec_decode_num_accepted_tokens_total"]
+            rows[name]["acceptance_rate"] = accepted / drafts if drafts else 0.0
+            rows[name]["mean_acceptance_length"] = 1 + accepted / steps if steps else 0.0
+    return rows
+
+
+LLAMA_WORKER = """
+import json, statistics, sys, time
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+path, workloads, k, n, max_tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
+draft = LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=n) if k else None
+llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, draft_model=draft)
+rows = {}
+for name, prompt in workloads.items():
+    def run():
+        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+        return out["usage"]["completion_tokens"]
+    num = run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter(); num = run(); times.append(time.perf_counter() - start)
+    rows[name] = {"tokens_per_s": num / statistics.median(times), "num_tokens": num}
+print(json.dumps(rows))
+"""
+
+
+def demo_gguf(root: Path, isa: str, precision: str) -> Path:
+    """The demo model as GGUF (F16, and Q4_0 from it), converted once into the cache."""
+    out_dir = root / "demo-gguf"
+    name = "f16.gguf" if precision == "16bit" else "q4_0.gguf"
+    if (out_dir / name).exists():
+        return out_dir / name
+    from pagedserve.models import resolve_model_path
+
+    shutil.copytree(resolve_model_path("demo"), out_dir / "model", dirs_exist_ok=True)
+    venv, converter = llama_paths(root, isa)
+    print("converting the demo model to GGUF with llama.cpp's converter ...", flush=True)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-c", CONVERT, str(converter), str(out_dir / "model"),
+         str(out_dir / "f16.gguf"), str(out_dir / "q4_0.gguf")],
+        check=True, capture_output=True,
+        env={**os.environ, "PYTHONPATH": f"{converter}:{converter}/gguf-py"},
+    )  # fmt: skip
+    return out_dir / name
+
+
+def run_llama(args: argparse.Namespace, root: Path, k: int) -> dict:
+    venv, _ = llama_paths(root, args.isa)
+    out = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", LLAMA_WORKER,
+         str(demo_gguf(root, args.isa, args.precision)), json.dumps(WORKLOADS), str(k),
+         str(args.n), str(args.max_tokens), str(args.repeats)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_pagedserve(args: argparse.Namespace, speculate: bool) -> dict:
+    flags = ["--worker", "--isa", args.isa, "--precision", args.precision, "--k", str(args.k)]
+    flags += ["--n", str(args.n), "--max-tokens", str(args.max_tokens)]
+    flags += ["--repeats", str(args.repeats)] + ["--speculate"] * speculate
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.speculative", *flags],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_run(args: argparse.Namespace, root: Path) -> dict:
+    systems = {}
+    for speculate in (False, True):
+        label = "pagedserve" + (" ngram" if speculate else "")
+        print(f"{label} ...", flush=True)
+        systems[label] = run_pagedserve(args, speculate)
+    if not args.skip_llama:
+        for k in (0, args.k):
+            label = "llama.cpp" + (" lookup" if k else "")
+            print(f"{label} ...", flush=True)
+            systems[label] = run_llama(args, root, k)
+    return systems
+
+
+def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build: str) -> dict:
+    """Per workload and system: tokens/s (the median over runs and its range), and pagedserve's
+    speed-up from speculation and its acceptance."""
+    workloads = {}
+    for name in WORKLOADS:
+        rows = {}
+        for system in runs[0]:
+            rates = [r[system][name]["tokens_per_s"] for r in runs]
+            rows[system] = {
+                "tokens_per_s": spread(rates),
+                "num_tokens": runs[0][system][name]["num_tokens"],
+            }
+            for key in ("acceptance_rate", "mean_acceptance_length"):
+                if key in runs[0][system][name]:
+                    rows[system][key] = statistics.median(r[system][name][key] for r in runs)
+        base, spec = rows["pagedserve"], rows["pagedserve ngram"]
+        rows["pagedserve speed-up"] = (
+            spec["tokens_per_s"]["median"] / base["tokens_per_s"]["median"]
+        )
+        workloads[name] = rows
+    return {
+        "kernels": kernels,
+        "llama_cpp_build": llama_build,
+        "precision": args.precision,
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.n,
+        "max_tokens": args.max_tokens,
+        "runs": args.runs,
+        "workloads": workloads,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--isa", default="native", choices=sorted(PAGEDSERVE_KERNELS))
+    ap.add_argument("--precision", default="16bit", choices=["16bit", "int4"])
+    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens / num_pred_tokens")
+    ap.add_argument("--n", type=int, default=3, help="prompt_lookup_max / max_ngram_size")
+    ap.add_argument("--max-tokens", type=int, default=160, help="tokens generated per workload")
+    ap.add_argument("--repeats", type=int, default=3, help="timed generations (median)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison N times")
+    ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print the figures only")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--speculate", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker_pagedserve(args)))
+        return
+    root = cache_root()
+    venv = llama_paths(root, args.isa)[0]
+    if not args.skip_llama and not (venv / "bin" / "python").exists():
+        sys.exit(f"llama.cpp is not set up for --isa {args.isa}: run `python -m benchmarks.compare "
+                 f"--setup --isa {args.isa}` first (or pass --skip-llama)")  # fmt: skip
+    from pagedserve.hal.native import choose_kernels
+
+    kernels = choose_kernels(PAGEDSERVE_KERNELS[args.isa]).name
+    llama_build = "" if args.skip_llama else llama_system_info(venv)
+    runs = []
+    for i in range(args.runs):
+        print(f"=== run {i + 1} of {args.runs}", flush=True)
+        runs.append(one_run(args, root))
+    figures = report(runs, args, kernels, llama_build)
+    print(json.dumps(figures["workloads"], indent=2))
+    if not args.no_write:
+        print(f"\nwrote {write_result(f'speculative_{kernels}', figures)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""N-gram (prompt lookup) speculation: drafts from the sequence's own earlier tokens, and the
+back-off that stops a request drafting while its drafts keep failing.
+
+vLLM v1's ``NgramProposer`` rule: the longest suffix of the sequence, from ``prompt_lookup_max``
+down to ``prompt_lookup_min`` tokens, that occurs earlier in it; its first occurrence; the (up
+to) ``num_speculative_tokens`` tokens that followed it are the drafts. Verification
+(``sampler.verify_drafts``) accepts a prefix of them, so a wrong draft costs a forward row, never
+a wrong token.
+
+The back-off is ours (vLLM has none for n-gram): a request whose last ``BACKOFF_AFTER`` drafting
+steps accepted nothing drafts no more for ``cooldown`` steps, which doubles each time up to
+``MAX_COOLDOWN`` and resets when a draft is accepted. A workload with no repetition thus pays at
+most one draft row every so often, and the lookup itself (numpy, a few tens of microseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedserve.config import SpeculativeConfig
+
+BACKOFF_AFTER = 2  # drafting steps in a row with nothing accepted before a request backs off
+FIRST_COOLDOWN = 4  # steps without drafts, the first time
+MAX_COOLDOWN = 64
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One request's speculation: its back-off and what its drafts achieved."""
+
+    num_failed: int = 0  # drafting steps in a row that accepted nothing
+    cooldown: int = FIRST_COOLDOWN  # the next back-off's length, in steps
+    resume_at: int = 0  # the request's step count from which it drafts again
+    num_steps: int = 0  # its decode steps so far (the back-off's clock)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification step's result."""
+        if num_accepted:
+            self.num_failed, self.cooldown = 0, FIRST_COOLDOWN
+            return
+        self.num_failed += 1
+        if self.num_failed >= BACKOFF_AFTER:
+            self.resume_at = self.num_steps + self.cooldown
+            self.cooldown = min(self.cooldown * 2, MAX_COOLDOWN)
+            self.num_failed = 0
+
+
+def find_ngram_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The tokens that followed the first earlier occurrence of the longest suffix n-gram
+    (``max_n`` down to ``min_n`` tokens); [] when none occurs."""
+    size = len(tokens)
+    if size <= min_n or k <= 0:
+        return []
+    ids = np.asarray(tokens, dtype=np.int64)
+    # every start i < size - n whose first token matches the suffix's: the candidates for all n
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = ids[size - n :]
+        starts = np.flatnonzero(ids[: size - n] == suffix[0])
+        for j in range(1, n):
+            if not len(starts):
+                break
+            starts = starts[ids[starts + j] == suffix[j]]
+        if len(starts):
+            at = int(starts[0]) + n
+            return tokens[at : at + k]
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, tokens: list[int], state: DraftState, max_drafts: int) -> list[int]:
+        """Drafts for a request whose ``tokens`` are all known (its next step verifies them),
+        at most ``max_drafts``; none while it backs off."""
+        state.num_steps += 1
+        limit = min(self.k, max_drafts)
+        if limit <= 0 or state.num_steps < state.resume_at:
+            return []
+        return find_ngram_drafts(tokens, self.min_n, self.max_n, limit)
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: verification steps that had drafts (``num_drafts``), the
+    drafts, the accepted ones, and the accepted ones by position (position 0 accepted in every
+    step that accepted any)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed ones (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step outputs on average: 1 (the model's own) plus its accepted
+        drafts, vLLM's "mean acceptance length" (0 before any draft)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def to_dict(self) -> dict:
+        """``get_stats``'s entries (vLLM's counter names, and the two figures they give)."""
+        return {
+            "spec_decode_num_drafts_total": self.num_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_draft_acceptance_rate": self.acceptance_rate,
+            "spec_decode_mean_acceptance_length": self.mean_acceptance_length,
+        }
