@@ -14,6 +14,7 @@ import sysconfig
 import pytest
 
 from pagedserve.hal import native
+from tests.helpers.tools import missing_tool
 
 BEST = native.choose_kernels("auto").name
 AVX2_FLAGS = " ".join(native.TARGETS["avx2"].cpu_flags)
@@ -151,7 +152,7 @@ def test_a_target_this_cpu_cannot_execute_still_compiles(name, extra):
     # what the CPU cannot run is never built to run here, but its source must still compile: a
     # syntax check with the target's own flags, so that an AVX2 machine's CI sees avx512 breakage
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler")
+        missing_tool("no C++ compiler: apt-get install -y g++")
     from torch.utils import cpp_extension
 
     target = native.TARGETS[name]
