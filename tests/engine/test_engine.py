@@ -138,15 +138,20 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tiny_llm)
 
 
 def test_string_prompts_and_chat_produce_text(tiny_llm):
-    out = tiny_llm.generate(
-        "Hello world", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
-    )
-    assert out[0].prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
-    assert len(out[0].outputs[0].token_ids) == 5
-    chat = tiny_llm.chat(
-        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False
-    )
-    assert chat[0].outputs[0].finish_reason in ("stop", "length")
+    tok = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    (out,) = tiny_llm.generate("Hello world", params, use_tqdm=False)
+    assert out.prompt_token_ids == tok.encode("Hello world")
+    assert out.prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    messages = [{"role": "user", "content": "hi"}]
+    (chat,) = tiny_llm.chat(messages, params, use_tqdm=False)
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>") or rendered.endswith("<|assistant|>\n")
+    assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    assert chat.outputs[0].text == tok.decode(chat.outputs[0].token_ids)
+    assert chat.outputs[0].finish_reason == "length"
     assert _drained(tiny_llm)
 
 

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -227,10 +228,14 @@ def test_streaming_yields_the_program_text_in_pieces(demo_thread_server):
 
 
 def test_run_batch_runs_programs_concurrently(demo_thread_server):
+    all_started = threading.Barrier(8, timeout=120)  # one at a time, the first never passes it
+
     @function
     def classify(s, item):
+        all_started.wait()
         s += f"Item: {item}. Category:" + gen("cat", max_tokens=4, choices=["fruit", "tool"])
 
     states = run_batch(classify, [{"item": f"thing {i}"} for i in range(8)], num_threads=8)
     assert [s.error for s in states] == [None] * 8
+    assert [s.text.split(".")[0] for s in states] == [f"Item: thing {i}" for i in range(8)]
     assert all(s["cat"] in ("fruit", "tool") for s in states)
