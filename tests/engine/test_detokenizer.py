@@ -150,3 +150,44 @@ def test_each_step_decodes_a_short_window(bpe_tokenizer):
     text = "".join(detok.add_token(i)[0] for i in ids) + detok.flush()
     assert text == TEXT * 20
     assert counting.longest <= 10
+
+
+class WordTokenizer:
+    """Each id decodes to one fixed piece of text."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+LINA = [" is", " Lin", "a", "."]  # vLLM's tests/detokenizer/test_min_tokens.py: " is Lina."
+
+
+@pytest.mark.parametrize(
+    "min_tokens,stop,truth",
+    [
+        (0, None, " is Lina."),
+        (0, "s", " i"),
+        (1, "is", " is Lina."),
+        (2, "is", " is Lina."),
+        (3, "s", " is Lina."),
+        (4, "s", " is Lina."),
+        (1, "sL", " is Lina."),  # never in the text: nothing held back stays held
+        (1, "s L", " i"),  # starts in the first token's text, ends in the second's
+        (2, "a", " is Lin"),  # the first "a" after min_tokens
+    ],
+)
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(min_tokens, stop, truth):
+    params = SamplingParams(max_tokens=20, min_tokens=min_tokens, stop=stop)
+    detok = IncrementalDetokenizer(WordTokenizer(LINA), [], params)
+    text, reason = "", None
+    for token_id in range(len(LINA)):
+        delta, reason = detok.add_token(token_id)
+        text += delta
+        if reason is not None:
+            break
+    text += detok.flush()
+    assert text == truth == detok.output_text
+    assert reason == (stop if truth != " is Lina." else None)
