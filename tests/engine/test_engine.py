@@ -182,6 +182,7 @@ FAULT_PROMPT = [5, 6, 7, 8, 9, 10, 11]
 GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.mark.faults
 def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
     engine = tiny_llm.llm_engine
     clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
@@ -194,9 +195,16 @@ def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
 
 def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(tiny_llm, monkeypatch):
     clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
-    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "recover_kv_pages", lambda: [])
+    faults = tiny_llm.llm_engine.device.faults
+    before = faults.to_dict()["kv_page"]
+    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "enabled", False)  # recovery off
     assert _generate_with_fault(tiny_llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
-    tiny_llm.llm_engine.device.take_faulted_pages()
+    after = faults.to_dict()["kv_page"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 0,
+    }
     assert _drained(tiny_llm)
 
 
