@@ -67,7 +67,10 @@ MODULES = {
         ["tests/server/test_server_sampling.py"],
     ),
     "detokenizer": ("pagedserve/engine/detokenizer.py", ["tests/engine/test_detokenizer.py"]),
-    "stop_checker": ("pagedserve/engine/stop_checker.py", ENGINE_TESTS),
+    "stop_checker": (
+        "pagedserve/engine/stop_checker.py",
+        ["tests/engine/test_stop_checker.py", *ENGINE_TESTS],
+    ),
     "request": ("pagedserve/engine/request.py", ["tests/engine/test_scheduler.py", *ENGINE_TESTS]),
     "request_group": ("pagedserve/engine/request_group.py", ENGINE_TESTS),
     "limits": ("pagedserve/engine/limits.py", ENGINE_TESTS),
@@ -165,6 +168,23 @@ DROP_RULES = [
     ),
 ]
 MATCH_RULES = [
+    (
+        "detokenizer",
+        "__init__|_advance_window",
+        r"self\.prefix_offset = 0$",
+        r"self\.prefix_offset = None$",
+        "a slice from None starts at 0: the same window",
+    ),
+    (
+        "detokenizer",
+        "_num_held_back",
+        r"len\(self\._text\) - self\._num_emitted",
+        r"len\(self\._text\) \+ self\._num_emitted",
+        "text already sent never ends in a stop string's prefix (it would have been held back), "
+        "so a longer suffix reaching into it never matches: the bound on its length decides "
+        "nothing",
+    ),
+    ("detokenizer", "add_token", r"final=False", r"final=None", "None is falsy, as False is"),
     (
         "sampler",
         "apply_grammar_bitmask",
