@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny GLM-4 model directory and a live pagedserve server on 127.0.0.1."""
+"""Shared fixtures: a tiny GLM-4 model directory, a live pagedserve server over it on 127.0.0.1,
+and one over the demo model."""
 
 from __future__ import annotations
 
@@ -97,3 +98,16 @@ def slow_steps(live_server, monkeypatch):
         return execute_step()
 
     monkeypatch.setattr(engine, "execute_step", slow_step)
+
+
+@pytest.fixture(scope="session")
+def demo_thread_server():
+    """(base URL, engine) of the demo model served by uvicorn in a thread, for the frontends'
+    tests (pagedserve.lang, SGLang's own): one server for all of them."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16, num_kv_pages=512))
+    with serve_app(build_app(engine, "demo")) as url:
+        yield url, engine

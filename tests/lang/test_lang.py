@@ -27,21 +27,12 @@ from pagedserve.lang import (
     tool,
     user,
 )
-from pagedserve.testing import serve_app
 
 
-@pytest.fixture(scope="module")
-def demo_thread_server():
-    """(base URL, engine) of the demo model served in a thread, the default backend of the
-    programs here."""
-    from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.server.app import build_app
-
-    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16, num_kv_pages=512))
-    with serve_app(build_app(engine, "demo")) as url:
-        set_default_backend(Runtime(url))
-        yield url, engine
+@pytest.fixture(scope="module", autouse=True)
+def default_backend(demo_thread_server):
+    """The demo model's thread server (conftest) is the default backend of the programs here."""
+    set_default_backend(Runtime(demo_thread_server[0]))
 
 
 @function

@@ -1,5 +1,5 @@
 """SGLang's own frontend (``sglang.RuntimeEndpoint``) runs a program with gen, select, fork and
-regex against ``pagedserve serve``, unchanged.
+regex against pagedserve's server (the demo model's, served in a thread: conftest), unchanged.
 
 SGLang's frontend lives in a virtual environment of its own (``pip install sglang`` pulls a CUDA
 torch); ``python3 -m tests.helpers.sglang_venv`` makes it, cached under ``~/.cache/pagedserve``
@@ -16,7 +16,6 @@ import re
 import subprocess
 from pathlib import Path
 
-from pagedserve.testing import serve
 from tests.helpers.sglang_venv import sglang_python, wait_for_venv
 from tests.helpers.tools import missing_tool
 
@@ -62,19 +61,18 @@ def _sglang_available() -> str | None:
     return None
 
 
-def test_sglang_frontend_runs_a_program_against_pagedserve():
+def test_sglang_frontend_runs_a_program_against_pagedserve(demo_thread_server):
     why = _sglang_available()
     if why:
         missing_tool(why)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with serve("--model", "demo") as (_, url):
-        out = subprocess.run(
-            [SGLANG_PYTHON, "-c", PROGRAM, url],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
+    out = subprocess.run(
+        [SGLANG_PYTHON, "-c", PROGRAM, demo_thread_server[0]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kind"] in ("math", "history", "geography")
