@@ -92,8 +92,14 @@ MODULES = {
     "messages": ("pagedserve/engine/messages.py", CORE_TESTS),
     "core": ("pagedserve/engine/core.py", CORE_TESTS),
     "core_client": ("pagedserve/engine/core_client.py", CORE_TESTS),
-    "output_processor": ("pagedserve/engine/output_processor.py", CORE_TESTS),
-    "async_engine": ("pagedserve/engine/async_engine.py", [*CORE_TESTS, *SERVER_TESTS]),
+    "output_processor": (
+        "pagedserve/engine/output_processor.py",
+        ["tests/engine/test_output_processor.py"],
+    ),
+    "async_engine": (
+        "pagedserve/engine/async_engine.py",
+        [*CORE_TESTS, "tests/engine/test_async_engine.py"],
+    ),
     "structured_manager": (
         "pagedserve/engine/structured_output/manager.py",
         ["tests/engine/test_structured_output.py"],

@@ -30,6 +30,7 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.output_processor import EngineDeadError
 from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.presets import demo_model_dir
 from pagedserve.sampling_params import SamplingParams
 from tests.helpers.models import tiny_engine
 
@@ -38,8 +39,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_glm4):
-    return tiny_engine(tiny_glm4[0], num_kv_pages=64, max_model_len=128, max_num_seqs=4)
+def engine():
+    """The demo model (it ships with the package: nothing to build, no transformers import)."""
+    return tiny_engine(demo_model_dir(), num_kv_pages=64, max_model_len=128, max_num_seqs=4)
 
 
 @pytest.fixture
