@@ -293,3 +293,30 @@ def test_when_the_loop_dies_pending_calls_and_requests_fail_at_once(engine, monk
 
     asyncio.run(main())
     engine.abort_request("long")  # the dead loop left it in the engine
+
+
+# ---- the wire -------------------------------------------------------------------------------
+def test_sampling_params_cross_the_wire_unchanged():
+    from pagedserve.engine.messages import params_from_wire
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        n=2,
+        temperature=0.7,
+        seed=3,
+        stop=["x"],
+        logit_bias={7: -1.5, 300: 2.0},
+        structured_outputs=StructuredOutputsParams(regex=r"\d+"),
+    )
+    back = params_from_wire(decode(encode([params_to_wire(params)]))[0])
+    assert back == params and back.logit_bias == {7: -1.5, 300: 2.0}  # int keys, not strings
+    assert params_from_wire(decode(encode([params_to_wire(GREEDY)]))[0]) == GREEDY
+
+
+def test_an_outputs_message_becomes_named_records():
+    payload = [3, [["r", 0, [5], None, "length", None, [None, 0, 1.0, 2.0]]], {"a": 1}, [], []]
+    out = outputs_from_wire(decode(encode(payload)))
+    assert out.step == 3 and out.stats == {"a": 1} and out.errors == []
+    (o,) = out.outputs
+    assert (o.request_id, o.index, o.new_token_ids, o.finish_reason) == ("r", 0, [5], "length")
+    assert o.first == [None, 0, 1.0, 2.0]
