@@ -192,6 +192,13 @@ MATCH_RULES = [
     ),
     ("detokenizer", "add_token", r"final=False", r"final=None", "None is falsy, as False is"),
     (
+        "output_processor",
+        "__init__|get",
+        r"self\.updated = False",
+        r"self\.updated = None",
+        "read only as a truth value: None is falsy, as False is",
+    ),
+    (
         "sampler",
         "apply_grammar_bitmask",
         r"arange\(32, dtype=torch\.int32\)",

@@ -137,3 +137,68 @@ def test_without_a_tokenizer_only_token_ids_come_back():
     o = get(state)
     assert o.outputs[0].token_ids == [4, 5] and o.outputs[0].text == ""
     assert o.outputs[0].finish_reason == "length"
+
+
+def test_outputs_name_their_request_sequence_and_prompt(processor):
+    state = processor.add_request("r", None, PROMPT, SamplingParams(n=2), 0.0)
+    processor.process_outputs([out(1, 0), out(2, 1)])
+    o = get(state)
+    assert (o.request_id, o.prompt_token_ids) == ("r", PROMPT)
+    assert [c.index for c in o.outputs] == [0, 1]
+    # nothing asked: no logprobs, no prompt info yet
+    assert [(c.logprobs, c.cumulative_logprob) for c in o.outputs] == [(None, None)] * 2
+    assert (o.prompt_logprobs, o.num_cached_tokens) == (None, 0)
+
+
+def test_logprobs_are_kept_only_where_asked_and_sent(processor):
+    lp = {1: -0.5, 2: -0.25}
+    plain = processor.add_request("plain", None, PROMPT, SamplingParams(), 0.0)
+    asked = processor.add_request("asked", None, PROMPT, SamplingParams(logprobs=1), 0.0)
+    outputs = [
+        EngineCoreOutput("plain", 0, [1], [lp], None, None),  # sent though not asked
+        EngineCoreOutput("asked", 0, [1], None, None, None),  # asked, but none this step
+        EngineCoreOutput("asked", 0, [2], [lp], None, None),
+    ]
+    processor.process_outputs(outputs)
+    assert get(plain).outputs[0].logprobs is None
+    o = get(asked).outputs[0]
+    assert o.logprobs == [lp] and o.cumulative_logprob == -0.25 and o.token_ids == [1, 2]
+
+
+def test_every_token_of_an_output_counts_without_a_tokenizer():
+    processor = OutputProcessor(None)
+    state = processor.add_request("r", None, PROMPT, SamplingParams(), 0.0)
+    processor.process_outputs([EngineCoreOutput("r", 0, [4, 5, 6], None, None, None)])
+    assert get(state).outputs[0].token_ids == [4, 5, 6]
+
+
+def test_one_stale_output_in_a_step_leaves_the_others_of_that_step(processor):
+    ended = processor.add_request("ended", None, PROMPT, SamplingParams(stop=["STOP"]), 0.0)
+    live = processor.add_request("live", None, PROMPT, SamplingParams(), 0.0)
+    processor.process_outputs([EngineCoreOutput("ended", 0, [4], None, None, None)])
+    get(ended)
+    step = [
+        EngineCoreOutput("gone", 0, [1], None, None, None),  # never added (or aborted)
+        EngineCoreOutput("ended", 0, [5], None, None, None),  # after its stop string
+        EngineCoreOutput("live", 0, [1], None, None, None),
+    ]
+    assert processor.process_outputs(step) == []
+    assert get(live).outputs[0].token_ids == [1]
+
+
+def test_failing_a_request_that_is_gone_is_nothing(processor):
+    processor.fail("never-added", RuntimeError("late"))
+    assert processor.requests == {}
+
+
+def test_a_read_before_any_output_waits_for_one(processor):
+    state = processor.add_request("r", None, PROMPT, SamplingParams(), 0.0)
+
+    async def main():
+        reader = asyncio.ensure_future(state.get())
+        await asyncio.sleep(0.05)
+        assert not reader.done()  # nothing yet: it waits
+        processor.process_outputs([out(1)])
+        return await reader
+
+    assert asyncio.run(main()).outputs[0].token_ids == [1]
