@@ -15,6 +15,14 @@ from pagedserve.testing import serve_app
 
 API_KEY = "test-key"
 
+# One intra-op thread for every process the suite starts (this one, its servers, their engine
+# cores and tensor-parallel ranks, the scripts it runs), unless OMP_NUM_THREADS says otherwise.
+# The tests' models are tiny, and a test runs a client and a server (or several ranks) at once: on
+# a 2-core machine OpenMP's threads then wait on each other, and a tiny model's step takes 127 ms
+# instead of 5 (the short soak: 52 s instead of 3). test_native_kernels.py still runs its
+# kernels on 2 threads where it asks for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Property tests draw the same examples on every run (derandomize), so a failure is not luck and
 # reruns the same; a failing example is printed with @reproduce_failure(...) to paste back.
 # HYPOTHESIS_PROFILE=explore draws new examples each run, to search further.
