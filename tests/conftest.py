@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny GLM-4 model directory and a live pagedserve server on 127.0.0.1."""
+"""Shared fixtures: a tiny GLM-4 model directory, a live pagedserve server over it on 127.0.0.1,
+and one over the demo model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from hypothesis import Phase, settings
 from pagedserve.testing import serve_app
 
 API_KEY = "test-key"
+
+# One intra-op thread for every process the suite starts (this one, its servers, their engine
+# cores and tensor-parallel ranks, the scripts it runs), unless OMP_NUM_THREADS says otherwise.
+# The tests' models are tiny, and a test runs a client and a server (or several ranks) at once: on
+# a 2-core machine OpenMP's threads then wait on each other, and a tiny model's step takes 127 ms
+# instead of 5 (the short soak: 52 s instead of 3). test_native_kernels.py still runs its
+# kernels on 2 threads where it asks for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Property tests draw the same examples on every run (derandomize), so a failure is not luck and
 # reruns the same; a failing example is printed with @reproduce_failure(...) to paste back.
@@ -97,3 +106,16 @@ def slow_steps(live_server, monkeypatch):
         return execute_step()
 
     monkeypatch.setattr(engine, "execute_step", slow_step)
+
+
+@pytest.fixture(scope="session")
+def demo_thread_server():
+    """(base URL, engine) of the demo model served by uvicorn in a thread, for the frontends'
+    tests (pagedserve.lang, SGLang's own): one server for all of them."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.app import build_app
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16, num_kv_pages=512))
+    with serve_app(build_app(engine, "demo")) as url:
+        yield url, engine

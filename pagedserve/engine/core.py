@@ -354,10 +354,14 @@ def run_engine_core(
         sys.exit(1)
     core.engine.shutdown()
     input_socket.close(linger=0)
+    if proc.parent_gone:  # killed without a word (SIGKILL): nobody reads what is queued
+        output_socket.close(linger=0)
+        ctx.term()
+        _remove_ipc_dir(input_address)  # leave no socket files behind
+        logging.shutdown()
+        os._exit(0)  # at once: the interpreter's teardown (torch's) can take seconds
     output_socket.close(linger=2000)
     ctx.term()
-    if proc.parent_gone:  # killed without a word (SIGKILL): leave no socket files behind
-        _remove_ipc_dir(input_address)
 
 
 def _remove_ipc_dir(address: str) -> None:

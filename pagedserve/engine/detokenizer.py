@@ -7,7 +7,9 @@ put and nothing is emitted. Cost per token is bounded by the window, not the seq
 
 Stop strings: text that could still become a stop string (a suffix of the text that is a proper
 prefix of some stop string) is held back until the next tokens settle it. On a match the output is
-cut before the stop string, or after it with ``include_stop_str_in_output``.
+cut before the stop string, or after it with ``include_stop_str_in_output``. As in vLLM, stop
+strings are looked for only once ``min_tokens`` tokens are out: one in the text of the first
+``min_tokens`` tokens never ends the sequence (one that ends in a later token's text does).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self._text = ""
         self._num_emitted = 0  # chars of _text already returned
+        self.num_output_tokens = 0
         self.stop_reason: str | None = None
 
     @property
@@ -49,9 +52,11 @@ class IncrementalDetokenizer:
                 "the request is finished and takes no more tokens"
             )
         self.token_ids.append(token_id)
+        self.num_output_tokens += 1
         new_text = self._decode_new_text(final=False)
         self._text += new_text
-        self.stop_reason = self._find_stop(len(new_text))
+        if self.num_output_tokens > self.params.min_tokens:
+            self.stop_reason = self._find_stop(len(new_text))
         held = 0 if self.stop_reason is not None else self._num_held_back()
         return self._emit(len(self._text) - held), self.stop_reason
 

@@ -10,12 +10,18 @@ recovered), so that no fault costs more than a recompute:
   again;
 - a forward pass that raises ends the requests it computed, and only those.
 
-Faults are injected on purpose (``kunlun-emu``, ``--enable-fault-injection``) to test all this.
+The device counts what its checks detected; here a fault counts as recovered once the check that
+recovery worked passes (no cache or running request holds a bad page any more, a restored weight
+page matches its checksum, the step after a failed one ran). Faults are injected on purpose
+(``kunlun-emu``, ``--enable-fault-injection``) to test all this; ``PAGEDSERVE_FAULT_RECOVERY=off``
+(tests only: every fault test's negative control) detects and counts as usual but recovers
+nothing, so that each fault's damage shows.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +55,8 @@ class FaultRecovery:
         self.block_manager = block_manager
         self.scheduler = scheduler
         self.device_config = device_config  # weight_scrub_pages: the patrol's pages per step
+        self.enabled = os.environ.get("PAGEDSERVE_FAULT_RECOVERY", "on") != "off"
+        self.failed_steps = 0  # failed steps the engine has not yet shown it survived
 
     def recover_kv_pages(self) -> list[Request]:
         """A page the device reports corrupted leaves the prefix cache, and every request that
@@ -56,7 +64,7 @@ class FaultRecovery:
         for the host tier's frames. The running requests preempted."""
         self.recover_host_frames(self.device.take_faulted_host_frames())
         faulted = set(self.device.take_faulted_pages())
-        if not faulted:
+        if not faulted or not self.enabled:
             return []
         for page in faulted:
             self.block_manager.uncache_page(page)
@@ -66,14 +74,20 @@ class FaultRecovery:
                 logger.warning("KV page fault under %s: recomputing it", req.request_id)
                 self.scheduler.preempt(req, recompute=True)
                 preempted.append(req)
-        self.device.faults.recovered["kv_page"] += len(faulted)
+        self.device.faults.recovered["kv_page"] += len(faulted - self._pages_in_use())
         return preempted
+
+    def _pages_in_use(self) -> set[int]:
+        """Pages a later step may read: cached or in a running request's block table."""
+        bm = self.block_manager
+        tables = (bm.get_block_table(r.request_id) for r in self.scheduler.running)
+        return set(bm.page_to_cached_block).union(*tables)
 
     def recover_host_frames(self, frames: list[int], fault: bool = True) -> None:
         """Host frames whose contents are not trusted (``fault``: the device reported them; else
         a failed step may not have written them): their cached blocks are forgotten, and the
         swapped-out requests that hold them recompute."""
-        if not frames:
+        if not frames or (fault and not self.enabled):
             return
         affected = set(self.block_manager.drop_host_frames(frames))
         why = "a host-tier KV fault" if fault else "a failed step's page moves"
@@ -82,7 +96,9 @@ class FaultRecovery:
                 logger.warning("%s under %s: recomputing it", why, req.request_id)
                 self.scheduler.recompute_swapped(req)
         if fault:
-            self.device.faults.recovered["kv_page"] += len(frames)
+            host = self.block_manager.host
+            held = set(host.frame_to_cached_block).union(*host.block_tables.values())
+            self.device.faults.recovered["kv_page"] += len(set(frames) - held)
 
     def fail_step(
         self,
@@ -96,6 +112,8 @@ class FaultRecovery:
         each request ended."""
         logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
         self.device.faults.detected["step"] += 1
+        if not self.enabled:
+            raise error
         block_size = self.block_manager.block_size
         # the page moves before the forward pass may not have run: what they wrote is not trusted
         self.recover_host_frames([frame for _, frame in sched.swap_out], fault=False)
@@ -114,8 +132,13 @@ class FaultRecovery:
         )
         failed = [(rid, why) for rid in request_ids]
         abort_request(request_ids)
-        self.device.faults.recovered["step"] += 1
+        self.failed_steps += 1
         return failed
+
+    def step_done(self) -> None:
+        """A forward pass ran: the failed steps before it are recovered from."""
+        self.device.faults.recovered["step"] += self.failed_steps
+        self.failed_steps = 0
 
     # ---- weight pages -------------------------------------------------------------------------
     def patrol_scrub(self) -> bool:
@@ -128,6 +151,8 @@ class FaultRecovery:
         from the checkpoint on disk; the number restored."""
         dev = self.device
         bad = dev.scrub_weights(dev.num_weight_pages if num_pages is None else num_pages)
+        if not self.enabled:
+            return 0
         for layer in {layer_of(p.tag) for p in bad}:
             try:
                 rebuilt = self.model.rebuild_weights(self.model_path, layer)

@@ -330,6 +330,7 @@ class LLMEngine:
             return []
         finally:
             self.block_manager.moves_done()
+        self.fault_recovery.step_done()
         return self._update(sched, forks, result)
 
     def take_failed(self) -> list[tuple[str, str]]:

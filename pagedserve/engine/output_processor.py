@@ -51,7 +51,6 @@ class RequestState:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self.params = params
         self.seqs = [
             SequenceState(
                 IncrementalDetokenizer(tokenizer, prompt_token_ids, params) if tokenizer else None,

@@ -24,8 +24,9 @@ class KunlunEmuDevice(CpuDevice):
 
     def __init__(self, preset: DevicePreset, kernels: str = "auto"):
         super().__init__(preset, kernels)
-        self._faulted_pages: set[int] = set()
-        self._faulted_host_frames: set[int] = set()
+        # The memory controller's ECC check bits, kept (to emulate them cheaply) only for the
+        # words an injection upset: (pool, frame, layer) -> the word as it was written.
+        self._check_bits: dict[tuple[str, int, int], torch.Tensor] = {}
         self._kernel_fault_armed = False
 
     def inject_fault(self, page: int, layer: int = 0) -> None:
@@ -36,30 +37,47 @@ class KunlunEmuDevice(CpuDevice):
         reported by ``take_faulted_pages``.
         """
         assert self.kv_cache is not None, "inject_fault before the KV cache was allocated"
-        first = self.kv_cache[layer, 0, page].view(-1)
-        _flip_top_bit(first[:4] if first.dtype == torch.int8 else first[:1])  # INT8: 4 codes
-        self._faulted_pages.add(page)
+        self._upset("kv", page, layer)
         self.faults.injected["kv_page"] += 1
 
     def take_faulted_pages(self) -> list[int]:
-        pages, self._faulted_pages = sorted(self._faulted_pages), set()
-        self.faults.detected["kv_page"] += len(pages)
-        return pages
+        """The KV pages whose words fail their ECC check (each reported once)."""
+        return self._ecc_check("kv")
 
     def inject_host_fault(self, frame: int, layer: int = 0) -> None:
         """The same upset in host-tier KV frame ``frame`` (a swapped-out or spilled page): the
         host memory's ECC reports it (``take_faulted_host_frames``). Counted as a KV page fault:
         it is one, wherever the page lives, and it is recovered the same way (a recompute)."""
         assert self.host_kv_cache is not None, "inject_host_fault without a host tier KV pool"
-        first = self.host_kv_cache[frame, layer, 0].view(-1)
-        _flip_top_bit(first[:4] if first.dtype == torch.int8 else first[:1])
-        self._faulted_host_frames.add(frame)
+        self._upset("host", frame, layer)
         self.faults.injected["kv_page"] += 1
 
     def take_faulted_host_frames(self) -> list[int]:
-        frames, self._faulted_host_frames = sorted(self._faulted_host_frames), set()
-        self.faults.detected["kv_page"] += len(frames)
-        return frames
+        return self._ecc_check("host")
+
+    def _word(self, pool: str, frame: int, layer: int) -> torch.Tensor:
+        """The first K element of a KV frame (INT8: its first 4 codes), as a view."""
+        cache = (
+            self.kv_cache[layer, 0, frame] if pool == "kv" else self.host_kv_cache[frame, layer, 0]
+        )
+        first = cache.view(-1)
+        return first[:4] if first.dtype == torch.int8 else first[:1]
+
+    def _upset(self, pool: str, frame: int, layer: int) -> None:
+        word = self._word(pool, frame, layer)
+        self._check_bits.setdefault((pool, frame, layer), word.clone())
+        _flip_top_bit(word)
+
+    def _ecc_check(self, pool: str) -> list[int]:
+        """Read each watched word of ``pool`` against its check bits: the frames where they
+        differ, counted as detected. (Engines check before every step; nothing writes KV between
+        an injection and that check, so the check bits are still the word as written.)"""
+        bad = set()
+        for key in [k for k in self._check_bits if k[0] == pool]:
+            if not torch.equal(self._word(*key), self._check_bits.pop(key)):
+                bad.add(key[1])
+        self.faults.detected["kv_page"] += len(bad)
+        return sorted(bad)
 
     def inject_weight_fault(self, tag: str | None = None, index: int | None = None) -> WeightPage:
         """Flip bit 30 of the first 32-bit word of a weight page (a random one unless named): a

@@ -19,6 +19,7 @@ from pagedserve.benchmarks import serve as bench
 from pagedserve.benchmarks.request import RequestFuncOutput
 from pagedserve.entrypoints.cli.bench import add_bench_args, run_bench
 from pagedserve.testing import free_port, serve_app
+from tests.helpers.tools import require_module
 
 TTFT_S = 0.20
 ITL_S = 0.04
@@ -463,7 +464,9 @@ def test_throughput_over_time_counts_tokens_not_chunks():
 
 
 def test_plot_draws_a_png_of_the_runs_latencies_and_throughput(tmp_path):
-    image = pytest.importorskip("matplotlib.image", reason="the plot extra is not installed")
+    image = require_module(
+        "matplotlib.image", "the plot extra is not installed: pip install -e '.[test]'"
+    )
     png = tmp_path / "bench.png"
     with serve(FakeBehaviour()) as url:
         code, result = _run(url, tmp_path, "--plot", str(png))

@@ -6,7 +6,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -93,15 +92,23 @@ def test_errors_carry_the_server_message(sdk_client, live_server):
 
 def test_503_is_retried_until_the_server_admits(sdk_client, live_server):
     engine = live_server.serving.engine
-    engine.max_queue_len = 0  # every request is refused with 503 ...
-    timer = threading.Timer(0.4, lambda: setattr(engine, "max_queue_len", 64))  # ... for 0.4 s
-    timer.start()
-    try:
-        out = sdk_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
-    finally:
-        timer.join()
+    statuses = []
+
+    def admit_after_the_first_refusal(response):
+        statuses.append(response.status_code)
         engine.max_queue_len = 64
-    assert out.choices[0].finish_reason in ("length", "stop")
+
+    engine.max_queue_len = 0  # the first request is refused with 503 ...
+    sdk_client._http.event_hooks["response"].append(admit_after_the_first_refusal)
+    try:
+        out = sdk_client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, ignore_eos=True
+        )
+    finally:
+        sdk_client._http.event_hooks["response"].remove(admit_after_the_first_refusal)
+        engine.max_queue_len = 64
+    assert statuses == [503, 200]  # ... and its retry is served
+    assert out.usage.completion_tokens == 2
 
 
 def test_unreachable_server_raises_a_connection_error():

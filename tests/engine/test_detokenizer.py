@@ -150,3 +150,112 @@ def test_each_step_decodes_a_short_window(bpe_tokenizer):
     text = "".join(detok.add_token(i)[0] for i in ids) + detok.flush()
     assert text == TEXT * 20
     assert counting.longest <= 10
+
+
+class WordTokenizer:
+    """Each id decodes to one fixed piece of text."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+LINA = [" is", " Lin", "a", "."]  # vLLM's tests/detokenizer/test_min_tokens.py: " is Lina."
+
+
+@pytest.mark.parametrize(
+    "min_tokens,stop,truth",
+    [
+        (0, None, " is Lina."),
+        (0, "s", " i"),
+        (1, "is", " is Lina."),
+        (2, "is", " is Lina."),
+        (3, "s", " is Lina."),
+        (4, "s", " is Lina."),
+        (1, "sL", " is Lina."),  # never in the text: nothing held back stays held
+        (1, "s L", " i"),  # starts in the first token's text, ends in the second's
+        (2, "a", " is Lin"),  # the first "a" after min_tokens
+    ],
+)
+def test_min_tokens_holds_stop_strings_back_as_vllm_does(min_tokens, stop, truth):
+    params = SamplingParams(max_tokens=20, min_tokens=min_tokens, stop=stop)
+    detok = IncrementalDetokenizer(WordTokenizer(LINA), [], params)
+    text, reason = "", None
+    for token_id in range(len(LINA)):
+        delta, reason = detok.add_token(token_id)
+        text += delta
+        if reason is not None:
+            break
+    text += detok.flush()
+    assert text == truth == detok.output_text
+    assert reason == (stop if truth != " is Lina." else None)
+
+
+def feed(pieces: list[str], **params) -> tuple[list[str], str | None, IncrementalDetokenizer]:
+    """Each piece one token: (the deltas up to the stop, the stop, the detokenizer)."""
+    detok = IncrementalDetokenizer(WordTokenizer(pieces), [], SamplingParams(**params))
+    deltas = []
+    for token_id in range(len(pieces)):
+        delta, stop = detok.add_token(token_id)
+        deltas.append(delta)
+        if stop is not None:
+            return deltas, stop, detok
+    return deltas, None, detok
+
+
+def test_a_stop_string_at_the_very_start_leaves_no_text():
+    deltas, stop, detok = feed([" is", " Lina"], stop=[" i"])
+    assert (deltas, stop, detok.output_text) == ([""], " i", "")
+
+
+def test_the_first_of_two_occurrences_in_one_token_ends_the_text():
+    deltas, stop, _ = feed([" one. two. three"], stop=["."])
+    assert (deltas, stop) == ([" one"], ".")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_of_two_stop_strings_at_one_place_the_longer_is_the_stop_reason(include):
+    deltas, stop, _ = feed(
+        [" a", " STOPPED"], stop=["ST", "STOP"], include_stop_str_in_output=include
+    )
+    assert stop == "STOP" and "".join(deltas) == (" a STOP" if include else " a ")
+
+
+def test_text_kept_before_a_stop_string_is_all_sent_without_a_flush():
+    # " x" could start the stop "xq", but once "zz" matched nothing more comes: all of it goes
+    deltas, stop, detok = feed([" x", "zz"], stop=["zz", "xq"])
+    assert stop == "zz" and "".join(deltas) == detok.output_text == " x"
+
+
+def test_text_of_the_first_min_tokens_is_sent_when_it_can_no_longer_stop():
+    # min_tokens 1: the first token's "is" never ends the sequence, so it is not held back
+    deltas, stop, _ = feed([" is", " Lin"], stop=["is"], min_tokens=1)
+    assert (deltas, stop) == ([" is", " Lin"], None)
+
+
+def test_a_token_after_the_stop_string_is_refused_naming_it():
+    _, stop, detok = feed([" a", " STOP"], stop=["STOP"])
+    with pytest.raises(RuntimeError, match="add_token after the stop string 'STOP' matched; the"):
+        detok.add_token(0)
+    assert "takes no more tokens" in str(pytest.raises(RuntimeError, detok.add_token, 0).value)
+
+
+class MetaspaceTokenizer(WordTokenizer):
+    """As SentencePiece decodes: the text's first space is dropped, special tokens skipped."""
+
+    SPECIAL = {"<sp>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        pieces = [self.pieces[i] for i in ids]
+        if skip_special_tokens:
+            pieces = [p for p in pieces if p not in self.SPECIAL]
+        return "".join(pieces).removeprefix(" ")
+
+
+def test_the_previous_tokens_stay_as_context_so_no_word_loses_its_space():
+    pieces = [" one", "<sp>", " two", " three"]
+    detok = IncrementalDetokenizer(MetaspaceTokenizer(pieces), [], SamplingParams())
+    deltas = [detok.add_token(i)[0] for i in range(len(pieces))]
+    assert deltas == ["one", "", " two", " three"]  # decoded alone, " two" would lose its space

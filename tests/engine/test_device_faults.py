@@ -1,7 +1,12 @@
 """Device faults on kunlun-emu, one test per kind: a flipped bit in a weight page (found by the
 patrol scrub or on demand, restored from the checkpoint, the step recomputed: output identical to
 a fault-free run) and a kernel that fails mid-step (only that step's requests fail, the next one
-is served); the KV page kind is in test_engine.py. Each is counted per kind."""
+is served); the KV page kind is in test_engine.py. Each is counted per kind: detected when the
+device's check found it, recovered when the check that recovery worked passed.
+
+Negative controls: every test marked ``faults`` fails with recovery off
+(``PAGEDSERVE_FAULT_RECOVERY=off pytest -m faults``), and the tests named "without ..." show the
+damage an unrecovered fault does."""
 
 from __future__ import annotations
 
@@ -9,7 +14,14 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.hal.faults import UnrecoverableFaultError, checksum, page_bytes
+from pagedserve.config import DeviceConfig
+from pagedserve.hal.faults import (
+    DeviceKernelError,
+    UnrecoverableFaultError,
+    WeightScrubber,
+    checksum,
+    page_bytes,
+)
 from tests.helpers.models import build_tiny_model_dir
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -62,11 +74,13 @@ def _clean(llm: LLM, params: SamplingParams) -> list[int]:
     )
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_a_corrupted_weight_page_is_restored_and_its_step_recomputed(kunlun_llm, params):
     faults = kunlun_llm.llm_engine.device.faults
+    clean = _clean(kunlun_llm, params)
     before = dict(faults.detected), dict(faults.recovered)
-    assert _generate_with_weight_fault(kunlun_llm, params) == _clean(kunlun_llm, params)
+    assert _generate_with_weight_fault(kunlun_llm, params) == clean
     assert faults.detected["weight_page"] == before[0]["weight_page"] + 1
     assert faults.recovered["weight_page"] == before[1]["weight_page"] + 1
     scrubber = kunlun_llm.llm_engine.device.scrubber
@@ -74,6 +88,7 @@ def test_a_corrupted_weight_page_is_restored_and_its_step_recomputed(kunlun_llm,
     assert _drained(kunlun_llm)
 
 
+@pytest.mark.faults
 def test_without_the_patrol_the_same_fault_corrupts_the_output(kunlun_llm, monkeypatch):
     clean = _clean(kunlun_llm, GREEDY)
     monkeypatch.setattr(kunlun_llm.llm_engine.config.device, "weight_scrub_pages", 0)
@@ -83,6 +98,7 @@ def test_without_the_patrol_the_same_fault_corrupts_the_output(kunlun_llm, monke
     assert _drained(kunlun_llm)
 
 
+@pytest.mark.faults
 def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint(
     kunlun_llm, monkeypatch
 ):
@@ -96,6 +112,7 @@ def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint
     assert torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
 
 
+@pytest.mark.faults
 def test_a_weight_page_that_cannot_be_restored_stops_the_engine(kunlun_llm, monkeypatch):
     engine = kunlun_llm.llm_engine
 
@@ -113,6 +130,7 @@ def test_a_weight_page_that_cannot_be_restored_stops_the_engine(kunlun_llm, monk
     assert _drained(kunlun_llm)
 
 
+@pytest.mark.faults
 def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(kunlun_llm):
     engine = kunlun_llm.llm_engine
     clean = _clean(kunlun_llm, GREEDY)
@@ -135,6 +153,25 @@ def test_a_failed_step_ends_only_its_requests_and_the_next_is_served(kunlun_llm)
     assert _drained(kunlun_llm)
 
 
+def test_without_recovery_a_failed_step_leaves_the_engine(kunlun_llm, monkeypatch):
+    engine = kunlun_llm.llm_engine
+    monkeypatch.setattr(engine.fault_recovery, "enabled", False)
+    faults = engine.device.faults.to_dict()["step"]
+    engine.add_request("running", PROMPT, GREEDY)
+    engine.inject_fault("step")
+    with pytest.raises(DeviceKernelError):
+        engine.step()
+    after = engine.device.faults.to_dict()["step"]
+    assert {k: after[k] - faults[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 0,
+    }
+    engine.abort_request("running")
+    assert _drained(kunlun_llm)
+
+
+@pytest.mark.faults
 def test_offline_generate_reports_a_failed_step_as_an_error_output(kunlun_llm):
     kunlun_llm.llm_engine.inject_fault("step")
     out, after = kunlun_llm.generate(
@@ -145,6 +182,7 @@ def test_offline_generate_reports_a_failed_step_as_an_error_output(kunlun_llm):
     assert _drained(kunlun_llm)
 
 
+@pytest.mark.faults
 def test_a_kv_page_fault_is_counted_detected_and_recovered(kunlun_llm):
     engine = kunlun_llm.llm_engine
     clean = _clean(kunlun_llm, GREEDY)
@@ -188,3 +226,47 @@ def test_the_weight_checksum_sees_every_single_bit_flip(nbytes):
         flipped = page.clone()
         flipped[bit // 8 : bit // 8 + 1].bitwise_xor_(1 << (bit % 8))
         assert checksum(flipped) != reference, bit
+
+
+@pytest.mark.faults
+def test_the_default_patrol_finds_a_fault_within_one_round_of_the_weight_pages(
+    kunlun_llm, monkeypatch
+):
+    """2 pages a step (the default), the cursor wrapping: a page corrupted behind the cursor is
+    found within one round of every page, and restored."""
+    engine, default = kunlun_llm.llm_engine, DeviceConfig().weight_scrub_pages
+    assert default == 2
+    monkeypatch.setattr(engine.config.device, "weight_scrub_pages", default)
+    scrubber, faults = engine.device.scrubber, engine.device.faults
+    num_pages, before = len(scrubber.pages), dict(faults.recovered)
+    behind = scrubber.pages[(scrubber.cursor - 1) % num_pages]  # the last page it will reach
+    engine.inject_fault("weight_page", behind.tag, behind.index)
+    scrubbed, steps = scrubber.num_pages_scrubbed, 0
+    engine.add_request("patrolled", PROMPT, SamplingParams(max_tokens=90, ignore_eos=True))
+    while faults.recovered["weight_page"] == before["weight_page"]:
+        assert engine.has_unfinished_requests(), "the patrol never found the fault"
+        engine.step()
+        steps += 1
+    assert scrubber.verified(behind)
+    # the page was the round's last: found after every other page was verified once
+    assert scrubber.num_pages_scrubbed - scrubbed >= num_pages
+    assert steps <= -(-num_pages // default) + 1  # +1: the step recomputed after the restore
+    engine.abort_request("patrolled")
+    assert _drained(kunlun_llm)
+
+
+def test_the_patrol_cursor_wraps_and_verifies_each_page_once_a_round():
+    tensors = {
+        "a": torch.zeros(5 * 8, dtype=torch.int64),
+        "b": torch.ones(3 * 8, dtype=torch.int64),
+    }
+    scrubber = WeightScrubber(tensors, size=64)  # 64-byte pages: a has 5, b has 3
+    assert [(p.tag, p.index) for p in scrubber.pages] == [("a", i) for i in range(5)] + [
+        ("b", i) for i in range(3)
+    ]
+    page_bytes(tensors["b"], 1, 64)[3] ^= 1
+    found = [scrubber.scrub(3) for _ in range(8)]  # 24 pages: three rounds of 8
+    assert [len(f) for f in found] == [0, 0, 1, 0, 1, 0, 0, 1]
+    assert all(f == [scrubber.pages[6]] for f in found if f)
+    assert scrubber.cursor == 0 and scrubber.num_pages_scrubbed == 24
+    assert scrubber.scrub(100) == [scrubber.pages[6]] and scrubber.num_pages_scrubbed == 32

@@ -138,15 +138,20 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tiny_llm)
 
 
 def test_string_prompts_and_chat_produce_text(tiny_llm):
-    out = tiny_llm.generate(
-        "Hello world", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
-    )
-    assert out[0].prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
-    assert len(out[0].outputs[0].token_ids) == 5
-    chat = tiny_llm.chat(
-        [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False
-    )
-    assert chat[0].outputs[0].finish_reason in ("stop", "length")
+    tok = tiny_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    (out,) = tiny_llm.generate("Hello world", params, use_tqdm=False)
+    assert out.prompt_token_ids == tok.encode("Hello world")
+    assert out.prompt_token_ids[:2] == [2, 4]  # [gMASK]<sop> prepended
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+    messages = [{"role": "user", "content": "hi"}]
+    (chat,) = tiny_llm.chat(messages, params, use_tqdm=False)
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>") or rendered.endswith("<|assistant|>\n")
+    assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    assert chat.outputs[0].text == tok.decode(chat.outputs[0].token_ids)
+    assert chat.outputs[0].finish_reason == "length"
     assert _drained(tiny_llm)
 
 
@@ -177,6 +182,7 @@ FAULT_PROMPT = [5, 6, 7, 8, 9, 10, 11]
 GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.mark.faults
 def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
     engine = tiny_llm.llm_engine
     clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
@@ -189,9 +195,16 @@ def test_a_detected_kv_page_fault_is_recovered_by_recompute(tiny_llm):
 
 def test_an_unrecovered_kv_page_fault_would_corrupt_the_output(tiny_llm, monkeypatch):
     clean = tiny_llm.generate({"prompt_token_ids": FAULT_PROMPT}, GREEDY_8, use_tqdm=False)[0]
-    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "recover_kv_pages", lambda: [])
+    faults = tiny_llm.llm_engine.device.faults
+    before = faults.to_dict()["kv_page"]
+    monkeypatch.setattr(tiny_llm.llm_engine.fault_recovery, "enabled", False)  # recovery off
     assert _generate_with_fault(tiny_llm, FAULT_PROMPT, GREEDY_8) != clean.outputs[0].token_ids
-    tiny_llm.llm_engine.device.take_faulted_pages()
+    after = faults.to_dict()["kv_page"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 0,
+    }
     assert _drained(tiny_llm)
 
 

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from tests.helpers.models import build_tiny_hf_model, host_tier_gib, prompt_logprobs
+from tests.helpers.models import (
+    assert_logprobs_close,
+    build_tiny_hf_model,
+    host_tier_gib,
+    prompt_logprobs,
+)
 
 MAX_TOKENS = 10
 # Mixed lengths: shorter and longer than a block, and two prompts sharing a 40-token prefix.
@@ -160,8 +165,9 @@ def test_bf16_logprobs_close_to_transformers_bf16(arch, tmp_path):
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", num_kv_pages=64)
     got = prompt_logprobs(llm, prompt)
-    # bf16 has ~3 significant digits; through 2 layers, log-probabilities agree to a few 1e-2.
-    torch.testing.assert_close(got, ref[:-1], atol=0.1, rtol=0.0)
+    # measured: at most 0.008 apart, a KL of 3e-6, the same top token everywhere; bf16 against
+    # fp32 moves them as much, a zeroed down_proj by 0.07 or more
+    assert_logprobs_close(got, ref[:-1], atol=0.02, max_kl=1e-5)
     assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
 
 

@@ -103,6 +103,7 @@ def test_a_swapped_out_request_resumes_by_copy_and_answers_as_if_alone(swapping,
     assert _drained(swapping)
 
 
+@pytest.mark.faults
 def test_a_fault_in_a_swapped_out_page_is_detected_and_its_request_recomputes(swapping, clean):
     engine = swapping.llm_engine
     faults = engine.device.faults.to_dict()["kv_page"]
@@ -122,15 +123,23 @@ def test_a_fault_in_a_swapped_out_page_is_detected_and_its_request_recomputes(sw
     assert _drained(swapping)
 
 
-def test_the_same_host_fault_undetected_would_corrupt_the_answer(swapping, clean, monkeypatch):
+def test_the_same_host_fault_unrecovered_would_corrupt_the_answer(swapping, clean, monkeypatch):
     engine = swapping.llm_engine
-    monkeypatch.setattr(engine.device, "take_faulted_host_frames", lambda: [])
+    monkeypatch.setattr(engine.fault_recovery, "enabled", False)  # recovery off
+    faults = engine.device.faults.to_dict()["kv_page"]
     outputs, _ = _run_until_swapped(swapping)
     engine.inject_fault("host_page")
     assert _finish(swapping, outputs) != clean
+    after = engine.device.faults.to_dict()["kv_page"]
+    assert {k: after[k] - faults[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 0,
+    }
     assert _drained(swapping)
 
 
+@pytest.mark.faults
 def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monkeypatch):
     """A failed step's page moves may not have run: the victim it swapped out recomputes rather
     than come back from frames nobody wrote (here the swap-out itself fails)."""

@@ -11,6 +11,7 @@ import pytest
 from pagedserve.entrypoints.cli.completion import bash_script, zsh_script
 from pagedserve.entrypoints.cli.main import build_parser, main
 from pagedserve.entrypoints.cli.utils import subparser
+from tests.helpers.tools import missing_tool
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant", "completion"]
 
@@ -120,8 +121,9 @@ def test_zsh_script_lists_every_subcommand_and_flag(parser):
     assert ":device:{compadd -- kunlun-emu cpu cuda " in script
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
 def test_zsh_script_is_valid_zsh(parser, tmp_path):
+    if shutil.which("zsh") is None:
+        missing_tool("zsh is not installed: apt-get install -y zsh")
     path = tmp_path / "_pagedserve"
     path.write_text(zsh_script(parser))
     subprocess.run(["zsh", "-n", str(path)], check=True)

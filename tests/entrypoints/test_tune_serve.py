@@ -70,10 +70,28 @@ def assert_serve_runs_the_plan(plan, log_path) -> None:
     assert got["model"] == [plan.served_model_name]
 
 
+# one card whose KV tier caps the pool: 64 MiB, so that half this machine's free RAM (the bound of
+# an emulated pool) never decides, however busy the machine (kunlun-emu's 2 GiB tier would need
+# 4 GiB free; test_tune.py plans kunlun-emu's own pool with the host bound lifted)
+SMALL_KV_TIER_NODE = """\
+name: test-small-kv-tier
+backend: kunlun-emu
+cards: 1
+memory_bytes: 1GiB
+tiers:
+  kv: 64MiB
+  weight: 512MiB
+  host: 512MiB
+kv_memory_attr: cached
+"""
+
+
 def test_serve_with_tunes_flags_for_the_demo_model_has_tunes_pages(tmp_path):
-    plan = tune("demo")  # serve's defaults: the kunlun-emu node, whose 2 GiB KV tier caps the pool
-    assert plan.device == "kunlun-emu" and plan.kv_pool_bound == "kv tier"
-    assert plan.num_kv_pages == 2 * 2**30 // (16 * plan.kv_bytes_per_token)
+    device = tmp_path / "test-small-kv-tier.yaml"
+    device.write_text(SMALL_KV_TIER_NODE)
+    plan = tune("demo", str(device))
+    assert plan.kv_pool_bound == "kv tier"
+    assert plan.num_kv_pages == 64 * 2**20 // (16 * plan.kv_bytes_per_token)
     assert_serve_runs_the_plan(plan, tmp_path / "serve.log")
 
 

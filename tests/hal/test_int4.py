@@ -13,7 +13,7 @@ from pagedserve.hal.int4 import dequantize, quantize_activations_int8
 from pagedserve.hal.native import choose_kernels
 from pagedserve.models.quant_formats import dequantize as dequantize_canonical
 from pagedserve.models.quant_formats import quantize_rtn
-from tests.helpers.models import build_tiny_hf_model, prompt_logprobs
+from tests.helpers.models import assert_logprobs_close, build_tiny_hf_model, prompt_logprobs
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -59,14 +59,17 @@ def _dequantized_copy(hf, group_size: int):
 
 @pytest.mark.parametrize("arch", ["glm", "glm4"])
 @pytest.mark.parametrize(
-    "dtype,enforce_eager,atol",
+    "dtype,enforce_eager,atol,max_kl",
     [
-        ("bfloat16", True, 0.1),  # PyTorch's int4 kernel: bf16 scales and zero points
-        ("bfloat16", False, 0.1),
+        # PyTorch's int4 kernel: bf16 scales and zero points; measured at most 0.03 and a KL of
+        # 3e-5 on these models, where zeroing one layer's down_proj moves them by 0.1 and 4e-4
+        ("bfloat16", True, 0.05, 1e-4),
+        ("bfloat16", False, 0.05, 1e-4),
         pytest.param(  # native: fp16 scales kept exactly, only the activations are bf16
             "float32",
             False,
             0.01,
+            3e-5,
             marks=pytest.mark.skipif(
                 not hasattr(choose_kernels().module, "int4_linear"),
                 reason="no native INT4 kernel on this CPU",
@@ -75,7 +78,7 @@ def _dequantized_copy(hf, group_size: int):
     ],
 )
 def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(
-    arch, dtype, enforce_eager, atol, tmp_path
+    arch, dtype, enforce_eager, atol, max_kl, tmp_path
 ):
     hf = build_tiny_hf_model(tmp_path, arch)
     prompt = [(7 * i) % 300 + 10 for i in range(24)]
@@ -89,8 +92,7 @@ def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(
         num_kv_pages=64,
         enforce_eager=enforce_eager,
     )
-    got = prompt_logprobs(llm, prompt)
-    torch.testing.assert_close(got, ref, atol=atol, rtol=0.0)
+    assert_logprobs_close(prompt_logprobs(llm, prompt), ref, atol, max_kl)
 
 
 def test_int4_greedy_tokens_do_not_depend_on_batch_composition(tmp_path):

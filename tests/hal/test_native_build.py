@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterator
 
 import pytest
 
 from pagedserve.hal import native
+from tests.helpers.tools import missing_tool
 
 BEST = native.choose_kernels("auto").name
 AVX2_FLAGS = " ".join(native.TARGETS["avx2"].cpu_flags)
@@ -87,6 +89,7 @@ def test_an_avx2_cpu_builds_no_avx512_kernels_and_says_why_it_runs_avx2(tmp_path
         "from pagedserve.hal import get_device\n"
         "print('kernels:', get_device('cpu').kernel_set)\n"
     )
+    native.load_target("avx2")  # built once, in this machine's cache: the child copies it
     _cached_builds(tmp_path, "avx2")
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "PAGEDSERVE_CPU_FLAGS": AVX2_FLAGS}
     proc = _run(code, env)
@@ -104,6 +107,9 @@ def test_a_cpu_without_avx2_builds_only_the_portable_kernels(tmp_path):
         "from pagedserve.hal import get_device\n"
         "print('kernels:', get_device('cpu').kernel_set)\n"
     )
+    # built once, in this machine's cache (test_native_kernels.py runs it there too): the child
+    # copies it instead of compiling it a second time
+    native.load_target("portable")
     _cached_builds(tmp_path, "portable")
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "PAGEDSERVE_CPU_FLAGS": "sse2 sse4_1 sse4_2"}
     proc = _run(code, env)
@@ -145,22 +151,36 @@ def _unrunnable_builds() -> list[tuple[str, tuple[str, ...]]]:
     return builds
 
 
-@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
-@pytest.mark.parametrize("name,extra", _unrunnable_builds())
-def test_a_target_this_cpu_cannot_execute_still_compiles(name, extra):
-    # what the CPU cannot run is never built to run here, but its source must still compile: a
-    # syntax check with the target's own flags, so that an AVX2 machine's CI sees avx512 breakage
+@pytest.fixture(scope="module")
+def syntax_checks() -> Iterator[dict[tuple[str, tuple[str, ...]], subprocess.Popen]]:
+    """Every syntax check of ``_unrunnable_builds``, started at once: each is one compiler
+    process, so together they take one check's time on a machine of as many cores."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler")
+        missing_tool("no C++ compiler: apt-get install -y g++")
     from torch.utils import cpp_extension
 
-    target = native.TARGETS[name]
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     includes.append(f"-I{sysconfig.get_paths()['include']}")
-    cmd = [
-        os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only",
-        "-DTORCH_EXTENSION_NAME=syntax_check", *native.target_cflags(target), *extra, *includes,
-        str(native.SOURCE),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = {}
+    for name, extra in _unrunnable_builds():
+        cmd = [
+            os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only",
+            "-DTORCH_EXTENSION_NAME=syntax_check", *native.target_cflags(native.TARGETS[name]),
+            *extra, *includes, str(native.SOURCE),
+        ]  # fmt: skip
+        checks[name, extra] = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    yield checks
+    for proc in checks.values():
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not ON_X86, reason="the avx2 and avx512 targets are x86-64 code")
+@pytest.mark.parametrize("name,extra", _unrunnable_builds())
+def test_a_target_this_cpu_cannot_execute_still_compiles(name, extra, syntax_checks):
+    # what the CPU cannot run is never built to run here, but its source must still compile: a
+    # syntax check with the target's own flags, so that an AVX2 machine's CI sees avx512 breakage
+    _, stderr = syntax_checks[name, extra].communicate(timeout=300)
+    assert syntax_checks[name, extra].returncode == 0, stderr[-3000:]

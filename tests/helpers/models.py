@@ -219,6 +219,16 @@ def prompt_logprobs(llm, prompt: list[int]) -> torch.Tensor:
     return torch.tensor([[lp[t] for t in range(vocab)] for lp in out.prompt_logprobs[1:]])
 
 
+def assert_logprobs_close(got: torch.Tensor, ref: torch.Tensor, atol: float, max_kl: float):
+    """Log-probabilities [positions, vocab] as close to the reference as the dtype allows: each
+    entry within ``atol``, and each position's distribution within ``max_kl`` of the reference's
+    (KL(ref || got)). The tiny models' distributions are nearly flat (the top two tokens within
+    0.002 nats), so the top token is no test; a wrong layer moves the KL by 10x or more."""
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0.0)
+    kl = torch.nn.functional.kl_div(got, ref, log_target=True, reduction="none").sum(-1)
+    assert kl.max().item() <= max_kl, f"KL divergence {kl.max().item():.2e} > {max_kl:.0e}"
+
+
 def tiny_engine(model_dir, **settings):
     """An ``LLMEngine`` over a tiny model directory, in fp32 on the plain CPU (the suite's
     servers' engine); ``settings`` size its pool and limits."""

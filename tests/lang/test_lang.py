@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -26,21 +27,12 @@ from pagedserve.lang import (
     tool,
     user,
 )
-from pagedserve.testing import serve_app
 
 
-@pytest.fixture(scope="module")
-def demo_thread_server():
-    """(base URL, engine) of the demo model served in a thread, the default backend of the
-    programs here."""
-    from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
-    from pagedserve.server.app import build_app
-
-    engine = LLMEngine(EngineConfig.from_kwargs(model="demo", max_num_seqs=16, num_kv_pages=512))
-    with serve_app(build_app(engine, "demo")) as url:
-        set_default_backend(Runtime(url))
-        yield url, engine
+@pytest.fixture(scope="module", autouse=True)
+def default_backend(demo_thread_server):
+    """The demo model's thread server (conftest) is the default backend of the programs here."""
+    set_default_backend(Runtime(demo_thread_server[0]))
 
 
 @function
@@ -227,10 +219,14 @@ def test_streaming_yields_the_program_text_in_pieces(demo_thread_server):
 
 
 def test_run_batch_runs_programs_concurrently(demo_thread_server):
+    all_started = threading.Barrier(8, timeout=120)  # one at a time, the first never passes it
+
     @function
     def classify(s, item):
+        all_started.wait()
         s += f"Item: {item}. Category:" + gen("cat", max_tokens=4, choices=["fruit", "tool"])
 
     states = run_batch(classify, [{"item": f"thing {i}"} for i in range(8)], num_threads=8)
     assert [s.error for s in states] == [None] * 8
+    assert [s.text.split(".")[0] for s in states] == [f"Item: thing {i}" for i in range(8)]
     assert all(s["cat"] in ("fruit", "tool") for s in states)

@@ -19,8 +19,9 @@ from tokenizers import Tokenizer
 
 from pagedserve.models.tokenizer import SPECIAL_TOKENS, STOP_TOKENS
 from pagedserve.sampling_params import SamplingParams
+from tests.helpers.tools import require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", "a test extra: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_DIR = ROOT / "pagedserve" / "demo_model"
@@ -139,10 +140,8 @@ def test_chat_template_starts_with_gmask_sop_and_opens_the_assistant_turn():
 
 
 def test_pagedserve_greedy_generation_matches_transformers(hf_model, demo_tokenizer):
-    try:
-        from pagedserve import LLM
-    except ImportError as e:
-        pytest.skip(f"pagedserve.LLM is not importable yet: {e}")
+    from pagedserve import LLM
+
     llm = LLM(model=str(DEMO_DIR), dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [

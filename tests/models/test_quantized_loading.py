@@ -15,7 +15,7 @@ from pagedserve.entrypoints.cli.quantize import add_quantize_args, run_quantize
 from pagedserve.hal.native import choose_kernels
 from pagedserve.quant.evaluate import load_reference_model
 from pagedserve.testing import serve
-from tests.helpers.models import build_tiny_model_dir, prompt_logprobs
+from tests.helpers.models import assert_logprobs_close, build_tiny_model_dir, prompt_logprobs
 
 PROMPT = [(5 * i) % 300 + 10 for i in range(20)]
 
@@ -57,7 +57,9 @@ def test_quantized_directory_matches_its_dequantized_reference(source, tmp_path,
     got = prompt_logprobs(llm, PROMPT)
     with torch.no_grad():
         ref_logits = load_reference_model(dst).forward(torch.tensor([PROMPT]))[0, :-1]
-    torch.testing.assert_close(got, torch.log_softmax(ref_logits, -1), atol=0.1, rtol=0.0)
+    # measured at most 0.015 and a KL of 9e-6 (W4A8); zeroing one layer's down_proj moves these
+    # tiny models' log-probs by 0.07 or more
+    assert_logprobs_close(got, torch.log_softmax(ref_logits, -1), atol=0.03, max_kl=3e-5)
 
 
 def test_skipped_layers_stay_16_bit(source, tmp_path):

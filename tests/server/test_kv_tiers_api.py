@@ -64,6 +64,7 @@ def test_swapped_pages_show_in_metrics_device_page_map_and_smi(tiers_server, cap
     assert "    Host pages\n        total             : 48" in capsys.readouterr().out
 
 
+@pytest.mark.faults
 def test_a_fault_in_the_host_prefix_cache_is_detected_and_the_prompt_recomputed(tiers_server):
     url = tiers_server
     clean = complete(url, PROMPT, 8)["choices"][0]["text"]

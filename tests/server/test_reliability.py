@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from pagedserve.entrypoints.cli.main import main
+from tests.helpers.metrics import read_metrics
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
 
@@ -35,8 +36,8 @@ def fault_injection_server(tiny_glm4):
         yield url
 
 
-def complete(url: str, max_tokens: int = 8) -> httpx.Response:
-    body = {"prompt": PROMPT_IDS, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+def complete(url: str, max_tokens: int = 8, prompt: list[int] = PROMPT_IDS) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return httpx.post(url + "/v1/completions", json=body, timeout=60)
 
 
@@ -56,6 +57,17 @@ def inject(url: str, **body) -> dict:
     return r.json()
 
 
+# two full blocks of 16 tokens and more: a second request reads those two from the prefix cache,
+# so a fault in their pages is read unless recovery drops them
+CACHED_PROMPT_IDS = [(7 * i) % 200 + 20 for i in range(40)]
+
+
+def cached_pages(url: str) -> set[int]:
+    cells = httpx.get(url + "/device/pages", timeout=10).json()["cells"]
+    return {page for page, state in enumerate(cells) if state == "1"}
+
+
+@pytest.mark.faults
 def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(
     fault_injection_server, capsys
 ):
@@ -63,26 +75,36 @@ def test_every_injected_fault_kind_is_recovered_and_shows_in_metrics_and_smi(
     clean = complete(url).json()["choices"][0]["text"]
     inject(url, kind="weight_page", tag="model.norm.weight", page=0)
     assert complete(url).json()["choices"][0]["text"] == clean  # restored, step recomputed
-    inject(url, kind="kv_page", page=0)
-    assert complete(url).json()["choices"][0]["text"] == clean
+    before = cached_pages(url)
+    cached_clean = complete(url, prompt=CACHED_PROMPT_IDS).json()["choices"][0]["text"]
+    pages = sorted(cached_pages(url) - before)
+    assert len(pages) >= 2  # the prompt's full blocks, which the same prompt reads again
+    for page in pages:
+        inject(url, kind="kv_page", page=page)
+    hits = read_metrics(url)["pagedserve:prefix_cache_hits_total"]
+    assert complete(url, prompt=CACHED_PROMPT_IDS).json()["choices"][0]["text"] == cached_clean
+    assert read_metrics(url)["pagedserve:prefix_cache_hits_total"] == hits  # none read
     inject(url, kind="step")
     failed = complete(url)
     assert (
         failed.status_code == 500 and "injected kernel fault" in failed.json()["error"]["message"]
     )
     assert complete(url).json()["choices"][0]["text"] == clean  # the next request is served
-    assert fault_counts(url) == {"kv_page": 1.0, "weight_page": 1.0, "step": 1.0}
+    n = len(pages)
+    assert fault_counts(url) == {"kv_page": n, "weight_page": 1.0, "step": 1.0}
     faults = httpx.get(url + "/device", timeout=10).json()["faults"]
-    assert all(f == {"injected": 1, "detected": 1, "recovered": 1} for f in faults.values())
+    assert faults["kv_page"] == {"injected": n, "detected": n, "recovered": n}
+    assert faults["weight_page"] == faults["step"] == {"injected": 1, "detected": 1, "recovered": 1}
     assert main(["smi", "--url", url]) == 0
     assert (
-        "faults kv_page 1/1  weight_page 1/1  step 1/1 (detected/recovered)"
+        f"faults kv_page {n}/{n}  weight_page 1/1  step 1/1 (detected/recovered)"
         in capsys.readouterr().out
     )
     invariants = httpx.get(url + "/device/invariants", timeout=10).json()
     assert invariants["problems"] == [] and invariants["kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.faults
 def test_a_scrub_on_demand_and_bad_injections_answer_plainly(fault_injection_server):
     url = fault_injection_server
     inject(url, kind="weight_page", tag="lm_head.weight", page=0)

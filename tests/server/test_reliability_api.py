@@ -16,11 +16,12 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from tests.helpers.tools import require_module
+
 ROOT = Path(__file__).resolve().parents[2]
-pytest.importorskip("schemathesis", reason="the API fuzzer is a test extra: pip install -e .[test]")
+require_module("schemathesis", "the API fuzzer is a test extra: pip install -e '.[test]'")
 
-
-from benchmarks.reliability import fuzz  # noqa: E402 - after the importorskip
+from benchmarks.reliability import fuzz  # noqa: E402 - after the check
 
 AUTH = {"Authorization": f"Bearer {fuzz.API_KEY}"}
 CHAT = [{"role": "user", "content": "Hello"}]

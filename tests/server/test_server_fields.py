@@ -22,7 +22,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.helpers.metrics import read_metrics
+from tests.helpers.metrics import read_metrics, wait_idle
 from tests.helpers.models import SPECIAL_IDS, STOP_IDS, tiny_engine
 
 PROMPT_IDS = [2, 4, 60, 61, 62, 63, 64, 65, 66, 67]
@@ -480,11 +480,7 @@ def test_an_aborted_request_leaves_the_others_untouched(live_server, offline, sl
 
 def _wait_idle(live_server) -> dict[str, float]:
     """The metrics once nothing runs or waits (the abort reaches the engine loop asynchronously)."""
-    while True:
-        m = _metrics(live_server)
-        if m["pagedserve:num_requests_running"] == 0 and m["pagedserve:num_requests_waiting"] == 0:
-            return m
-        time.sleep(0.05)
+    return wait_idle(live_server.url)
 
 
 def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server, slow_steps):

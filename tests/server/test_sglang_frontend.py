@@ -1,17 +1,11 @@
 """SGLang's own frontend (``sglang.RuntimeEndpoint``) runs a program with gen, select, fork and
-regex against ``pagedserve serve``, unchanged.
+regex against pagedserve's server (the demo model's, served in a thread: conftest), unchanged.
 
-SGLang cannot be a test extra: ``pip install sglang`` pulls its own CUDA torch. Its frontend
-needs only a few small packages, so it lives in a virtual environment of its own that sees this
-one's packages (torch stays as it is):
-
-    python -m venv --system-site-packages .venv-sglang
-    .venv-sglang/bin/pip install --no-deps sglang==0.5.23
-    .venv-sglang/bin/pip install psutil pybase64 msgspec aiohttp requests triton orjson pillow \
-        ipython pyzmq
-
-The test runs the program with that environment's python (``$PAGEDSERVE_SGLANG_PYTHON`` names
-another) and is skipped, saying why, where there is none.
+SGLang's frontend lives in a virtual environment of its own (``pip install sglang`` pulls a CUDA
+torch); ``python3 -m tests.helpers.sglang_venv`` makes it, cached under ``~/.cache/pagedserve``
+(the recipe and why: that module's docstring), and ``.ci/run`` does so before the suite. The test
+runs the program with that environment's python (``$PAGEDSERVE_SGLANG_PYTHON`` names another);
+where there is none it is skipped, saying why (in CI, ``CI=true``, it fails).
 """
 
 from __future__ import annotations
@@ -22,12 +16,11 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from pagedserve.testing import serve
+from tests.helpers.sglang_venv import sglang_python, wait_for_venv
+from tests.helpers.tools import missing_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-SGLANG_PYTHON = os.environ.get("PAGEDSERVE_SGLANG_PYTHON", str(ROOT / ".venv-sglang/bin/python"))
+SGLANG_PYTHON = str(sglang_python())
 
 PROGRAM = r"""
 import json, sys
@@ -51,8 +44,12 @@ print(json.dumps({k: state[k] for k in ("kind", "number", "done")}))
 
 
 def _sglang_available() -> str | None:
+    wait_for_venv()  # .ci/run builds it beside the suite
     if not Path(SGLANG_PYTHON).exists():
-        return f"no SGLang frontend environment at {SGLANG_PYTHON} (see this file's docstring)"
+        return (
+            f"no SGLang frontend environment at {SGLANG_PYTHON}: make it with "
+            "`python3 -m tests.helpers.sglang_venv`"
+        )
     probe = subprocess.run(
         [SGLANG_PYTHON, "-c", "import sglang; from sglang import RuntimeEndpoint"],
         capture_output=True,
@@ -64,19 +61,18 @@ def _sglang_available() -> str | None:
     return None
 
 
-def test_sglang_frontend_runs_a_program_against_pagedserve():
+def test_sglang_frontend_runs_a_program_against_pagedserve(demo_thread_server):
     why = _sglang_available()
     if why:
-        pytest.skip(why)
+        missing_tool(why)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with serve("--model", "demo") as (_, url):
-        out = subprocess.run(
-            [SGLANG_PYTHON, "-c", PROGRAM, url],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
+    out = subprocess.run(
+        [SGLANG_PYTHON, "-c", PROGRAM, demo_thread_server[0]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kind"] in ("math", "history", "geography")

@@ -25,6 +25,7 @@ from pagedserve.presets import demo_model_dir
 from pagedserve.server.app import build_app
 from pagedserve.testing import serve_app
 from tests.helpers.models import host_tier_gib
+from tests.helpers.tools import missing_tool, require_module
 
 API_KEY = "test-key"  # the key the console is opened with (the screenshots type it)
 
@@ -115,10 +116,10 @@ def _browser_binaries() -> tuple[str, str] | None:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
-    webdriver = pytest.importorskip("selenium.webdriver", reason=BROWSER_MISSING)
+    webdriver = require_module("selenium.webdriver", BROWSER_MISSING)
     binaries = _browser_binaries()
     if binaries is None:
-        pytest.skip(BROWSER_MISSING)
+        missing_tool(BROWSER_MISSING)
     options = webdriver.ChromeOptions()
     options.binary_location = binaries[0]
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):

@@ -60,13 +60,9 @@ def _flags(argv: list[str]) -> set[str]:
 
 
 def _serve_parser():
-    cli = pytest.importorskip(
-        "pagedserve.entrypoints.cli.main",
-        reason="pagedserve/entrypoints/cli/main.py is not written yet",
-    )
-    if not hasattr(cli, "build_parser"):
-        pytest.skip("pagedserve.entrypoints.cli.main.build_parser() does not exist yet")
-    return cli.build_parser()
+    from pagedserve.entrypoints.cli.main import build_parser
+
+    return build_parser()
 
 
 def _subparser_default(command: str, dest: str):

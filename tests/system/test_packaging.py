@@ -1,6 +1,8 @@
 """A non-editable install (a built wheel, as the Dockerfile's `pip install .` makes) carries the
-device and model presets: run from outside the source tree, `tune` finds the model presets and
-`serve` reads the packaged device YAML and serves the web console's files."""
+device and model presets and the native kernels' sources: run from outside the source tree,
+`tune` finds the model presets and `serve` reads the packaged device YAML and serves the web
+console's files. The wheel's venv takes its dependencies from the environment running the tests
+(tests/helpers/venvs.py), a venv or the system interpreter alike."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import yaml
 
 from pagedserve.testing import free_port
+from tests.helpers.venvs import make_inheriting_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 WEB_CONSOLE_FILES = ("/", "/console/console.js", "/console/console.css")
@@ -44,10 +47,22 @@ def wheel_venv(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     _run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp)])
     (wheel,) = tmp.glob("pagedserve-*.whl")
     venv = tmp / "venv"
-    # Dependencies (torch, fastapi, ...) come from this interpreter's site-packages.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
-    python = venv / "bin" / "python"
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)])
+    # Dependencies (torch, fastapi, ...) come from the environment running the tests, be it a
+    # venv or the system interpreter; the venv's own wheel comes first.
+    python = make_inheriting_venv(venv)
+    # --ignore-installed: this environment may hold pagedserve too (editable); never touch it
+    _run(
+        [
+            *pip,
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--ignore-installed",
+            str(wheel),
+        ]
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     workdir = tmp / "elsewhere"
     workdir.mkdir()
@@ -78,6 +93,19 @@ def test_wheel_ships_the_chat_templates(wheel_venv):
     assert shipped == {name: builtin_chat_template(name) for name in BUILTIN_CHAT_TEMPLATES}
 
 
+def test_wheel_ships_the_native_kernel_sources(wheel_venv):
+    bin_dir, env, workdir = wheel_venv
+    code = "import importlib.util as u; print(u.find_spec('pagedserve').origin)"  # no torch
+    package = _run([str(bin_dir / "python"), "-c", code], cwd=workdir, env=env).stdout.strip()
+    installed = Path(package).parent / "hal" / "csrc"
+    source = ROOT / "pagedserve" / "hal" / "csrc"
+
+    def files(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    assert files(source) and files(installed) == files(source)
+
+
 def test_installed_tune_finds_the_model_and_device_presets(wheel_venv):
     from pagedserve.engine.memory_plan import tune
 
@@ -97,7 +125,10 @@ def test_installed_serve_reads_the_packaged_device_preset_and_answers_health(whe
     bin_dir, env, workdir = wheel_venv
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # eager kernels: a native build from the wheel's own path (a new build key) would only take
+    # minutes here; the sources it needs are held by test_wheel_ships_the_native_kernel_sources
     cmd = [str(bin_dir / "pagedserve"), "serve", "--device", "kunlun-emu", "--port", str(port)]
+    cmd += ["--kernels", "eager"]
     log = workdir / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -117,9 +148,7 @@ def test_installed_serve_reads_the_packaged_device_preset_and_answers_health(whe
 
 
 def _wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> int:
-    """The installed package builds its native kernels on its first start (about 30 s on a quiet
-    2-core machine, minutes on a loaded one), so the wait is long; a server that exits fails at
-    once."""
+    """A server that exits fails at once; one that never answers fails after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,0 +1,322 @@
+"""The engine core (EngineCore, its busy loop EngineCoreProc) and the HTTP side's core client, in
+this process over in-process sockets: token ids out per step, pause holding requests (an abort
+while paused drops the held one), rejections and failed steps reported per request, utility
+calls answered (an unknown one refused by name), and when the loop dies every pending call and
+request fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import zmq
+
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.core import EngineCore, EngineCoreProc
+from pagedserve.engine.core_client import InprocCoreClient
+from pagedserve.engine.messages import (
+    ABORT,
+    ADD,
+    DEAD,
+    OUTPUTS,
+    SHUTDOWN,
+    UTILITY,
+    decode,
+    encode,
+    outputs_from_wire,
+    params_to_wire,
+)
+from pagedserve.engine.output_processor import EngineDeadError
+from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.presets import demo_model_dir
+from pagedserve.sampling_params import SamplingParams
+from tests.helpers.models import tiny_engine
+
+PROMPT = [5, 6, 7, 8, 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The demo model (it ships with the package: nothing to build, no transformers import)."""
+    return tiny_engine(demo_model_dir(), num_kv_pages=64, max_model_len=128, max_num_seqs=4)
+
+
+@pytest.fixture
+def core(engine):
+    """A fresh core over the module's engine, which every test leaves drained."""
+    core = EngineCore(engine)
+    yield core
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
+
+
+def run(core: EngineCore) -> list:
+    outputs = []
+    while core.has_work():
+        outputs += core.step()
+    return outputs
+
+
+def reference(engine, params=GREEDY) -> list[int]:
+    engine.block_manager.reset_prefix_cache()
+    core = EngineCore(engine)
+    core.add_request("ref", PROMPT, params)
+    return [o.new_token_ids[0] for o in run(core)]
+
+
+# ---- EngineCore ---------------------------------------------------------------------------------
+def test_each_step_sends_one_token_id_per_sequence_and_the_first_carries_its_info(core):
+    core.add_request("a", PROMPT, GREEDY, arrival_time=1.5)
+    outputs = run(core)
+    assert [o.request_id for o in outputs] == ["a"] * 4
+    assert [len(o.new_token_ids) for o in outputs] == [1] * 4
+    assert [o.finish_reason for o in outputs] == [None, None, None, "length"]
+    prompt_logprobs, num_cached, scheduled, first_token = outputs[0].first
+    assert prompt_logprobs is None and num_cached == 0 and scheduled <= first_token
+    assert all(o.first is None for o in outputs[1:])
+    assert core.num_steps == 4 and core.get_stats()["num_adds"] == 1
+
+
+def test_requests_sent_while_paused_are_held_and_an_abort_drops_the_held_one(core):
+    expected = reference(core.engine)
+    core.pause()
+    core.add_request("kept", PROMPT, GREEDY)
+    core.add_request("dropped", PROMPT, GREEDY)
+    assert not core.has_work()
+    assert core.get_stats()["num_held"] == 2 and not core.engine.has_unfinished_requests()
+    core.abort([["dropped", None]])
+    assert core.get_stats()["num_held"] == 1
+    core.resume()
+    outputs = run(core)
+    assert {o.request_id for o in outputs} == {"kept"}
+    assert [o.new_token_ids[0] for o in outputs] == expected
+    assert core.get_stats()["num_adds"] == 2
+
+
+def test_a_request_the_engine_refuses_is_reported_by_id(core):
+    core.add_request("huge", list(range(5, 300)), GREEDY)
+    (error,) = core.take_errors()
+    assert error[:2] == ["huge", "rejected"] and "max_model_len" in error[2]
+    assert core.take_errors() == [] and not core.has_work()
+
+
+def test_a_step_that_fails_outside_the_forward_pass_fails_every_request_in_flight(
+    core, monkeypatch
+):
+    core.add_request("a", PROMPT, GREEDY)
+    core.add_request("b", PROMPT, GREEDY)
+
+    def broken():
+        raise KeyError("scheduler bug")
+
+    monkeypatch.setattr(core.engine, "execute_step", broken)
+    assert core.step() == []
+    errors = core.take_errors()
+    assert [e[:2] for e in errors] == [["a", "step_failed"], ["b", "step_failed"]]
+    assert all("KeyError('scheduler bug')" in e[2] for e in errors)
+    monkeypatch.undo()
+    assert not core.has_work() and core.num_steps == 0
+
+
+def test_an_unrecoverable_fault_leaves_the_step_and_the_core(core, monkeypatch):
+    def unrecoverable():
+        raise UnrecoverableFaultError("weight page gone")
+
+    monkeypatch.setattr(core.engine, "execute_step", unrecoverable)
+    core.add_request("a", PROMPT, GREEDY)
+    with pytest.raises(UnrecoverableFaultError):
+        core.step()
+    core.abort([["a", None]])
+
+
+def test_aborting_one_sequence_leaves_its_siblings(core):
+    params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=4, ignore_eos=True)
+    core.add_request("n", PROMPT, params)
+    core.step()
+    core.abort([["n", 1]])
+    outputs = run(core)
+    assert {o.index for o in outputs} == {0}
+
+
+# ---- EngineCoreProc over sockets ------------------------------------------------------------
+class Loop:
+    """EngineCoreProc in a thread over in-process sockets; this side sends and receives."""
+
+    def __init__(self, core: EngineCore):
+        ctx = zmq.Context.instance()
+        name = f"inproc://core-test-{uuid.uuid4().hex}"  # a closed socket frees its name late
+        self.to_core, self.from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.to_core.bind(name + "-in")
+        self.from_core.bind(name + "-out")
+        core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        core_in.connect(name + "-in")
+        core_out.connect(name + "-out")
+        self.proc = EngineCoreProc(core, core_in, core_out)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            self.proc.run_busy_loop()
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def send(self, message: list) -> None:
+        self.to_core.send(encode(message))
+
+    def receive_until(self, wanted) -> list:
+        """Messages up to and including the first that ``wanted(message)`` accepts."""
+        messages = []
+        while not messages or not wanted(messages[-1]):
+            assert self.from_core.poll(60_000), "the core loop sent nothing for 60 s"
+            messages.append(decode(self.from_core.recv()))
+        return messages
+
+    def call(self, call_id: int, name: str, *args) -> list:
+        self.send([UTILITY, call_id, name, list(args)])
+        (*_, last) = self.receive_until(lambda m: m[0] == OUTPUTS and m[1][3])
+        (result,) = last[1][3]
+        return result
+
+    def stop(self) -> None:
+        self.send([SHUTDOWN])
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        for s in (self.to_core, self.from_core, self.proc.input_socket, self.proc.output_socket):
+            s.close(linger=0)
+
+
+def test_the_loop_answers_utility_calls_and_refuses_an_unknown_one_by_name(core):
+    loop = Loop(core)
+    try:
+        assert loop.call(1, "get_page_map")[:2] == [1, True]
+        assert loop.call(2, "shutdown") == [2, False, "no utility call 'shutdown'"]
+        assert loop.call(3, "inject_fault", "disk") == [
+            3,
+            False,
+            "fault injection needs --device kunlun-emu, not cpu",
+        ]  # a ValueError: the caller's mistake, its message as it is
+        assert loop.call(4, "get_stats", "extra")[:2] == [4, False]
+        assert "TypeError" in loop.call(5, "get_stats", "extra")[2]  # other errors: their repr
+    finally:
+        loop.stop()
+    assert loop.error is None
+
+
+def test_the_loop_streams_a_request_and_stops_on_shutdown(core):
+    expected = reference(core.engine)
+    loop = Loop(core)
+    try:
+        loop.send([ADD, "a", PROMPT, params_to_wire(GREEDY), 0.0])
+        messages = loop.receive_until(lambda m: any(o[4] for o in outputs_from_wire(m[1]).outputs))
+        outputs = [o for m in messages for o in outputs_from_wire(m[1]).outputs]
+        assert [o.new_token_ids[0] for o in outputs] == expected
+        assert outputs_from_wire(messages[-1][1]).stats["num_requests_running"] == 0
+    finally:
+        loop.stop()
+    assert loop.error is None and not loop.thread.is_alive()
+
+
+def test_the_loop_aborts_a_request_mid_generation(core):
+    loop = Loop(core)
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    try:
+        loop.send([ADD, "long", PROMPT, params_to_wire(params), 0.0])
+        loop.receive_until(lambda m: outputs_from_wire(m[1]).outputs)
+        loop.send([ABORT, [["long", None]]])
+        (*_, idle) = loop.receive_until(
+            lambda m: outputs_from_wire(m[1]).stats["num_requests_running"] == 0
+        )
+        assert core.engine.get_num_unfinished_requests() == 0
+        assert outputs_from_wire(idle[1]).stats["generation_tokens_total"] > 0
+    finally:
+        loop.stop()
+
+
+def test_a_dying_loop_says_why_before_it_goes(core, monkeypatch):
+    def unrecoverable():
+        raise UnrecoverableFaultError("weight page gone")
+
+    monkeypatch.setattr(core.engine, "scrub_weights", unrecoverable)
+    loop = Loop(core)
+    loop.send([UTILITY, 1, "scrub_weights", []])
+    (*_, dead) = loop.receive_until(lambda m: m[0] == DEAD)
+    loop.thread.join(30)
+    assert "weight page gone" in dead[1] and isinstance(loop.error, UnrecoverableFaultError)
+    for s in (loop.to_core, loop.from_core, loop.proc.input_socket, loop.proc.output_socket):
+        s.close(linger=0)
+
+
+# ---- the HTTP side: AsyncLLMEngine over InprocCoreClient -----------------------------------
+def test_an_unknown_utility_call_raises_naming_it_and_known_ones_answer(engine):
+    async def main():
+        client = AsyncLLMEngine(InprocCoreClient(engine), tokenizer=engine.tokenizer)
+        client.start()
+        try:
+            with pytest.raises(RuntimeError, match="no utility call 'nope'"):
+                await client.call_utility("nope")
+            assert await client.reset_prefix_cache() is True
+            assert (await client.get_page_map())["block_size"] == engine.block_size
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_when_the_loop_dies_pending_calls_and_requests_fail_at_once(engine, monkeypatch):
+    def unrecoverable():
+        raise UnrecoverableFaultError("weight page gone")
+
+    async def main():
+        client = AsyncLLMEngine(InprocCoreClient(engine), tokenizer=engine.tokenizer)
+        client.start()
+        deaths = []
+        client.on_dead(deaths.append)
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        stream = client.generate("long", PROMPT, params)
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids
+        monkeypatch.setattr(engine, "scrub_weights", unrecoverable)
+        with pytest.raises(EngineDeadError, match="weight page gone"):
+            await client.call_utility("scrub_weights")
+        with pytest.raises(EngineDeadError, match="weight page gone"):
+            async for _ in stream:
+                pass
+        assert len(deaths) == 1 and not client.is_alive
+        assert client.health()["engine"] == "dead"
+        with pytest.raises(EngineDeadError, match="not running"):
+            await client.call_utility("get_stats")
+        client.shutdown()
+
+    asyncio.run(main())
+    engine.abort_request("long")  # the dead loop left it in the engine
+
+
+# ---- the wire -------------------------------------------------------------------------------
+def test_sampling_params_cross_the_wire_unchanged():
+    from pagedserve.engine.messages import params_from_wire
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        n=2,
+        temperature=0.7,
+        seed=3,
+        stop=["x"],
+        logit_bias={7: -1.5, 300: 2.0},
+        structured_outputs=StructuredOutputsParams(regex=r"\d+"),
+    )
+    back = params_from_wire(decode(encode([params_to_wire(params)]))[0])
+    assert back == params and back.logit_bias == {7: -1.5, 300: 2.0}  # int keys, not strings
+    assert params_from_wire(decode(encode([params_to_wire(GREEDY)]))[0]) == GREEDY
+
+
+def test_an_outputs_message_becomes_named_records():
+    payload = [3, [["r", 0, [5], None, "length", None, [None, 0, 1.0, 2.0]]], {"a": 1}, [], []]
+    out = outputs_from_wire(decode(encode(payload)))
+    assert out.step == 3 and out.stats == {"a": 1} and out.errors == []
+    (o,) = out.outputs
+    assert (o.request_id, o.index, o.new_token_ids, o.finish_reason) == ("r", 0, [5], "length")
+    assert o.first == [None, 0, 1.0, 2.0]

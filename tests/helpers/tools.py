@@ -1,0 +1,32 @@
+"""Tests that need a tool outside Python's test extras (a browser, SGLang's frontend, zsh, a C++
+compiler): where it is missing they skip, saying why and how to install it, except in CI
+(``CI=true``, as ``.ci/run`` sets and CI services do), where a missing tool fails the test: CI
+installs every tool, so one missing is a broken CI, not a test to leave out."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def missing_tool(why: str) -> None:
+    """Skip the test (fail it in CI), saying ``why``: what is missing and how to install it."""
+    if in_ci():
+        pytest.fail(f"{why} (CI=true: CI installs every tool the tests need, so this fails)")
+    pytest.skip(why, allow_module_level=True)
+
+
+def require_module(name: str, why: str) -> ModuleType:
+    """``pytest.importorskip``, failing in CI."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        missing_tool(f"{why} ({e})")
+        raise  # not reached: missing_tool raises
