@@ -4,7 +4,7 @@ llama.cpp's own converter, as ``benchmarks.compare`` does).
 
     python -m benchmarks.compare --setup [--isa avx2]   # once: llama-cpp-python in its venv
     python -m benchmarks.speculative [--isa avx2] [--runs 3]
-        # writes benchmarks/results/speculative_<kernels>.json
+        # writes benchmarks/results/speculative_<kernels>[_int4].json
 
 Two workloads, greedy, batch 1, each the median of ``--repeats`` timed generations after a
 warm-up:
@@ -270,7 +270,7 @@ def main() -> None:
     figures = report(runs, args, kernels, llama_build)
     print(json.dumps(figures["workloads"], indent=2))
     if not args.no_write:
-        print(f"\nwrote {write_result(f'speculative_{kernels}', figures)}")
+        print(f"\nwrote {write_result(f'speculative_{kernels}' + ('_int4' if args.precision == 'int4' else ''), figures)}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,28 @@
 // A dense bf16 GEMV for a few rows, written once against the vector API: each weight vector is
-// loaded once for all rows (bf16 pairs: vdpbf16ps where the target has it, widened FMAs where
-// not), one horizontal sum per output. Up to kFewRows rows this beats oneDNN's GEMM, which is
-// tuned for many rows (benchmarks/linear_paths.py).
+// loaded once for up to kRowsPerPass rows (bf16 pairs: vdpbf16ps where the target has it, widened
+// FMAs where not), one horizontal sum per output. More rows take several passes over a thread's
+// slice of the weights, which stays in its cache between them.
 #pragma once
 
 #include "vec.h"
 
 namespace pagedserve {
 
+constexpr int kRowsPerPass = 4;
+// Up to kFewRows rows this beats oneDNN's GEMM (benchmarks/linear_paths.py). On avx512 oneDNN
+// multiplies bf16 with vdpbf16ps and wins from 5 rows on. On avx2 its bf16 is emulated, at about
+// the same rate for any number of rows, a half or less of this kernel's up to 64 rows (the most
+// measured), so the kernel keeps the rows a decode batch or a verification of drafts brings;
+// longer prefills stay with oneDNN.
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
+constexpr int64_t kFewRows = 64;
+#else
 constexpr int64_t kFewRows = 4;
+#endif
 // The portable target leaves dense layers to PyTorch: this GEMV is measured on x86 targets only.
 constexpr bool kHasFewRowsGemv = PAGEDSERVE_TARGET != PAGEDSERVE_PORTABLE;
 
-// out[m, n] = x[m] . w[n] for row-major bf16 w [N, K] and MB <= kFewRows rows of x.
+// out[m, n] = x[m] . w[n] for row-major bf16 w [N, K] and MB <= kRowsPerPass rows of x.
 template <int MB>
 void bf16_rows(const BFloat16* w, const BFloat16* x, int64_t K, int64_t n0, int64_t n1, int64_t N,
                float* acc) {
@@ -49,10 +59,12 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
   std::vector<float> acc(M * N);
   using RowsFn = void (*)(const BFloat16*, const BFloat16*, int64_t, int64_t, int64_t, int64_t,
                           float*);
-  const RowsFn kernels[kFewRows + 1] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>,
-                                        bf16_rows<4>};
+  const RowsFn kernels[kRowsPerPass + 1] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>,
+                                            bf16_rows<4>};
   at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t q0, int64_t q1) {
-    kernels[M](w, xp, K, q0 * 4, std::min(q1 * 4, N), N, acc.data());
+    for (int64_t m = 0; m < M; m += kRowsPerPass)
+      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, q0 * 4,
+                                                       std::min(q1 * 4, N), N, acc.data() + m * N);
   });
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;

@@ -80,6 +80,16 @@ struct NativeLinear {
         if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
             x.size(0) <= kFewRows && x.size(1) % 32 == 0 && kHasFewRowsGemv)
           return bf16_linear_few_rows(x, weight, bias);
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
+        // no bf16 arithmetic on these CPUs, so oneDNN's bf16 GEMM is emulated: its fp32 GEMM on
+        // the widened (exact) values is 3 to 5 times as fast (CpuDevice.linear does the same)
+        if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
+          c10::optional<at::Tensor> fp32_bias;
+          if (bias) fp32_bias = bias->to(at::kFloat);
+          return at::linear(x.to(at::kFloat), weight.to(at::kFloat), fp32_bias)
+              .to(x.scalar_type());
+        }
+#endif
         return at::linear(x, weight, bias);
     }
   }
