@@ -270,7 +270,8 @@ def main() -> None:
     figures = report(runs, args, kernels, llama_build)
     print(json.dumps(figures["workloads"], indent=2))
     if not args.no_write:
-        print(f"\nwrote {write_result(f'speculative_{kernels}' + ('_int4' if args.precision == 'int4' else ''), figures)}")
+        name = f"speculative_{kernels}" + ("_int4" if args.precision == "int4" else "")
+        print(f"\nwrote {write_result(name, figures)}")
 
 
 if __name__ == "__main__":
