@@ -90,7 +90,8 @@ class _EngineStatsCollector(Collector):
         )
         for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
             per_pos.add_metric([str(position)], float(count))
-        yield per_pos
+        if per_pos.samples:  # a series per draft position: none on a server that does not draft
+            yield per_pos
 
 
 class ServerMetrics:
