@@ -2,6 +2,7 @@
 
     python -m benchmarks.suite_time                 # one run of .ci/run
     python -m benchmarks.suite_time --runs 5 --hog  # five in a row, a CPU hog beside them
+    PYTEST_ADDOPTS=--durations=30 python -m benchmarks.suite_time --log suite.log  # the slowest
 
 Run it on the machine CI runs on (a fresh one for the installs' cost: a second run finds
 chromium, zsh and SGLang's venv in place). ``--hog`` keeps one core busy with a spinning process
@@ -25,12 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s", re.M)
 
 
-def one_run(command: list[str]) -> dict:
+def one_run(command: list[str], log: Path | None = None) -> dict:
     """Run ``command`` from the repository root; its wall time, exit status and pytest's
-    summary (counts and its own seconds)."""
+    summary (counts and its own seconds). ``log``: where its whole output is appended."""
     start = time.monotonic()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - start
+    if log is not None:
+        with log.open("a") as f:
+            f.write(proc.stdout + proc.stderr)
     sys.stdout.write(proc.stdout[-3000:])
     sys.stderr.write(proc.stderr[-3000:])
     found = SUMMARY.findall(proc.stdout)
@@ -50,12 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--command", default="bash .ci/run", help="what to time (default: bash .ci/run)"
     )
+    parser.add_argument("--log", type=Path, help="append each run's whole output to this file")
     args = parser.parse_args(argv)
     hog = None
     if args.hog:
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        runs = [one_run(args.command.split()) for _ in range(args.runs)]
+        runs = [one_run(args.command.split(), args.log) for _ in range(args.runs)]
     finally:
         if hog is not None:
             hog.kill()
