@@ -123,28 +123,11 @@ class CpuDevice(Device):
     def linear(
         self, x: torch.Tensor, w: torch.Tensor | Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """A few bf16 rows through a dense bf16 matrix stream it with the native GEMV."""
-        if (
-            hasattr(self.native, "bf16_linear_few_rows")
-            and isinstance(w, torch.Tensor)
-            and w.dtype == torch.bfloat16
-            and x.dtype == torch.bfloat16
-            and x.dim() == 2
-            and x.shape[0] <= self.native.FEW_ROWS
-            and x.shape[1] % 32 == 0
-        ):
-            return self.native.bf16_linear_few_rows(x.contiguous(), w, b)
-        if (
-            self.kernels.name == "avx2"
-            and isinstance(w, torch.Tensor)
-            and w.dtype == torch.bfloat16
-            and x.dtype == torch.bfloat16
-        ):
-            # more rows: oneDNN's bf16 GEMM is emulated on the avx2 target's CPUs, and its fp32
-            # GEMM on the widened (exact) values is 3 to 5 times as fast from 64 rows on; the
-            # fused decoder layer (csrc/linear.h) takes the same path
-            bias = None if b is None else b.float()
-            return F.linear(x.float(), w.float(), bias).to(x.dtype)
+        """A dense layer takes the native kernels' rule (``dense_linear`` in csrc/linear.h, the
+        fused decoder layer's too): the few-rows bf16 GEMV, fp32 GEMMs for bf16 on avx2."""
+        if self.native is not None and isinstance(w, torch.Tensor):
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.native.dense_linear(rows, w, b).view(*x.shape[:-1], w.shape[0])
         return super().linear(x, w, b)
 
     # ---- norms and activations ----------------------------------------------------------------

@@ -52,6 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear);
   m.def("int4_int8_linear", &int4_int8_linear);
 #endif
+  m.def("dense_linear", &dense_linear);
   if constexpr (kHasFewRowsGemv) {
     m.attr("FEW_ROWS") = kFewRows;
     m.def("bf16_linear_few_rows", &bf16_linear_few_rows);

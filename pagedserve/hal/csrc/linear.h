@@ -34,6 +34,26 @@ inline at::Tensor quantize_activations_int8(const at::Tensor& x) {
   return (at::round(xf / scale).clamp(-127, 127) * scale).to(x.scalar_type());
 }
 
+// A dense layer, by the one rule the fused decoder layer and CpuDevice.linear share: bf16 rows
+// through the few-rows GEMV where it beats oneDNN (dense.h), more of them on avx2 through
+// oneDNN's fp32 GEMM on the widened (exact) values, since these CPUs have no bf16 arithmetic and
+// oneDNN's bf16 GEMM is emulated there (3 to 5 times slower from 64 rows on); anything else
+// through at::linear.
+inline at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
+                               const c10::optional<at::Tensor>& bias) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16;
+  if (bf16 && kHasFewRowsGemv && x.size(0) <= kFewRows && x.size(1) % 32 == 0)
+    return bf16_linear_few_rows(x, weight, bias);
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
+  if (bf16) {
+    c10::optional<at::Tensor> fp32_bias;
+    if (bias) fp32_bias = bias->to(at::kFloat);
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat), fp32_bias).to(x.scalar_type());
+  }
+#endif
+  return at::linear(x, weight, bias);
+}
+
 struct NativeLinear {
   enum class Kind { kTargetInt4, kAtenInt4, kDense };
   Kind kind = Kind::kDense;
@@ -77,20 +97,7 @@ struct NativeLinear {
       }
       case Kind::kDense:
       default:
-        if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 &&
-            x.size(0) <= kFewRows && x.size(1) % 32 == 0 && kHasFewRowsGemv)
-          return bf16_linear_few_rows(x, weight, bias);
-#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
-        // no bf16 arithmetic on these CPUs, so oneDNN's bf16 GEMM is emulated: its fp32 GEMM on
-        // the widened (exact) values is 3 to 5 times as fast (CpuDevice.linear does the same)
-        if (weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16) {
-          c10::optional<at::Tensor> fp32_bias;
-          if (bias) fp32_bias = bias->to(at::kFloat);
-          return at::linear(x.to(at::kFloat), weight.to(at::kFloat), fp32_bias)
-              .to(x.scalar_type());
-        }
-#endif
-        return at::linear(x, weight, bias);
+        return dense_linear(x, weight, bias);
     }
   }
 };
