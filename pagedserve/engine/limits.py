@@ -44,6 +44,16 @@ class EngineLimits:
         ``RequestRejectedError`` saying why it can never run. Changes nothing."""
         if params.max_tokens is None:
             room = max(self.max_model_len - len(prompt_ids), 1)
+            if params.min_tokens > room:
+                ctx = self.usage_context
+                raise RequestRejectedError(
+                    f"min_tokens={params.min_tokens} does not fit: the prompt's "
+                    f"{len(prompt_ids)} tokens leave room for {room} in max_model_len "
+                    f"{self.max_model_len}; lower min_tokens, shorten the prompt, or "
+                    f"{ctx.start_with} a larger {ctx.name_of('max_model_len')}",
+                    "min_tokens",
+                    too_long=True,
+                )
             params = SamplingParams(**{**vars(params), "max_tokens": room})
         self._check_fits(prompt_ids, params)
         return params

@@ -86,6 +86,26 @@ def test_server_engine_names_server_flags_in_its_messages(tiny_dir):
         engine.add_request("big", [5] * 60, SamplingParams(max_tokens=20))
 
 
+def test_min_tokens_beyond_the_room_a_prompt_leaves_is_rejected_naming_min_tokens(tiny_dir):
+    # max_tokens left out is the room the prompt leaves (vLLM's rule); a min_tokens above it can
+    # never be met, which is the client's error (400), not SamplingParams' (500)
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_dir), dtype="float32", block_size=4, num_kv_pages=32, max_model_len=100
+    )
+    engine = LLMEngine(config)
+    with pytest.raises(RequestRejectedError, match="leave room for 10 in max_model_len 100") as e:
+        engine.add_request("a", [5] * 90, SamplingParams(max_tokens=None, min_tokens=11))
+    assert (e.value.param, e.value.too_long) == ("min_tokens", True)
+    engine.add_request("b", [5] * 90, SamplingParams(max_tokens=None, min_tokens=10))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [len(o.outputs[0].token_ids) for o in finished] == [10]  # all the room there was
+
+
 def test_rejection_leaves_the_engine_serving_others(tiny_llm):
     engine = tiny_llm.llm_engine
     engine.add_request("ok-1", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
