@@ -16,7 +16,10 @@
 // every target the machine can run to it. An op a target lacks (no INT4 kernel on portable) is not
 // bound here, and the backend runs PyTorch's for it.
 
-#include <torch/extension.h>
+// pybind11 with torch's tensor casters, not torch/extension.h: that one also brings in all of
+// libtorch's C++ frontend, which this file does not use, and with ATen/ATen.h (see vec.h) it took
+// a third of each target's build
+#include <torch/csrc/utils/pybind.h>
 
 #include "decoder_layer.h"
 
