@@ -3,7 +3,6 @@ completing the subcommands, each subcommand's flags and the choices of a flag.""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from pagedserve.entrypoints.cli.completion import bash_script, zsh_script
 from pagedserve.entrypoints.cli.main import build_parser, main
 from pagedserve.entrypoints.cli.utils import subparser
-from tests.helpers.tools import missing_tool
+from tests.helpers.tools import missing_tool, which
 
 COMMANDS = ["serve", "smi", "tune", "bench", "quantize", "eval-quant", "completion"]
 
@@ -122,7 +121,7 @@ def test_zsh_script_lists_every_subcommand_and_flag(parser):
 
 
 def test_zsh_script_is_valid_zsh(parser, tmp_path):
-    if shutil.which("zsh") is None:
+    if which("zsh") is None:
         missing_tool("zsh is not installed: apt-get install -y zsh")
     path = tmp_path / "_pagedserve"
     path.write_text(zsh_script(parser))

@@ -5,11 +5,15 @@ installs every tool, so one missing is a broken CI, not a test to leave out."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import os
+import shutil
 from types import ModuleType
 
 import pytest
+
+from tests.helpers.sglang_venv import cache_root
 
 
 def in_ci() -> bool:
@@ -30,3 +34,13 @@ def require_module(name: str, why: str) -> ModuleType:
     except ImportError as e:
         missing_tool(f"{why} ({e})")
         raise  # not reached: missing_tool raises
+
+
+def which(command: str) -> str | None:
+    """``shutil.which``, once ``.ci/run``'s apt step (which runs beside the suite, holding
+    ``ci-installs.lock`` in the cache) has ended."""
+    lock = cache_root() / "ci-installs.lock"
+    if lock.exists():
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+    return shutil.which(command)

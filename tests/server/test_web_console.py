@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from pagedserve.presets import demo_model_dir
 from pagedserve.server.app import build_app
 from pagedserve.testing import serve_app
 from tests.helpers.models import host_tier_gib
-from tests.helpers.tools import missing_tool, require_module
+from tests.helpers.tools import missing_tool, require_module, which
 
 API_KEY = "test-key"  # the key the console is opened with (the screenshots type it)
 
@@ -109,8 +108,8 @@ DESKTOP = (1100, 1000)
 
 
 def _browser_binaries() -> tuple[str, str] | None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
+    chromium = which("chromium") or which("chromium-browser")
+    driver = which("chromedriver")
     return (chromium, driver) if chromium and driver else None
 
 

@@ -36,10 +36,32 @@ def _readme_test_command() -> str:
 def test_ci_runs_exactly_the_readmes_test_command_last():
     lines = [ln.strip() for ln in CI_RUN.splitlines()]
     assert f"{_readme_test_command()} || status=$?" in lines
-    assert lines.index(f"{_readme_test_command()} || status=$?") > max(
-        i for i, ln in enumerate(lines) if "apt-get install" in ln or "sglang_venv" in ln
-    ), "the tools are installed before the suite starts"
+    suite = lines.index(f"{_readme_test_command()} || status=$?")
+    assert suite > max(
+        i for i, ln in enumerate(lines) if "apt-get install -y" in ln or "sglang_venv" in ln
+    ), "the installs start before the suite"
+    # apt runs beside the suite: its lock is taken before the suite starts, so that no test
+    # looks for its tools before it has ended
+    assert lines.index('exec 9>"$cache/ci-installs.lock"') < lines.index("flock 9") < suite
     assert "export CI=true" in lines
+
+
+def test_a_tools_lookup_waits_for_the_apt_step_beside_the_suite(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    from tests.helpers.tools import which
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    found = []
+    with open(tmp_path / "ci-installs.lock", "w") as apt_step:
+        fcntl.flock(apt_step, fcntl.LOCK_EX)
+        lookup = threading.Thread(target=lambda: found.append(which("sh")))
+        lookup.start()
+        lookup.join(timeout=1.0)
+        assert lookup.is_alive() and found == []  # waiting while the apt step runs
+    lookup.join(timeout=10)
+    assert found and found[0].endswith("/sh")
 
 
 @pytest.mark.parametrize("package", ["chromium", "chromium-driver", "zsh"])
