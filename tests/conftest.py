@@ -41,6 +41,44 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 
 
+_kernel_builds: list = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """On a run of the whole suite (no paths given), build the native kernels of each target this
+    CPU runs that the cache lacks, one process per target, beside the first tests: a target's
+    build takes a core for about a minute, and a fresh machine would otherwise build them one
+    after the other where tests first need them (they wait on the target's build lock instead)."""
+    import subprocess
+    import sys
+
+    if session.config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    from pagedserve.hal import native
+
+    for name in native.executable_targets():
+        if not any((native.cache_dir() / native.build_key(native.TARGETS[name])).glob("*.so")):
+            code = f"from pagedserve.hal import native; native.load_target({name!r})"
+            # quiet: a build that fails fails again, and says why, in the first test needing it
+            _kernel_builds.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import signal
+
+    for build in _kernel_builds:  # a run that ended before a build did: the next one rebuilds
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGKILL)  # the compiler too
+        build.wait()
+
+
 @pytest.fixture(scope="session")
 def tiny_glm4(tmp_path_factory):
     """(model directory, HF reference model) of a random tiny Glm4ForCausalLM with a tokenizer."""

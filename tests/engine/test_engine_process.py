@@ -204,10 +204,9 @@ def test_an_idle_keep_alive_connection_outlives_the_clients_pool_expiry(engine_p
         return head
 
     with socket.create_connection((host, int(port)), timeout=10) as conn:
-        for _ in range(2):
-            conn.sendall(request)
-            assert response(conn).startswith(b"HTTP/1.1 200")
-            time.sleep(httpx.Limits().keepalive_expiry + 0.5)
+        conn.sendall(request)
+        assert response(conn).startswith(b"HTTP/1.1 200")
+        time.sleep(httpx.Limits().keepalive_expiry + 0.5)
         conn.sendall(request)  # a server that had closed it: b"" or a connection reset
         assert response(conn).startswith(b"HTTP/1.1 200")
 

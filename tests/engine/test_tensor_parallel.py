@@ -660,13 +660,13 @@ def test_a_script_whose_ranks_wait_re_importing_it_ends_at_dist_timeout_with_the
     odd_vocab_dir, tmp_path
 ):
     script = tmp_path / "waits.py"
-    script.write_text(WAITS_WHEN_IMPORTED.format(model=str(odd_vocab_dir), timeout=10))
+    script.write_text(WAITS_WHEN_IMPORTED.format(model=str(odd_vocab_dir), timeout=4))
     start = time.monotonic()
     run, left = _run_script(script)
     assert run.returncode == 1 and "started" not in run.stdout
-    assert time.monotonic() - start >= 10  # it waited its dist_timeout, then gave up
+    assert time.monotonic() - start >= 4  # it waited its dist_timeout, then gave up
     assert re.search(
-        r"rank 1 \(pid \d+\) never ran within 10 s \(dist_timeout\): its process", run.stderr
+        r"rank 1 \(pid \d+\) never ran within 4 s \(dist_timeout\): its process", run.stderr
     )
     assert "still re-importing the program's main module" in run.stderr
     assert 'under `if __name__ == "__main__":`' in run.stderr
