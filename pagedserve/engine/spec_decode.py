@@ -5,19 +5,19 @@ vLLM v1's ``NgramProposer`` rule: the longest suffix of the sequence, from ``pro
 down to ``prompt_lookup_min`` tokens, that occurs earlier in it; its first occurrence; the (up
 to) ``num_speculative_tokens`` tokens that followed it are the drafts. Verification
 (``sampler.verify_drafts``) accepts a prefix of them, so a wrong draft costs a forward row, never
-a wrong token.
+a wrong token. The lookup is kept incremental (``NgramIndex``): vLLM searches the whole sequence
+with numpy at every step, which costs a long prompt tens of microseconds a step even when nothing
+repeats; a dictionary of where each n-gram first ended costs a few probes.
 
 The back-off is ours (vLLM has none for n-gram): a request whose last ``BACKOFF_AFTER`` drafting
 steps accepted nothing drafts no more for ``cooldown`` steps, which doubles each time up to
 ``MAX_COOLDOWN`` and resets when a draft is accepted. A workload with no repetition thus pays at
-most one draft row every so often, and the lookup itself (numpy, a few tens of microseconds).
+most one draft row every so often, and the lookup itself (a few dictionary probes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from pagedserve.config import SpeculativeConfig
 
@@ -34,6 +34,7 @@ class DraftState:
     cooldown: int = FIRST_COOLDOWN  # the next back-off's length, in steps
     resume_at: int = 0  # the request's step count from which it drafts again
     num_steps: int = 0  # its decode steps so far (the back-off's clock)
+    index: NgramIndex | None = None  # its n-grams (built at its first lookup)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One verification step's result."""
@@ -47,25 +48,37 @@ class DraftState:
             self.num_failed = 0
 
 
-def find_ngram_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The tokens that followed the first earlier occurrence of the longest suffix n-gram
-    (``max_n`` down to ``min_n`` tokens); [] when none occurs."""
-    size = len(tokens)
-    if size <= min_n or k <= 0:
+class NgramIndex:
+    """Where each n-gram of one sequence (``min_n`` to ``max_n`` tokens) first ended, kept up to
+    date as the sequence grows (its tokens are only ever appended to).
+
+    Its keys are the n-grams that end before the sequence's last token, so that each has a token
+    after it to draft; ``drafts`` is the proposer's rule (above) read off it. It holds up to
+    ``max_n - min_n + 1`` entries per token, a few MB for a prompt of ten thousand tokens, built
+    as the sequence is first looked up and then a few entries per step.
+    """
+
+    __slots__ = ("min_n", "max_n", "first_end", "num_indexed")
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.first_end: dict[tuple[int, ...], int] = {}  # n-gram -> where it first ended
+        self.num_indexed = 0  # the n-grams ending at or before this position are indexed
+
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        """The (up to) ``k`` tokens that followed the first earlier occurrence of the longest
+        suffix n-gram of ``tokens``; [] when none occurs."""
+        size = len(tokens)
+        first_end = self.first_end
+        for end in range(self.num_indexed + 1, size):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                first_end.setdefault(tuple(tokens[end - n : end]), end)
+        self.num_indexed = max(self.num_indexed, size - 1)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            end = first_end.get(tuple(tokens[size - n :]))
+            if end is not None:
+                return tokens[end : end + k]
         return []
-    ids = np.asarray(tokens, dtype=np.int64)
-    # every start i < size - n whose first token matches the suffix's: the candidates for all n
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = ids[size - n :]
-        starts = np.flatnonzero(ids[: size - n] == suffix[0])
-        for j in range(1, n):
-            if not len(starts):
-                break
-            starts = starts[ids[starts + j] == suffix[j]]
-        if len(starts):
-            at = int(starts[0]) + n
-            return tokens[at : at + k]
-    return []
 
 
 class NgramProposer:
@@ -81,7 +94,9 @@ class NgramProposer:
         limit = min(self.k, max_drafts)
         if limit <= 0 or state.num_steps < state.resume_at:
             return []
-        return find_ngram_drafts(tokens, self.min_n, self.max_n, limit)
+        if state.index is None:
+            state.index = NgramIndex(self.min_n, self.max_n)
+        return state.index.drafts(tokens, limit)
 
 
 @dataclass(slots=True)

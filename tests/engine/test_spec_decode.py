@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, UsageContext
@@ -14,7 +16,7 @@ from pagedserve.engine.spec_decode import (
     BACKOFF_AFTER,
     FIRST_COOLDOWN,
     DraftState,
-    find_ngram_drafts,
+    NgramIndex,
 )
 from tests.engine.test_engine_numerics import PROMPTS, _assert_pool_drained, _tier_kwargs
 from tests.helpers.models import build_tiny_hf_model
@@ -30,6 +32,21 @@ SPEC_PROMPTS = [LOOP * 3, LOOP * 2 + [5, 6], *PROMPTS[:4]]
 # ---- the proposer and its back-off
 
 
+def scanned_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's rule by a plain scan: for n from max_n down to min_n, the first i whose n tokens
+    equal the suffix's, with i + n before the end; the k tokens after it."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for i in range(size - n):
+            if tokens[i : i + n] == tokens[size - n :]:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def find_ngram_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    return NgramIndex(min_n, max_n).drafts(tokens, k)
+
+
 def test_drafts_follow_the_first_occurrence_of_the_longest_suffix_ngram():
     tokens = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
     assert find_ngram_drafts(tokens, 1, 3, 2) == [9, 2]  # [1, 2, 3] at 0, not [2, 3] at 4
@@ -37,6 +54,23 @@ def test_drafts_follow_the_first_occurrence_of_the_longest_suffix_ngram():
     assert find_ngram_drafts([5, 6, 7, 5, 6], 1, 2, 9) == [7, 5, 6]  # what there is
     assert find_ngram_drafts([5, 6, 7, 8], 1, 3, 4) == []  # nothing repeats
     assert find_ngram_drafts([4, 5, 4], 2, 3, 2) == []  # only a 1-gram repeats
+    assert find_ngram_drafts([4, 4], 1, 1, 3) == [4]  # the suffix itself is not a match
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+    bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+    k=st.integers(1, 6),
+    lookups=st.lists(st.integers(1, 60), max_size=12),
+)
+def test_the_index_a_sequence_grows_finds_what_a_scan_of_it_finds(tokens, bounds, k, lookups):
+    # one index per sequence, looked up at lengths that grow by uneven steps (the back-off skips
+    # lookups; a verification step appends several tokens), as a scan of the whole finds
+    min_n, max_n = bounds[0], bounds[0] + bounds[1]
+    index = NgramIndex(min_n, max_n)
+    for size in sorted({min(n, len(tokens)) for n in lookups} | {len(tokens)}):
+        assert index.drafts(tokens[:size], k) == scanned_drafts(tokens[:size], min_n, max_n, k)
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again():
