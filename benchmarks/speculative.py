@@ -32,11 +32,16 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.bench_models import cache_root
-from benchmarks.compare import CONVERT, PAGEDSERVE_KERNELS, llama_paths, llama_system_info
+from benchmarks.compare import (
+    CONVERT,
+    PAGEDSERVE_KERNELS,
+    llama_paths,
+    llama_system_info,
+    timed_median,
+)
 from benchmarks.results import spread, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,17 +74,6 @@ def speculative_config(k: int, n: int) -> dict:
             "prompt_lookup_min": 2}  # fmt: skip
 
 
-def timed(run, repeats: int) -> tuple[float, int]:
-    """Median seconds of ``run()`` (which returns its number of tokens) after one warm-up."""
-    num_tokens = run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        num_tokens = run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), num_tokens
-
-
 # ---- workers (each in its own process) -----------------------------------------------------------
 def worker_pagedserve(args: argparse.Namespace) -> dict:
     from pagedserve import LLM, SamplingParams
@@ -100,11 +94,13 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
     for name, prompt in WORKLOADS.items():
         before = llm.llm_engine.get_stats()
 
-        def run(prompt=prompt):
-            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-            return len(out.token_ids)
+        lengths: list[int] = []
 
-        seconds, num_tokens = timed(run, args.repeats)
+        def run(prompt=prompt, lengths=lengths):
+            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            lengths.append(len(out.token_ids))
+
+        seconds, num_tokens = timed_median(run, args.repeats), lengths[-1]
         after = llm.llm_engine.get_stats()
         rows[name] = {"tokens_per_s": num_tokens / seconds, "num_tokens": num_tokens}
         if spec:
@@ -244,7 +240,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens / num_pred_tokens")
     ap.add_argument("--n", type=int, default=3, help="prompt_lookup_max / max_ngram_size")
     ap.add_argument("--max-tokens", type=int, default=160, help="tokens generated per workload")
-    ap.add_argument("--repeats", type=int, default=3, help="timed generations (median)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed generations (median)")
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison N times")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print the figures only")
