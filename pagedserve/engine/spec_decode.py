@@ -6,8 +6,8 @@ down to ``prompt_lookup_min`` tokens, that occurs earlier in it; its first occur
 to) ``num_speculative_tokens`` tokens that followed it are the drafts. Verification
 (``sampler.verify_drafts``) accepts a prefix of them, so a wrong draft costs a forward row, never
 a wrong token. The lookup is kept incremental (``NgramIndex``): vLLM searches the whole sequence
-with numpy at every step, which costs a long prompt tens of microseconds a step even when nothing
-repeats; a dictionary of where each n-gram first ended costs a few probes.
+with numpy at every step, which for a 10,000-token sequence took 0.4 ms a step (a quarter of a
+demo-model step) even when nothing repeats; the index took 5 us.
 
 The back-off is ours (vLLM has none for n-gram): a request whose last ``BACKOFF_AFTER`` drafting
 steps accepted nothing drafts no more for ``cooldown`` steps, which doubles each time up to
@@ -54,8 +54,9 @@ class NgramIndex:
 
     Its keys are the n-grams that end before the sequence's last token, so that each has a token
     after it to draft; ``drafts`` is the proposer's rule (above) read off it. It holds up to
-    ``max_n - min_n + 1`` entries per token, a few MB for a prompt of ten thousand tokens, built
-    as the sequence is first looked up and then a few entries per step.
+    ``max_n - min_n + 1`` entries per token, built as the sequence is first looked up and then a
+    few entries per step: for a 10,000-token prompt and n from 2 to 5, 6 MB and 60 ms once (n = 5
+    alone: 1.4 MB, 16 ms; one core of the Zen 3 machine).
     """
 
     __slots__ = ("min_n", "max_n", "first_end", "num_indexed")
