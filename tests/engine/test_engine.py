@@ -209,6 +209,63 @@ def test_the_limits_cross_the_process_boundary_as_plain_data(tiny_llm):
     assert EngineLimits.from_dict(wire) == limits
 
 
+def _run_to_the_end(engine, request_id, prompt_ids, params, **kw):
+    engine.add_request(request_id, prompt_ids, params, **kw)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_an_output_names_its_request_prompt_and_sequences_and_times_its_first_token(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True)
+    outputs = _run_to_the_end(engine, "named", [5, 6, 7], params, prompt="p", arrival_time=1.0)
+    last = outputs[-1]
+    assert (last.request_id, last.prompt, last.prompt_token_ids) == ("named", "p", [5, 6, 7])
+    assert [c.index for c in last.outputs] == [0, 1] and last.finished
+    assert not any(o.finished for o in outputs[:-1])
+    # nothing asked: no logprobs, no prompt logprobs
+    assert [(c.logprobs, c.cumulative_logprob) for c in last.outputs] == [(None, None)] * 2
+    assert last.prompt_logprobs is None
+    m = last.metrics
+    assert 1.0 == m["arrival_time"] <= m["first_scheduled_time"] <= m["first_token_time"]
+    # the same prompt again: its full block comes from the prefix cache
+    (again,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)
+    (cached,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)
+    assert (again.num_cached_tokens, cached.num_cached_tokens) == (0, engine.block_size)
+    assert _drained(tiny_llm)
+
+
+def test_logprobs_are_returned_where_asked_and_sum_to_the_cumulative_logprob(tiny_llm):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=2)
+    asked = SamplingParams(**{**vars(params), "prompt_logprobs": 1})
+    (out,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, asked, use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    assert all(t in lp for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    )
+    # one entry per prompt token; the first has no context to be predicted from
+    assert len(out.prompt_logprobs) == 3 and out.prompt_logprobs[0] is None
+    assert 6 in out.prompt_logprobs[1] and 7 in out.prompt_logprobs[2]  # each token itself
+
+
+def test_a_stop_token_id_ends_the_sequence_and_is_its_stop_reason(tiny_llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (free,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)
+    stop = free.outputs[0].token_ids[2]
+    first = free.outputs[0].token_ids.index(stop)
+    params = SamplingParams(**{**vars(greedy), "stop_token_ids": [stop]})
+    (out,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.token_ids == free.outputs[0].token_ids[: first + 1]
+    assert free.outputs[0].stop_reason is None
+
+
 def test_abort_frees_pages_and_reports_abort(tiny_llm):
     engine = tiny_llm.llm_engine
     engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=30, ignore_eos=True))
