@@ -313,6 +313,11 @@ def test_sampling_params_cross_the_wire_unchanged():
     assert params_from_wire(decode(encode([params_to_wire(GREEDY)]))[0]) == GREEDY
 
 
+def test_strings_bytes_and_int_keyed_maps_cross_the_wire_as_they_were():
+    message = ["tokenizer_dir", b"\x00\xff", {7: -1.5, 300: 2.0}, [{5: -0.25}], None]
+    assert decode(encode(message)) == message
+
+
 def test_an_outputs_message_becomes_named_records():
     payload = [3, [["r", 0, [5], None, "length", None, [None, 0, 1.0, 2.0]]], {"a": 1}, [], []]
     out = outputs_from_wire(decode(encode(payload)))
