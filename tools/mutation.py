@@ -387,6 +387,21 @@ MATCH_RULES = [
         "same distribution",
     ),
     (
+        "messages",
+        "encode",
+        r"packb\(message, use_bin_type=True\)",
+        r"packb\(message, \)",
+        "use_bin_type=True is msgpack's default since 1.0 (1.2.4 installed): the same bytes",
+    ),
+    (
+        "messages",
+        "decode",
+        r"raw=False, strict_map_key=False",
+        r"\(data, (raw=None, )?strict_map_key=False\)|raw=False, strict_map_key=None",
+        "raw=False is msgpack's default since 1.0 (1.2.4 installed), and msgpack reads these "
+        "flags as truth values: None is False",
+    ),
+    (
         "limits",
         "can_fit",
         r"-\(-num_tokens // self\.block_size\) <=",
