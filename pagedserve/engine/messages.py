@@ -65,9 +65,7 @@ def params_to_wire(params: SamplingParams) -> dict:
 
 
 def params_from_wire(fields: dict) -> SamplingParams:
-    if fields.get("logit_bias"):
-        fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
-    return SamplingParams(**fields)
+    return SamplingParams(**fields)  # logit_bias keeps its int keys: decode's strict_map_key
 
 
 def outputs_from_wire(payload: list) -> EngineCoreOutputs:

@@ -73,7 +73,7 @@ def _words(page: torch.Tensor) -> torch.Tensor:
 
 
 def _sum(words: torch.Tensor) -> int:
-    return int(words.sum() if words.dtype == torch.int64 else words.sum(dtype=torch.int64))
+    return int(words.sum())  # torch sums an integer tensor (bytes too) in int64, wrapping
 
 
 class WeightScrubber:

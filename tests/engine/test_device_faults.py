@@ -10,6 +10,8 @@ damage an unrecovered fault does."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -226,6 +228,31 @@ def test_the_weight_checksum_sees_every_single_bit_flip(nbytes):
         flipped = page.clone()
         flipped[bit // 8 : bit // 8 + 1].bitwise_xor_(1 << (bit % 8))
         assert checksum(flipped) != reference, bit
+
+
+def test_the_checksum_of_an_aligned_page_is_the_wrapping_sum_of_its_64_bit_words():
+    data = torch.randint(0, 256, (2 * 64 + 13,), dtype=torch.uint8, generator=torch.manual_seed(1))
+
+    def wrapped(total: int) -> int:
+        return (total + 2**63) % 2**64 - 2**63
+
+    for index in (0, 1):  # at byte offsets 0 and 64
+        raw = bytes(page_bytes(data, index, 64).tolist())
+        words = [
+            int.from_bytes(raw[i : i + 8], sys.byteorder, signed=True) for i in range(0, 64, 8)
+        ]
+        assert checksum(page_bytes(data, index, 64)) == wrapped(sum(words))
+    tail = page_bytes(data, 2, 64)  # 13 bytes: no whole words, summed byte by byte
+    assert checksum(tail) == sum(tail.tolist())
+
+
+def test_a_restored_page_of_a_small_page_scrubber_is_that_page_of_the_source():
+    pristine = torch.arange(4 * 8, dtype=torch.int64)
+    scrubber = WeightScrubber({"w": pristine.clone()}, size=64)  # 4 pages of 8 words
+    page_bytes(scrubber.tensors["w"], 2, 64)[0] ^= 1
+    assert scrubber.scrub(4) == [scrubber.pages[2]]
+    assert scrubber.restore(scrubber.pages[2], pristine)
+    assert torch.equal(scrubber.tensors["w"], pristine)
 
 
 @pytest.mark.faults

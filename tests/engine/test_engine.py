@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.limits import EngineLimits
 from pagedserve.engine.llm_engine import RequestRejectedError
 from tests.helpers.models import build_tiny_model_dir
 
@@ -126,6 +130,160 @@ def test_empty_prompt_and_out_of_vocab_ids_are_rejected(tiny_llm):
     with pytest.raises(RequestRejectedError, match=r"token id 9999 is outside the vocabulary"):
         tiny_llm.llm_engine.add_request("v", [1, 9999], SamplingParams())
     assert _drained(tiny_llm)
+
+
+def test_token_ids_at_both_ends_of_the_vocabulary_are_accepted_and_one_past_them_rejected(
+    tiny_llm,
+):
+    engine = tiny_llm.llm_engine
+    vocab = engine.limits.vocab_size
+    engine.check_request([0, vocab - 1], SamplingParams(stop_token_ids=[0, vocab - 1]))
+    for bad in (-1, vocab):
+        with pytest.raises(RequestRejectedError, match=rf"prompt token id {bad} is outside"):
+            engine.check_request([5, bad], SamplingParams())
+        with pytest.raises(RequestRejectedError, match=rf"stop_token_ids {bad} is outside"):
+            engine.check_request([5], SamplingParams(stop_token_ids=[bad]))
+
+
+def test_a_request_that_fills_max_model_len_or_the_kv_cache_exactly_fits(tiny_llm):
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    whole_cache = 16 * 4 - 4  # prompt + max_tokens fill all 16 pages of 4
+    (out,) = tiny_llm.generate({"prompt_token_ids": [5] * whole_cache}, greedy, use_tqdm=False)
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
+    assert "needs 65 tokens" in _rejection(tiny_llm, whole_cache + 1, 4)
+    roomy = dataclasses.replace(tiny_llm.llm_engine.limits, num_kv_pages=64)  # 256 tokens
+    roomy.check_request([5] * 96, greedy)  # exactly max_model_len (100)
+    with pytest.raises(RequestRejectedError, match="needs 101 tokens"):
+        roomy.check_request([5] * 97, greedy)
+
+
+def test_without_max_tokens_a_request_may_run_to_max_model_len(tiny_llm):
+    limits = tiny_llm.llm_engine.limits
+    roomy = dataclasses.replace(limits, num_kv_pages=64)  # 256 tokens: more than max_model_len
+    asked = SamplingParams(max_tokens=None)
+    assert roomy.check_request([5] * 30, asked).max_tokens == limits.max_model_len - 30
+    assert asked.max_tokens is None  # the caller's params are left as they were
+    # a prompt that fills max_model_len leaves no room: it would need one token more
+    with pytest.raises(RequestRejectedError, match=r"needs 101 tokens \(100 in the prompt"):
+        roomy.check_request([5] * limits.max_model_len, asked)
+
+
+def test_a_rejection_names_the_request_field_at_fault_and_whether_it_is_too_long(tiny_llm):
+    engine = tiny_llm.llm_engine
+    vocab, max_num_seqs = engine.limits.vocab_size, engine.limits.max_num_seqs
+    cases = [
+        ([], SamplingParams(), "prompt", False),
+        ([vocab], SamplingParams(), "prompt", False),
+        ([5], SamplingParams(stop_token_ids=[vocab]), "stop_token_ids", False),
+        ([5], SamplingParams(n=max_num_seqs + 1), "n", False),
+        ([5] * 90, SamplingParams(max_tokens=20), "prompt", True),  # past max_model_len
+        ([5] * 60, SamplingParams(max_tokens=20), "prompt", True),  # past the KV cache
+    ]
+    for prompt, params, param, too_long in cases:
+        with pytest.raises(RequestRejectedError) as error:
+            engine.check_request(prompt, params)
+        assert (error.value.param, error.value.too_long) == (param, too_long), str(error.value)
+
+
+def test_rejection_messages_say_what_was_asked_the_limit_and_the_way_out(tiny_llm):
+    engine = tiny_llm.llm_engine
+    max_num_seqs, vocab = engine.limits.max_num_seqs, engine.limits.vocab_size
+    expected = [
+        ([], SamplingParams(), "the prompt is empty; send at least one token"),
+        (
+            [5],
+            SamplingParams(n=max_num_seqs + 1),
+            f"n={max_num_seqs + 1} sequences cannot run at once with max_num_seqs "
+            f"{max_num_seqs}; lower n or create the LLM with a larger max_num_seqs",
+        ),
+        (
+            [5, vocab],
+            SamplingParams(),
+            f"prompt token id {vocab} is outside the vocabulary [0, {vocab})",
+        ),
+        (
+            [5] * 90,
+            SamplingParams(max_tokens=20),
+            "this request needs 110 tokens (90 in the prompt + max_tokens 20), but max_model_len "
+            "is 100; shorten the prompt, lower max_tokens, or create the LLM with a larger "
+            "max_model_len",
+        ),
+        (
+            [5] * 60,
+            SamplingParams(max_tokens=20),
+            "this request needs 80 tokens (60 in the prompt + max_tokens 20), but the whole KV "
+            "cache holds 64 tokens (16 pages of 4); lower max_tokens or create the LLM with more "
+            "KV cache (a higher gpu_memory_utilization, more num_kv_pages or a larger device)",
+        ),
+    ]
+    for prompt, params, message in expected:
+        with pytest.raises(RequestRejectedError) as error:
+            engine.check_request(prompt, params)
+        assert str(error.value) == message
+
+
+def test_the_limits_cross_the_process_boundary_as_plain_data(tiny_llm):
+    limits = tiny_llm.llm_engine.limits
+    wire = json.loads(json.dumps(limits.to_dict()))  # what the HTTP process receives
+    assert wire["usage_context"] == "LLM" and wire["max_model_len"] == limits.max_model_len
+    assert EngineLimits.from_dict(wire) == limits
+
+
+def _run_to_the_end(engine, request_id, prompt_ids, params, **kw):
+    engine.add_request(request_id, prompt_ids, params, **kw)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_an_output_names_its_request_prompt_and_sequences_and_times_its_first_token(tiny_llm):
+    engine = tiny_llm.llm_engine
+    engine.block_manager.reset_prefix_cache()
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True)
+    outputs = _run_to_the_end(engine, "named", [5, 6, 7], params, prompt="p", arrival_time=1.0)
+    last = outputs[-1]
+    assert (last.request_id, last.prompt, last.prompt_token_ids) == ("named", "p", [5, 6, 7])
+    assert [c.index for c in last.outputs] == [0, 1] and last.finished
+    assert not any(o.finished for o in outputs[:-1])
+    # nothing asked: no logprobs, no prompt logprobs
+    assert [(c.logprobs, c.cumulative_logprob) for c in last.outputs] == [(None, None)] * 2
+    assert last.prompt_logprobs is None
+    m = last.metrics
+    assert 1.0 == m["arrival_time"] <= m["first_scheduled_time"] <= m["first_token_time"]
+    # the same prompt again: its full block comes from the prefix cache
+    (again,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)
+    (cached,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8, 9]}, params, use_tqdm=False)
+    assert (again.num_cached_tokens, cached.num_cached_tokens) == (0, engine.block_size)
+    assert _drained(tiny_llm)
+
+
+def test_logprobs_are_returned_where_asked_and_sum_to_the_cumulative_logprob(tiny_llm):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=2)
+    asked = SamplingParams(**{**vars(params), "prompt_logprobs": 1})
+    (out,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, asked, use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    assert all(t in lp for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    )
+    # one entry per prompt token; the first has no context to be predicted from
+    assert len(out.prompt_logprobs) == 3 and out.prompt_logprobs[0] is None
+    assert 6 in out.prompt_logprobs[1] and 7 in out.prompt_logprobs[2]  # each token itself
+
+
+def test_a_stop_token_id_ends_the_sequence_and_is_its_stop_reason(tiny_llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (free,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy, use_tqdm=False)
+    stop = free.outputs[0].token_ids[2]
+    first = free.outputs[0].token_ids.index(stop)
+    params = SamplingParams(**{**vars(greedy), "stop_token_ids": [stop]})
+    (out,) = tiny_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.token_ids == free.outputs[0].token_ids[: first + 1]
+    assert free.outputs[0].stop_reason is None
 
 
 def test_abort_frees_pages_and_reports_abort(tiny_llm):

@@ -140,6 +140,48 @@ def test_aborting_one_sequence_leaves_its_siblings(core):
     assert {o.index for o in outputs} == {0}
 
 
+def test_the_invariant_check_reports_what_is_in_flight_and_the_pages_it_holds(core):
+    idle = core.check_invariants()
+    assert idle == {
+        "problems": [],
+        "num_requests_running": 0,
+        "num_requests_waiting": 0,
+        "num_groups": 0,
+        "kv_cache_usage_perc": 0.0,
+        "num_kv_pages_in_use": 0,
+    }
+    core.engine.block_manager.reset_prefix_cache()
+    core.add_request("a", PROMPT, GREEDY)
+    core.add_request("b", PROMPT, GREEDY)
+    core.step()
+    busy = core.check_invariants()
+    pages = {p for rid in ("a", "b") for p in core.engine.block_manager.get_block_table(rid)}
+    assert busy["problems"] == [] and busy["num_groups"] == 2
+    assert busy["num_requests_running"] + busy["num_requests_waiting"] == 2
+    assert busy["num_kv_pages_in_use"] == len(pages) > 0
+    assert busy["kv_cache_usage_perc"] == len(pages) / core.engine.num_kv_pages
+    run(core)
+
+
+def test_a_step_encoded_is_the_outputs_message_the_loop_sends(core):
+    core.add_request("a", PROMPT, GREEDY)
+    kind, payload = decode(core.step_encoded())
+    message = outputs_from_wire(payload)
+    assert kind == OUTPUTS and message.step == core.num_steps == 1
+    assert [(o.request_id, len(o.new_token_ids)) for o in message.outputs] == [("a", 1)]
+    assert message.stats["num_steps"] == 1 and message.utility_results == message.errors == []
+    run(core)
+
+
+def test_the_ready_info_names_the_model_its_limits_and_where_its_tokenizer_is(core):
+    engine = core.engine
+    info = core.info()
+    assert info["model"] == engine.config.model.model
+    assert info["limits"] == engine.limits.to_dict() and info["describe"] == engine.describe()
+    assert info["tokenizer_dir"] == str(engine.model_path)  # no --tokenizer: the model's own
+    assert info["worker_pids"] == engine.executor.worker_pids
+
+
 # ---- EngineCoreProc over sockets ------------------------------------------------------------
 class Loop:
     """EngineCoreProc in a thread over in-process sockets; this side sends and receives."""
@@ -311,6 +353,11 @@ def test_sampling_params_cross_the_wire_unchanged():
     back = params_from_wire(decode(encode([params_to_wire(params)]))[0])
     assert back == params and back.logit_bias == {7: -1.5, 300: 2.0}  # int keys, not strings
     assert params_from_wire(decode(encode([params_to_wire(GREEDY)]))[0]) == GREEDY
+
+
+def test_strings_bytes_and_int_keyed_maps_cross_the_wire_as_they_were():
+    message = ["tokenizer_dir", b"\x00\xff", {7: -1.5, 300: 2.0}, [{5: -0.25}], None]
+    assert decode(encode(message)) == message
 
 
 def test_an_outputs_message_becomes_named_records():

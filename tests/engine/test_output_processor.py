@@ -186,6 +186,15 @@ def test_one_stale_output_in_a_step_leaves_the_others_of_that_step(processor):
     assert get(live).outputs[0].token_ids == [1]
 
 
+def test_a_late_token_of_a_stopped_sequence_leaves_its_siblings_in_that_step(processor):
+    state = processor.add_request("r", None, PROMPT, SamplingParams(n=2, stop=["STOP"]), 0.0)
+    assert processor.process_outputs([out(4, 1)]) == [["r", 1]]  # sequence 1 stops; 0 runs on
+    # sequence 1's token computed before the core saw the abort, then sequence 0's
+    assert processor.process_outputs([out(5, 1), out(1, 0)]) == []
+    o = get(state)
+    assert [c.token_ids for c in o.outputs] == [[1], [4]] and not o.finished
+
+
 def test_failing_a_request_that_is_gone_is_nothing(processor):
     processor.fail("never-added", RuntimeError("late"))
     assert processor.requests == {}
