@@ -7,7 +7,7 @@ llama.cpp's own converter, as ``benchmarks.compare`` does).
         # writes benchmarks/results/speculative_<kernels>[_int4].json
 
 Two workloads, greedy, batch 1, each the median of ``--repeats`` timed generations after a
-warm-up:
+warm-up, a system's two variants (without and with speculation) timed in turn in one process:
 - ``edit``: "rewrite this function" with the function in the prompt and the answer begun, so
   that the answer repeats most of the prompt (where prompt lookup drafts are accepted);
 - ``free``: free generation from a short prompt (little to look up: speculation must cost
@@ -20,18 +20,21 @@ K, "prompt_lookup_max": N}'`` against llama-cpp-python's
 pagedserve's acceptance rate and mean accepted length. ``--precision 16bit`` runs pagedserve in
 bf16 against llama.cpp's F16 file; ``int4`` pagedserve's INT4 (lm_head INT4) against Q4_0. No
 prefix caching: each repetition computes its prompt. Each system runs in its own process; check
-`uptime` first: nothing else should be running.
+`uptime` first: nothing else should be running. The speed-up is the median of the runs' ratios
+(each measured in one process), not a ratio of medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from benchmarks.bench_models import cache_root
@@ -40,7 +43,6 @@ from benchmarks.compare import (
     PAGEDSERVE_KERNELS,
     llama_paths,
     llama_system_info,
-    timed_median,
 )
 from benchmarks.results import spread, write_result
 
@@ -74,68 +76,96 @@ def speculative_config(k: int, n: int) -> dict:
             "prompt_lookup_min": 2}  # fmt: skip
 
 
-# ---- workers (each in its own process) -----------------------------------------------------------
+# ---- workers (each system in its own process) ----------------------------------------------------
+def alternated_medians(runs: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each ``runs[name]()`` after one warm-up each, timed in turn, one of
+    each per round: the variants of a system see the same machine, so a drift of its speed (the
+    spread between runs here is wider than the effect measured) falls on both alike."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+SPEC_COUNTERS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
+
+
 def worker_pagedserve(args: argparse.Namespace) -> dict:
+    """pagedserve without and with speculation, two engines in one process."""
     from pagedserve import LLM, SamplingParams
 
-    spec = speculative_config(args.k, args.n) if args.speculate else None
     int4 = args.precision == "int4"
-    llm = LLM(
-        model="demo",
-        dtype="bfloat16",
-        quantization="int4" if int4 else None,
-        quantize_lm_head="int4" if int4 else None,
-        kernels=PAGEDSERVE_KERNELS[args.isa],
-        enable_prefix_caching=False,
-        speculative_config=spec,
-    )
+    engines = {
+        label: LLM(
+            model="demo",
+            dtype="bfloat16",
+            quantization="int4" if int4 else None,
+            quantize_lm_head="int4" if int4 else None,
+            kernels=PAGEDSERVE_KERNELS[args.isa],
+            enable_prefix_caching=False,
+            speculative_config=spec,
+        )
+        for label, spec in (("pagedserve", None), ("pagedserve ngram", speculative_config(args.k, args.n)))
+    }  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rows = {}
+    rows: dict[str, dict] = {label: {} for label in engines}
     for name, prompt in WORKLOADS.items():
-        before = llm.llm_engine.get_stats()
+        lengths: dict[str, int] = {}
+        before = engines["pagedserve ngram"].llm_engine.get_stats()
 
-        lengths: list[int] = []
+        def run(label, prompt=prompt, lengths=lengths):
+            out = engines[label].generate(prompt, params, use_tqdm=False)[0].outputs[0]
+            lengths[label] = len(out.token_ids)
 
-        def run(prompt=prompt, lengths=lengths):
-            out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-            lengths.append(len(out.token_ids))
-
-        seconds, num_tokens = timed_median(run, args.repeats), lengths[-1]
-        after = llm.llm_engine.get_stats()
-        rows[name] = {"tokens_per_s": num_tokens / seconds, "num_tokens": num_tokens}
-        if spec:
-            delta = {
-                k: after[k] - before[k]
-                for k in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                          "spec_decode_num_accepted_tokens_total")
-            }  # fmt: skip
-            drafts, steps = (
-                delta["spec_decode_num_draft_tokens_total"],
-                delta["spec_decode_num_drafts_total"],
-            )
-            accepted = delta["spec_decode_num_accepted_tokens_total"]
-            rows[name]["acceptance_rate"] = accepted / drafts if drafts else 0.0
-            rows[name]["mean_acceptance_length"] = 1 + accepted / steps if steps else 0.0
+        seconds = alternated_medians(
+            {label: functools.partial(run, label) for label in engines}, args.repeats
+        )
+        for label in engines:
+            rows[label][name] = {
+                "tokens_per_s": lengths[label] / seconds[label],
+                "num_tokens": lengths[label],
+            }
+        after = engines["pagedserve ngram"].llm_engine.get_stats()
+        drafts, draft_tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+        rows["pagedserve ngram"][name]["acceptance_rate"] = (
+            accepted / draft_tokens if draft_tokens else 0.0
+        )
+        rows["pagedserve ngram"][name]["mean_acceptance_length"] = (
+            1 + accepted / drafts if drafts else 0.0
+        )
     return rows
 
 
 LLAMA_WORKER = """
-import json, statistics, sys, time
+import functools, json, sys
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+sys.path.insert(0, sys.argv[7])
+from benchmarks.speculative import alternated_medians
 path, workloads, k, n, max_tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
-draft = LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=n) if k else None
-llm = Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, draft_model=draft)
-rows = {}
+llms = {
+    label: Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, draft_model=draft)
+    for label, draft in (("llama.cpp", None),
+                         ("llama.cpp lookup", LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=n)))
+}
+rows = {label: {} for label in llms}
 for name, prompt in workloads.items():
-    def run():
-        out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
-        return out["usage"]["completion_tokens"]
-    num = run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter(); num = run(); times.append(time.perf_counter() - start)
-    rows[name] = {"tokens_per_s": num / statistics.median(times), "num_tokens": num}
+    counts = {}
+    def run(label, prompt=prompt):
+        out = llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+        counts[label] = out["usage"]["completion_tokens"]
+    seconds = alternated_medians({label: functools.partial(run, label) for label in llms}, repeats)
+    for label in llms:
+        rows[label][name] = {"tokens_per_s": counts[label] / seconds[label], "num_tokens": counts[label]}
 print(json.dumps(rows))
 """
 
@@ -160,21 +190,21 @@ def demo_gguf(root: Path, isa: str, precision: str) -> Path:
     return out_dir / name
 
 
-def run_llama(args: argparse.Namespace, root: Path, k: int) -> dict:
+def run_llama(args: argparse.Namespace, root: Path) -> dict:
     venv, _ = llama_paths(root, args.isa)
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", LLAMA_WORKER,
-         str(demo_gguf(root, args.isa, args.precision)), json.dumps(WORKLOADS), str(k),
-         str(args.n), str(args.max_tokens), str(args.repeats)],
+         str(demo_gguf(root, args.isa, args.precision)), json.dumps(WORKLOADS), str(args.k),
+         str(args.n), str(args.max_tokens), str(args.repeats), str(ROOT)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_pagedserve(args: argparse.Namespace, speculate: bool) -> dict:
+def run_pagedserve(args: argparse.Namespace) -> dict:
     flags = ["--worker", "--isa", args.isa, "--precision", args.precision, "--k", str(args.k)]
     flags += ["--n", str(args.n), "--max-tokens", str(args.max_tokens)]
-    flags += ["--repeats", str(args.repeats)] + ["--speculate"] * speculate
+    flags += ["--repeats", str(args.repeats)]
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.speculative", *flags],
         cwd=ROOT,
@@ -186,22 +216,18 @@ def run_pagedserve(args: argparse.Namespace, speculate: bool) -> dict:
 
 
 def one_run(args: argparse.Namespace, root: Path) -> dict:
-    systems = {}
-    for speculate in (False, True):
-        label = "pagedserve" + (" ngram" if speculate else "")
-        print(f"{label} ...", flush=True)
-        systems[label] = run_pagedserve(args, speculate)
+    print("pagedserve, without and with speculation ...", flush=True)
+    systems = run_pagedserve(args)
     if not args.skip_llama:
-        for k in (0, args.k):
-            label = "llama.cpp" + (" lookup" if k else "")
-            print(f"{label} ...", flush=True)
-            systems[label] = run_llama(args, root, k)
+        print("llama.cpp, without and with lookup decoding ...", flush=True)
+        systems |= run_llama(args, root)
     return systems
 
 
 def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build: str) -> dict:
-    """Per workload and system: tokens/s (the median over runs and its range), and pagedserve's
-    speed-up from speculation and its acceptance."""
+    """Per workload and system: tokens/s (the median over runs and its range), each system's
+    speed-up from speculation (the median and range of its runs' ratios) and pagedserve's
+    acceptance."""
     workloads = {}
     for name in WORKLOADS:
         rows = {}
@@ -214,10 +240,14 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
             for key in ("acceptance_rate", "mean_acceptance_length"):
                 if key in runs[0][system][name]:
                     rows[system][key] = statistics.median(r[system][name][key] for r in runs)
-        base, spec = rows["pagedserve"], rows["pagedserve ngram"]
-        rows["pagedserve speed-up"] = (
-            spec["tokens_per_s"]["median"] / base["tokens_per_s"]["median"]
-        )
+        rows |= {
+            f"{system} speed-up": spread(
+                [r[f"{system} {how}"][name]["tokens_per_s"] / r[system][name]["tokens_per_s"]
+                 for r in runs]
+            )
+            for system, how in (("pagedserve", "ngram"), ("llama.cpp", "lookup"))
+            if f"{system} {how}" in runs[0]
+        }  # fmt: skip
         workloads[name] = rows
     return {
         "kernels": kernels,
@@ -245,7 +275,6 @@ def main() -> None:
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="print the figures only")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--speculate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker_pagedserve(args)))
