@@ -22,7 +22,7 @@ from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_group import RequestGroup, make_request_output
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
-from pagedserve.engine.spec_decode import DraftState, NgramProposer, RowCost, SpecDecodeStats
+from pagedserve.engine.spec_decode import DraftState, NgramProposer, SpecDecodeStats
 from pagedserve.engine.stop_checker import check_stop
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
@@ -120,7 +120,6 @@ class LLMEngine:
         spec = config.speculative
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
-        self.row_cost = RowCost()  # what a draft's row costs a step (speculation only)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.model.tokenizer or self.model_path)
@@ -403,8 +402,6 @@ class LLMEngine:
         costs, timing = self.scheduler.costs, result.timing
         costs.observe_copies(timing.num_pages_moved, timing.move_seconds)
         costs.observe_forward(timing.num_tokens, timing.forward_seconds)
-        if self.proposer is not None:
-            self._time_rows(sched, timing.forward_seconds)
         drafts = {}  # sequence id -> the drafts it verified this step
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -428,7 +425,7 @@ class LLMEngine:
             seq = group.seqs[index]
             num_drafts = len(drafts.get(seq_id, ()))
             if num_drafts:
-                self._verified(seq, num_drafts, len(tokens) - 1, len(sched.scheduled))
+                self._verified(seq, num_drafts, len(tokens) - 1)
             logprobs = result.logprobs[seq_id]
             num_new = 0
             for i, token in enumerate(tokens):  # nothing past a stop is appended
@@ -447,20 +444,13 @@ class LLMEngine:
         return advanced
 
     # ---- speculative decoding -----------------------------------------------------------------
-    def _time_rows(self, sched: SchedulerOutput, seconds: float) -> None:
-        """A decode-only step's rows and forward time, for ``RowCost`` (a step with a prompt's
-        chunk costs what its prompt does, and tells nothing about draft rows)."""
-        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled):
-            self.row_cost.observe(sum(s.num_new_tokens for s in sched.scheduled), seconds)
-
-    def _verified(self, seq: Request, num_drafts: int, num_accepted: int, batch: int) -> None:
-        """A sequence's drafts were verified in a step of ``batch`` sequences: its rejected ones
-        are no longer computed tokens (the pages only they were written to go back once its new
-        tokens are appended)."""
+    def _verified(self, seq: Request, num_drafts: int, num_accepted: int) -> None:
+        """A sequence's drafts were verified: its rejected ones are no longer computed tokens
+        (the pages only they were written to go back once its new tokens are appended)."""
         seq.num_computed_tokens -= num_drafts - num_accepted
         seq.spec_token_ids = []
         self.spec_stats.observe(num_drafts, num_accepted)
-        seq.draft_state.observe(num_drafts, num_accepted, self.row_cost.relative(batch))
+        seq.draft_state.observe(num_drafts, num_accepted)
 
     def _propose_drafts(self, seq: Request) -> None:
         """Drafts for a running sequence's next step, as many as its ``max_tokens`` and the

@@ -10,14 +10,9 @@ with numpy at every step, which for a 10,000-token sequence took 0.4 ms a step (
 demo-model step) even when nothing repeats; the index took 5 us.
 
 The back-off is ours (vLLM has none for n-gram): a request whose last ``BACKOFF_AFTER`` drafting
-steps failed drafts no more for ``cooldown`` steps, which doubles each time up to ``MAX_COOLDOWN``
-and resets after a step that did not fail. A drafting step fails when it accepted nothing, or
-when its request's drafts are accepted less often than a draft row pays for: each draft is a
-query row of the step, and ``RowCost`` measures what a row adds to a step's time on this machine
-and model. Where a step streams its weights from memory a row costs little; where it is bound by
-its arithmetic (the demo model, in the CPU's caches: a row adds about 0.2 of a step in bf16 and
-0.35 in INT4 on one Zen 3 core) a draft must be accepted that often to pay. A workload with no
-repetition thus pays at most one draft row every so often, and the lookup itself.
+steps accepted nothing drafts no more for ``cooldown`` steps, which doubles each time up to
+``MAX_COOLDOWN`` and resets when a draft is accepted. A workload with no repetition thus pays at
+most one draft row every so often, and the lookup itself (a few dictionary probes).
 """
 
 from __future__ import annotations
@@ -26,33 +21,24 @@ from dataclasses import dataclass
 
 from pagedserve.config import SpeculativeConfig
 
-BACKOFF_AFTER = 2  # failed drafting steps in a row before a request backs off
+BACKOFF_AFTER = 2  # drafting steps in a row with nothing accepted before a request backs off
 FIRST_COOLDOWN = 4  # steps without drafts, the first time
 MAX_COOLDOWN = 64
-ACCEPTANCE_WEIGHT = 0.3  # a request's acceptance rate: this weight on its latest drafting step
 
 
 @dataclass(slots=True)
 class DraftState:
     """One request's speculation: its back-off and what its drafts achieved."""
 
-    num_failed: int = 0  # failed drafting steps in a row
+    num_failed: int = 0  # drafting steps in a row that accepted nothing
     cooldown: int = FIRST_COOLDOWN  # the next back-off's length, in steps
     resume_at: int = 0  # the request's step count from which it drafts again
     num_steps: int = 0  # its decode steps so far (the back-off's clock)
-    acceptance: float | None = None  # its drafts' acceptance rate, a moving average
     index: NgramIndex | None = None  # its n-grams (built at its first lookup)
 
-    def observe(self, num_drafts: int, num_accepted: int, row_cost: float | None = None) -> None:
-        """One verification step's result; ``row_cost``: what a draft row adds to the step's
-        time, relative to the step without drafts (``RowCost.relative``; None: not known yet)."""
-        rate = num_accepted / num_drafts
-        if self.acceptance is None:
-            self.acceptance = rate
-        else:
-            self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
-        pays = row_cost is None or self.acceptance > row_cost
-        if num_accepted and pays:
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification step's result."""
+        if num_accepted:
             self.num_failed, self.cooldown = 0, FIRST_COOLDOWN
             return
         self.num_failed += 1
@@ -112,35 +98,6 @@ class NgramProposer:
         if state.index is None:
             state.index = NgramIndex(self.min_n, self.max_n)
         return state.index.drafts(tokens, limit)
-
-
-class RowCost:
-    """A decode step's time as ``fixed + per_row * rows``, fitted to the steps the engine runs by
-    least squares that forget old steps (each step's weight decays by ``decay`` a step): what a
-    draft's query row costs on this machine, for this model, now."""
-
-    def __init__(self, decay: float = 0.98):
-        self.decay = decay
-        self.sums = [0.0] * 5  # weights, and weighted rows, rows^2, seconds, rows * seconds
-
-    def observe(self, rows: int, seconds: float) -> None:
-        """One decode-only step (every row a running request's next token or a draft)."""
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            self.sums[i] = self.sums[i] * self.decay + v
-
-    def relative(self, rows: int) -> float | None:
-        """What one more row adds to a step of ``rows`` rows, relative to that step's time; None
-        until steps of different row counts have been seen."""
-        w, r, rr, t, rt = self.sums
-        if w == 0.0:
-            return None
-        variance = rr / w - (r / w) ** 2
-        if variance < 0.01:  # (nearly) every step had the same rows: no slope to fit
-            return None
-        per_row = max((rt / w - (r / w) * (t / w)) / variance, 0.0)
-        fixed = t / w - per_row * r / w
-        step = fixed + per_row * rows
-        return per_row / step if step > 0 else None
 
 
 @dataclass(slots=True)

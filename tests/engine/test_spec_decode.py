@@ -17,7 +17,6 @@ from pagedserve.engine.spec_decode import (
     FIRST_COOLDOWN,
     DraftState,
     NgramIndex,
-    RowCost,
 )
 from tests.engine.test_engine_numerics import PROMPTS, _assert_pool_drained, _tier_kwargs
 from tests.helpers.models import build_tiny_hf_model
@@ -88,36 +87,6 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again():
     assert sum(drafting) < 15  # the cooldown doubles
     state.observe(3, 2)  # an accepted draft resets it
     assert state.num_failed == 0 and state.cooldown == FIRST_COOLDOWN
-
-
-def test_a_request_backs_off_when_its_drafts_are_accepted_less_often_than_a_row_costs():
-    # each step accepts 1 of 4 drafts (25%): it pays where a draft row adds 10% to a step, and
-    # fails (so backs off) where it adds 40%
-    cheap, dear = DraftState(), DraftState()
-    for _ in range(BACKOFF_AFTER):
-        cheap.observe(4, 1, row_cost=0.1)
-        dear.observe(4, 1, row_cost=0.4)
-    assert cheap.resume_at == 0 and cheap.acceptance == pytest.approx(0.25)
-    assert dear.resume_at == dear.num_steps + FIRST_COOLDOWN
-    unknown = DraftState()  # no estimate of the row's cost yet: an accepted draft is a success
-    for _ in range(BACKOFF_AFTER):
-        unknown.observe(4, 1, row_cost=None)
-    assert unknown.resume_at == 0
-
-
-def test_the_row_cost_is_fitted_to_the_decode_steps_and_forgets_old_ones():
-    cost = RowCost()
-    assert cost.relative(1) is None
-    for _ in range(50):
-        cost.observe(1, 1.0)
-    assert cost.relative(1) is None  # one row count: no slope
-    for rows in [1, 6, 1, 1, 3] * 60:  # 0.5 s a step plus 0.25 s a row (the old steps fade)
-        cost.observe(rows, 0.5 + 0.25 * rows)
-    assert cost.relative(1) == pytest.approx(0.25 / 0.75, rel=0.05)
-    assert cost.relative(4) == pytest.approx(0.25 / 1.5, rel=0.05)  # a batch of 4: 1/6 each
-    for rows in [1, 6] * 200:  # the machine got busy on something else: rows now cost nothing
-        cost.observe(rows, 2.0)
-    assert cost.relative(1) == pytest.approx(0.0, abs=0.01)
 
 
 @pytest.mark.parametrize(
