@@ -38,12 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_models import cache_root
-from benchmarks.compare import (
-    CONVERT,
-    PAGEDSERVE_KERNELS,
-    llama_paths,
-    llama_system_info,
-)
+from benchmarks.compare import CONVERT, PAGEDSERVE_KERNELS, llama_paths, llama_system_info
 from benchmarks.results import spread, write_result
 
 ROOT = Path(__file__).resolve().parents[1]

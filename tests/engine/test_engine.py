@@ -103,11 +103,8 @@ def test_min_tokens_beyond_the_room_a_prompt_leaves_is_rejected_naming_min_token
     with pytest.raises(RequestRejectedError, match="leave room for 10 in max_model_len 100") as e:
         engine.add_request("a", [5] * 90, SamplingParams(max_tokens=None, min_tokens=11))
     assert (e.value.param, e.value.too_long) == ("min_tokens", True)
-    engine.add_request("b", [5] * 90, SamplingParams(max_tokens=None, min_tokens=10))
-    finished = []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-    assert [len(o.outputs[0].token_ids) for o in finished] == [10]  # all the room there was
+    outputs = _run_to_the_end(engine, "b", [5] * 90, SamplingParams(max_tokens=None, min_tokens=10))
+    assert len(outputs[-1].outputs[0].token_ids) == 10 and outputs[-1].finished  # all the room
 
 
 def test_rejection_leaves_the_engine_serving_others(tiny_llm):
