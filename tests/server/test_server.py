@@ -35,10 +35,6 @@ def _metrics(live_server) -> dict[str, float]:
     return read_metrics(live_server.url)
 
 
-def _wait_idle(live_server) -> dict[str, float]:
-    return wait_idle(live_server.url)
-
-
 def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(torch.tensor([ids])).logits[0].float()
@@ -373,7 +369,7 @@ def test_32_concurrent_streams_complete_and_free_every_page(live_server):
 
     before = _metrics(live_server)
     assert asyncio.run(run()) == [8] * 32
-    after = _wait_idle(live_server)
+    after = wait_idle(live_server.url)
     assert after["pagedserve:kv_cache_usage_perc"] == 0
     assert after["pagedserve:num_requests_running"] == 0
     assert (
@@ -404,7 +400,7 @@ def test_disconnected_stream_is_aborted_and_its_pages_freed(live_server, slow_st
                 next(lines)
             usage = _metrics(live_server)["pagedserve:kv_cache_usage_perc"]
             assert usage > 0
-    after = _wait_idle(live_server)
+    after = wait_idle(live_server.url)
     assert after["pagedserve:kv_cache_usage_perc"] == 0
     assert after["pagedserve:num_requests_running"] == 0
     assert after[aborted] == before + 1
@@ -537,7 +533,7 @@ def test_a_failing_step_fails_its_request_and_the_loop_lives_on(openai_client, l
     assert "injected" in e.value.message
     assert httpx.get(live_server.url + "/health").status_code == 200
     assert openai_client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
-    _wait_idle(live_server)
+    wait_idle(live_server.url)
 
 
 def test_health_is_503_when_the_engine_loop_dies(tiny_glm4):

@@ -472,15 +472,10 @@ def test_an_aborted_request_leaves_the_others_untouched(live_server, offline, sl
     thread.join(60)
     expected = run_offline(offline, "completions", SamplingParams(**{**BASE, "max_tokens": 40}))
     assert other["choices"][0]["text"] == expected.outputs[0].text
-    after = _wait_idle(live_server)
+    after = wait_idle(live_server.url)
     assert _delta(before, after, aborted) == 1
     assert _delta(before, after, finished) == 1
     assert after["pagedserve:kv_cache_usage_perc"] == 0
-
-
-def _wait_idle(live_server) -> dict[str, float]:
-    """The metrics once nothing runs or waits (the abort reaches the engine loop asynchronously)."""
-    return wait_idle(live_server.url)
 
 
 def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server, slow_steps):
@@ -496,7 +491,7 @@ def test_an_aborted_n_request_counts_each_of_its_sequences_once(live_server, slo
             lines = r.iter_lines()
             for _ in range(4):
                 next(lines)
-    after = _wait_idle(live_server)
+    after = wait_idle(live_server.url)
     while _delta(before, after, _success("abort")) < 2:  # counted as the stream closes
         after = _metrics(live_server)
         time.sleep(0.05)
