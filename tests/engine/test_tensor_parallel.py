@@ -320,6 +320,11 @@ def odd_vocab_one_card(odd_vocab_dir):
 
 
 DENSE_AND_INT4 = {"dense": {}, "int4": {"quantization": "int4", "quantize_lm_head": "int4"}}
+# fp32 dense: only the all-reduce's summation order differs. INT4: the W4A16 kernel rounds its
+# activations to bf16, so a last-bit fp32 difference (that order, or tp 1's fused decoder layer
+# against tp > 1's layer by layer) can flip a bf16 rounding: 3.6e-4 seen on Zen 4, none on Intel.
+# Both stay far below the 0.046 that the padding would cost.
+LOGPROB_TOLERANCE = {"dense": 1e-4, "int4": 2e-3}
 
 
 def _greedy_outputs(path, **kwargs):
@@ -351,7 +356,7 @@ def test_an_odd_vocabulary_gives_one_cards_greedy_tokens_and_logprobs(
         for logprobs, ref_logprobs in zip(out.logprobs, ref.logprobs):
             # 29 padding logits in the softmax would move every logprob by log(640/611) = 0.046
             assert logprobs.keys() == ref_logprobs.keys()
-            assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+            assert logprobs == pytest.approx(ref_logprobs, abs=LOGPROB_TOLERANCE[quant])
 
 
 def test_sampling_and_grammars_at_tp_2_never_see_the_padding(odd_vocab_dir):
