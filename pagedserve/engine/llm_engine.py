@@ -414,8 +414,6 @@ class LLMEngine:
             parent = self.groups[parent_id].seqs[0]
             for child in children:
                 self.block_manager.fork(parent, child)
-                if child.structured_output is not None:
-                    child.structured_output.fork(parent.structured_output)
                 child.num_computed_tokens = parent.num_computed_tokens
                 self.scheduler.admit_forked(child)
             self.groups[parent_id].pending_forks = []

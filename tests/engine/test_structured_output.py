@@ -157,9 +157,10 @@ def test_bad_constraints_are_rejected_offline_with_the_reason(demo_llm):
     assert '"not"' in out.error
 
 
-def test_preempted_constrained_requests_rebuild_their_grammar_state():
+def test_preempted_constrained_requests_rebuild_their_grammar_state(caplog):
     """A KV pool too small for all of them: requests are preempted mid-answer, recompute, and
-    their matchers are rebuilt from their output tokens; every answer still validates."""
+    their matchers are rebuilt from their output tokens; every replay is accepted and every
+    answer still validates."""
     from pagedserve import LLM
 
     small = LLM("demo", num_kv_pages=24, block_size=16, max_num_seqs=8)
@@ -168,8 +169,12 @@ def test_preempted_constrained_requests_rebuild_their_grammar_state():
         prompts, _params(json=SCHEMA, temperature=0.8, seed=1, max_tokens=200), use_tqdm=False
     )
     assert small.llm_engine.scheduler.num_preemptions > 0
+    assert REPLAY_FAILED not in caplog.text
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+REPLAY_FAILED = "replaying a constrained sequence failed"
 
 
 def test_replayed_matcher_allows_the_same_tokens_as_the_live_one():
@@ -190,6 +195,19 @@ def test_replayed_matcher_allows_the_same_tokens_as_the_live_one():
     replayed.output_token_ids = list(answer)
     assert (manager.grammar_bitmask([live]) == manager.grammar_bitmask([replayed])).all()
     manager.shutdown()
+
+
+def test_a_replay_the_grammar_refuses_is_logged(caplog):
+    from pagedserve.engine.structured_output.manager import StructuredOutputManager
+    from pagedserve.models import Tokenizer
+
+    tok = Tokenizer(DEMO_DIR())
+    manager = StructuredOutputManager(DEMO_DIR() / "tokenizer.json", 4096, tok.eos_token_ids)
+    so = manager.request(StructuredOutputsParams(json=SCHEMA))
+    so.grammar.result(timeout=30)
+    so.matcher_for(tok.encode("hello", False))  # not JSON: the matcher stops at the first token
+    manager.shutdown()
+    assert REPLAY_FAILED in caplog.text
 
 
 def DEMO_DIR():

@@ -82,7 +82,7 @@ class StructuredOutputManager:
         self.cache.move_to_end(key)
         while len(self.cache) > GRAMMAR_CACHE_SIZE:
             self.cache.popitem(last=False)
-        return StructuredOutputRequest(params, future)
+        return StructuredOutputRequest(future)
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_for(*params.key), log_level=0)

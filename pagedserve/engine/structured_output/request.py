@@ -1,6 +1,6 @@
 """One constrained sequence: its compiled grammar and the matcher that follows its output
 tokens. A preempted sequence drops its matcher and rebuilds it by replaying its output tokens when
-it runs again."""
+it runs again; so does a sibling of an ``n > 1`` request, forked before any output."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import logging
 
 import llguidance
 
-from pagedserve.sampling_params import StructuredOutputsParams
-
 logger = logging.getLogger(__name__)
 
 
@@ -18,8 +16,7 @@ class StructuredOutputRequest:
     """One sequence's constraint: the compiled grammar (a future while it compiles) and the
     matcher that follows the sequence's output tokens."""
 
-    def __init__(self, params: StructuredOutputsParams, grammar: concurrent.futures.Future):
-        self.params = params
+    def __init__(self, grammar: concurrent.futures.Future):
         self.grammar = grammar
         self.matcher: llguidance.LLMatcher | None = None
 
@@ -42,11 +39,6 @@ class StructuredOutputRequest:
                 logger.warning("replaying a constrained sequence failed: %s", matcher.get_error())
             self.matcher = matcher
         return self.matcher
-
-    def fork(self, parent: StructuredOutputRequest) -> None:
-        """A sibling of an ``n > 1`` request starts from its parent's matcher."""
-        if parent.matcher is not None:
-            self.matcher = parent.matcher.deep_copy()
 
     def release(self) -> None:
         self.matcher = None
