@@ -134,30 +134,49 @@ def test_readme_shows_the_demo_models_real_completion(readme_server):
     assert _per_request(out) == _per_request(shown)
 
 
-def test_the_server_scores_the_heldout_slice_as_training_recorded(readme_server):
+# held-out set (benchmarks/demo_heldout.py's name) -> its file and training's figures
+HELDOUT_SETS = {
+    "cpython": (demo_heldout.HELDOUT_FILE, "heldout_bits_per_char", "test_slice_bits_per_char"),
+    "prose": (
+        demo_heldout.PROSE_FILE,
+        "heldout_prose_bits_per_char",
+        "test_prose_slice_bits_per_char",
+    ),
+    "dictionaries": (demo_heldout.DICTIONARIES_FILE, "heldout_dictionaries_bits_per_char", None),
+    "chat": (demo_heldout.CHAT_FILE, "heldout_chat_bits_per_char", None),
+}
+
+
+@pytest.mark.parametrize("name", ["cpython", "prose"])
+def test_the_server_scores_the_heldout_slice_as_training_recorded(readme_server, name):
     """echo + logprobs through the server on the slice metrics.json records (held-out documents
     the model never trained on): the shipped model is as good there as its training run said."""
     _, port = readme_server
-    bench = demo_heldout  # benchmarks/demo_heldout.py: the held-out measure through the server
-    text = bench.HELDOUT_FILE.read_text(encoding="utf-8")[: DEMO_METRICS["test_slice_chars"]]
-    measured = bench.server_bits_per_char(f"http://127.0.0.1:{port}", text)
-    recorded = DEMO_METRICS["test_slice_bits_per_char"]
+    path, _, slice_key = HELDOUT_SETS[name]
+    text = path.read_text(encoding="utf-8")[: DEMO_METRICS["test_slice_chars"]]
+    measured = demo_heldout.server_bits_per_char(f"http://127.0.0.1:{port}", text)
+    recorded = DEMO_METRICS[slice_key]
     assert measured["heldout_bits_per_char"] <= recorded + SERVER_BITS_PER_CHAR_TOLERANCE
     assert measured["heldout_bits_per_char"] == pytest.approx(
         recorded, abs=SERVER_BITS_PER_CHAR_TOLERANCE
     )
 
 
-def test_readme_quotes_the_heldout_bits_per_char_measured_through_the_server():
-    """The README's figure is benchmarks/demo_heldout.py's result on the whole held-out text, and
+@pytest.mark.parametrize("name", HELDOUT_SETS)
+def test_readme_quotes_the_heldout_bits_per_char_measured_through_the_server(name):
+    """Each README figure is benchmarks/demo_heldout.py's result on a whole held-out set, and
     that agrees with what training recorded for the shipped weights."""
     result = json.loads((ROOT / "benchmarks" / "results" / "demo_heldout.json").read_text())
-    bpc = result["heldout_bits_per_char"]
-    assert result["heldout_chars"] == DEMO_METRICS["heldout_chars"]
-    assert bpc == pytest.approx(
-        DEMO_METRICS["heldout_bits_per_char"], abs=SERVER_BITS_PER_CHAR_TOLERANCE
-    )
-    assert readme_gb(r"held-out documents it never trained on: ([\d.]+) bits per") == round(bpc, 3)
+    row = result[name]
+    path, key, _ = HELDOUT_SETS[name]
+    if name == "chat":
+        assert row["heldout_chars"] == sum(len(t["answer"]) for t in demo_heldout.chat_turns())
+    else:
+        assert row["heldout_chars"] == len(path.read_text(encoding="utf-8"))
+    bpc = row["heldout_bits_per_char"]
+    assert bpc == pytest.approx(DEMO_METRICS[key], abs=SERVER_BITS_PER_CHAR_TOLERANCE)
+    shown = readme_gb(rf"\| `{name}` \| [^|]+ \| [\d,]+ \| ([\d.]+) \|")
+    assert shown == round(bpc, 3)
 
 
 @pytest.mark.parametrize("index", range(len(python_examples(server=True))))
