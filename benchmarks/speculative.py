@@ -7,11 +7,15 @@ llama.cpp's own converter, as ``benchmarks.compare`` does).
         # writes benchmarks/results/speculative_<kernels>[_int4].json
 
 Two workloads, greedy, batch 1, each the median of ``--repeats`` timed generations after a
-warm-up, a system's two variants (without and with speculation) timed in turn in one process:
-- ``edit``: "rewrite this function" with the function in the prompt and the answer begun, so
-  that the answer repeats most of the prompt (where prompt lookup drafts are accepted);
+warm-up, a system's two variants (without and with speculation) timed in turn in one process,
+both systems given the same prompt token ids:
+- ``edit``: a chat turn asking to rename a variable in a function given in full, so that the
+  answer repeats most of the prompt (where prompt lookup drafts are accepted; the demo model
+  learnt such renames on standard-library functions, not on this one);
 - ``free``: free generation from a short prompt (little to look up: speculation must cost
   nothing here).
+Every generation has ``--max-tokens`` tokens: pagedserve's go on past a stop token
+(``ignore_eos``), llama.cpp's never sample one (``logit_bias``).
 
 For each, tokens/s (generated tokens / seconds, prompt included in the time) without and with
 speculation: pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -56,14 +61,35 @@ FUNCTION = '''def summarize_orders(orders, tax_rate):
     mean = total / len(orders) if orders else 0.0
     return {"total": total, "mean": mean, "largest": largest}
 '''
-WORKLOADS = {
-    "edit": (
-        "Rename the variable `value` to `amount` in this function and return the whole "
-        f"function.\n\n{FUNCTION}\nHere is the function with `value` renamed to `amount`:\n\n"
-        "def summarize_orders(orders, tax_rate):\n"
+WORKLOADS = {  # the prompts as text; both systems get the same token ids (prompt_ids)
+    "edit": (  # a chat turn, as a user asks a chat model to edit code
+        "[gMASK]<sop><|user|>\nRename the variable `value` to `amount` in this function and "
+        f"return the whole function.\n\n{FUNCTION}<|assistant|>\n"
     ),
-    "free": "Once upon a time, in a small village by the sea, there lived",
+    "free": "[gMASK]<sop>Once upon a time, in a small village by the sea, there lived",
 }
+
+
+def prompt_ids() -> dict[str, list[int]]:
+    """Each workload's prompt in the demo model's token ids."""
+    from tokenizers import Tokenizer
+
+    from pagedserve.models import resolve_model_path
+
+    tokenizer = Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
+    return {name: tokenizer.encode(text).ids for name, text in WORKLOADS.items()}
+
+
+def stop_ids() -> list[int]:
+    """The demo model's stop tokens, which llama.cpp's run never samples (pagedserve's runs go on
+    past them, ignore_eos), so that every generation has --max-tokens tokens."""
+    from tokenizers import Tokenizer
+
+    from pagedserve.models import resolve_model_path
+    from pagedserve.models.tokenizer import STOP_TOKENS
+
+    tokenizer = Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
+    return [tokenizer.token_to_id(token) for token in STOP_TOKENS]
 
 
 def speculative_config(k: int, n: int) -> dict:
@@ -111,9 +137,10 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
         )
         for label, spec in (("pagedserve", None), ("pagedserve ngram", speculative_config(args.k, args.n)))
     }  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows: dict[str, dict] = {label: {} for label in engines}
-    for name, prompt in WORKLOADS.items():
+    for name, ids in prompt_ids().items():
+        prompt = {"prompt_token_ids": ids}
         lengths: dict[str, int] = {}
         before = engines["pagedserve ngram"].llm_engine.get_stats()
 
@@ -147,6 +174,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 sys.path.insert(0, sys.argv[7])
 from benchmarks.speculative import alternated_medians
 path, workloads, k, n, max_tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
+never = {token: -100.0 for token in json.loads(sys.argv[8])}  # the stop tokens: no early end
 llms = {
     label: Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, draft_model=draft)
     for label, draft in (("llama.cpp", None),
@@ -156,7 +184,8 @@ rows = {label: {} for label in llms}
 for name, prompt in workloads.items():
     counts = {}
     def run(label, prompt=prompt):
-        out = llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0)
+        out = llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
+                                           logit_bias=never)
         counts[label] = out["usage"]["completion_tokens"]
     seconds = alternated_medians({label: functools.partial(run, label) for label in llms}, repeats)
     for label in llms:
@@ -166,14 +195,17 @@ print(json.dumps(rows))
 
 
 def demo_gguf(root: Path, isa: str, precision: str) -> Path:
-    """The demo model as GGUF (F16, and Q4_0 from it), converted once into the cache."""
-    out_dir = root / "demo-gguf"
+    """The demo model as GGUF (F16, and Q4_0 from it), converted once into the cache, under a
+    name that changes with its weights (a retrained demo model is converted again)."""
+    from pagedserve.models import resolve_model_path
+
+    model = resolve_model_path("demo")
+    digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()[:12]
+    out_dir = root / f"demo-gguf-{digest}"
     name = "f16.gguf" if precision == "16bit" else "q4_0.gguf"
     if (out_dir / name).exists():
         return out_dir / name
-    from pagedserve.models import resolve_model_path
-
-    shutil.copytree(resolve_model_path("demo"), out_dir / "model", dirs_exist_ok=True)
+    shutil.copytree(model, out_dir / "model", dirs_exist_ok=True)
     venv, converter = llama_paths(root, isa)
     print("converting the demo model to GGUF with llama.cpp's converter ...", flush=True)
     subprocess.run(
@@ -189,8 +221,8 @@ def run_llama(args: argparse.Namespace, root: Path) -> dict:
     venv, _ = llama_paths(root, args.isa)
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", LLAMA_WORKER,
-         str(demo_gguf(root, args.isa, args.precision)), json.dumps(WORKLOADS), str(args.k),
-         str(args.n), str(args.max_tokens), str(args.repeats), str(ROOT)],
+         str(demo_gguf(root, args.isa, args.precision)), json.dumps(prompt_ids()), str(args.k),
+         str(args.n), str(args.max_tokens), str(args.repeats), str(ROOT), json.dumps(stop_ids())],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
