@@ -102,11 +102,12 @@ def server_chat_bits_per_char(url: str, turns: list[dict], concurrency: int = 4)
 
 def measure_all(url: str, chars: int | None = None) -> dict:
     """Every held-out set, by name."""
-    figures = {"cpython": server_bits_per_char(url, HELDOUT_FILE.read_text("utf-8")[:chars])}
-    if PROSE_FILE.exists():
-        for name, path in (("prose", PROSE_FILE), ("dictionaries", DICTIONARIES_FILE)):
-            figures[name] = server_bits_per_char(url, path.read_text("utf-8")[:chars])
-        figures["chat"] = server_chat_bits_per_char(url, chat_turns())
+    texts = {"cpython": HELDOUT_FILE, "prose": PROSE_FILE, "dictionaries": DICTIONARIES_FILE}
+    figures = {
+        name: server_bits_per_char(url, path.read_text("utf-8")[:chars])
+        for name, path in texts.items()
+    }
+    figures["chat"] = server_chat_bits_per_char(url, chat_turns())
     return figures
 
 
