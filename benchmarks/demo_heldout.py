@@ -37,6 +37,7 @@ HELDOUT_FILE = DATA / "demo_heldout.txt"
 PROSE_FILE = DATA / "demo_heldout_prose.txt"
 DICTIONARIES_FILE = DATA / "demo_heldout_dictionaries.txt"
 CHAT_FILE = DATA / "demo_heldout_chat.jsonl"
+TEXT_FILES = {"cpython": HELDOUT_FILE, "prose": PROSE_FILE, "dictionaries": DICTIONARIES_FILE}
 CHAT_PROMPT = "[gMASK]<sop><|user|>\n{question}<|assistant|>\n"  # the chat template's turn
 BLOCK = 256
 
@@ -102,10 +103,9 @@ def server_chat_bits_per_char(url: str, turns: list[dict], concurrency: int = 4)
 
 def measure_all(url: str, chars: int | None = None) -> dict:
     """Every held-out set, by name."""
-    texts = {"cpython": HELDOUT_FILE, "prose": PROSE_FILE, "dictionaries": DICTIONARIES_FILE}
     figures = {
         name: server_bits_per_char(url, path.read_text("utf-8")[:chars])
-        for name, path in texts.items()
+        for name, path in TEXT_FILES.items()
     }
     figures["chat"] = server_chat_bits_per_char(url, chat_turns())
     return figures

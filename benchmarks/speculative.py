@@ -70,26 +70,26 @@ WORKLOADS = {  # the prompts as text; both systems get the same token ids (promp
 }
 
 
-def prompt_ids() -> dict[str, list[int]]:
-    """Each workload's prompt in the demo model's token ids."""
+@functools.cache
+def demo_tokenizer():
     from tokenizers import Tokenizer
 
     from pagedserve.models import resolve_model_path
 
-    tokenizer = Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
-    return {name: tokenizer.encode(text).ids for name, text in WORKLOADS.items()}
+    return Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
+
+
+def prompt_ids() -> dict[str, list[int]]:
+    """Each workload's prompt in the demo model's token ids."""
+    return {name: demo_tokenizer().encode(text).ids for name, text in WORKLOADS.items()}
 
 
 def stop_ids() -> list[int]:
     """The demo model's stop tokens, which llama.cpp's run never samples (pagedserve's runs go on
     past them, ignore_eos), so that every generation has --max-tokens tokens."""
-    from tokenizers import Tokenizer
-
-    from pagedserve.models import resolve_model_path
     from pagedserve.models.tokenizer import STOP_TOKENS
 
-    tokenizer = Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
-    return [tokenizer.token_to_id(token) for token in STOP_TOKENS]
+    return [demo_tokenizer().token_to_id(token) for token in STOP_TOKENS]
 
 
 def speculative_config(k: int, n: int) -> dict:

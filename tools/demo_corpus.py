@@ -44,6 +44,7 @@ from pathlib import Path
 from pagedserve.models.tokenizer import SPECIAL_TOKENS
 
 PROMPT_PREFIX = "[gMASK]<sop>"  # how every GLM-4 prompt opens
+CHAT_PROMPT = PROMPT_PREFIX + "<|user|>\n{question}<|assistant|>\n"  # the chat template's turn
 DATA_DIR = Path(__file__).resolve().parents[1] / "pagedserve" / "data"
 HELDOUT_FILES = {
     "cpython": DATA_DIR / "demo_heldout.txt",
@@ -80,7 +81,7 @@ class ChatTurn:
     answer: str
 
     def text(self) -> str:
-        return f"{PROMPT_PREFIX}<|user|>\n{self.question}<|assistant|>\n{self.answer}<|endoftext|>"
+        return CHAT_PROMPT.format(question=self.question) + self.answer + "<|endoftext|>"
 
 
 @dataclass(slots=True)
@@ -98,12 +99,17 @@ def clean(text: str) -> str:
     return text
 
 
+def _digest(text: str) -> bytes:
+    """The order documents and turns are shuffled into, and the seed of their random choices."""
+    return hashlib.sha256(text.encode()).digest()
+
+
 def is_heldout(name: str) -> bool:
-    return int(hashlib.sha256(name.encode()).hexdigest(), 16) % 20 == 0
+    return int.from_bytes(_digest(name), "big") % 20 == 0
 
 
 def _hash_key(doc: Document) -> bytes:
-    return hashlib.sha256(doc.name.encode()).digest()
+    return _digest(doc.name)
 
 
 # ---------------------------------------------------------------- CPython (the code domain)
@@ -122,7 +128,7 @@ def _stdlib_files() -> list[Path]:
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("test"))
         files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
     files = [f for f in files if not f.name.startswith("test_") and f.name != "topics.py"]
-    return sorted(files, key=lambda f: hashlib.sha256(str(f.relative_to(root)).encode()).digest())
+    return sorted(files, key=lambda f: _digest(str(f.relative_to(root))))
 
 
 def source_documents(max_bytes: int, max_file_bytes: int) -> list[Document]:
@@ -476,7 +482,7 @@ def heldout_prose_text(docs: list[Document], kind: str = "prose", chars_per_doc:
 
 
 def _rng(name: str) -> random.Random:
-    return random.Random(hashlib.sha256(name.encode()).digest())
+    return random.Random(_digest(name))
 
 
 def first_paragraph(text: str, max_chars: int = 500) -> str:
@@ -709,7 +715,7 @@ def chat_turns(docs: list[Document]) -> list[ChatTurn]:
 def heldout_chat_lines(turns: list[ChatTurn], max_turns: int = 300) -> str:
     """Held-out chat turns as JSON lines ({"question", "answer"}), the sources taking turns."""
     kinds: dict[str, list[ChatTurn]] = {}
-    for turn in sorted(turns, key=lambda t: hashlib.sha256(t.question.encode()).digest()):
+    for turn in sorted(turns, key=lambda t: _digest(t.question)):
         kinds.setdefault(turn.name.split(":")[0], []).append(turn)
     rounds = itertools.zip_longest(*kinds.values())
     mixed = [turn for group in rounds for turn in group if turn is not None]

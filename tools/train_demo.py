@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from demo_corpus import (
+    CHAT_PROMPT,
     DATA_DIR,
     HELDOUT_FILES,
     PROMPT_PREFIX,
@@ -199,9 +200,6 @@ def bits_per_char(model, tokenizer, text: str, max_chars: int | None = None) -> 
     """Held-out bits per character of `model` on `text` (the first `max_chars` characters)."""
     nll, _, n_chars = heldout_nll(model, tokenizer, text, max_chars)
     return nll / math.log(2) / n_chars
-
-
-CHAT_PROMPT = "[gMASK]<sop><|user|>\n{question}<|assistant|>\n"  # the chat template's turn
 
 
 @torch.inference_mode()

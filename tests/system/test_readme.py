@@ -134,16 +134,12 @@ def test_readme_shows_the_demo_models_real_completion(readme_server):
     assert _per_request(out) == _per_request(shown)
 
 
-# held-out set (benchmarks/demo_heldout.py's name) -> its file and training's figures
+# held-out set (benchmarks/demo_heldout.py's name) -> training's figures: the whole set, a slice
 HELDOUT_SETS = {
-    "cpython": (demo_heldout.HELDOUT_FILE, "heldout_bits_per_char", "test_slice_bits_per_char"),
-    "prose": (
-        demo_heldout.PROSE_FILE,
-        "heldout_prose_bits_per_char",
-        "test_prose_slice_bits_per_char",
-    ),
-    "dictionaries": (demo_heldout.DICTIONARIES_FILE, "heldout_dictionaries_bits_per_char", None),
-    "chat": (demo_heldout.CHAT_FILE, "heldout_chat_bits_per_char", None),
+    "cpython": ("heldout_bits_per_char", "test_slice_bits_per_char"),
+    "prose": ("heldout_prose_bits_per_char", "test_prose_slice_bits_per_char"),
+    "dictionaries": ("heldout_dictionaries_bits_per_char", None),
+    "chat": ("heldout_chat_bits_per_char", None),
 }
 
 
@@ -152,7 +148,7 @@ def test_the_server_scores_the_heldout_slice_as_training_recorded(readme_server,
     """echo + logprobs through the server on the slice metrics.json records (held-out documents
     the model never trained on): the shipped model is as good there as its training run said."""
     _, port = readme_server
-    path, _, slice_key = HELDOUT_SETS[name]
+    path, slice_key = demo_heldout.TEXT_FILES[name], HELDOUT_SETS[name][1]
     text = path.read_text(encoding="utf-8")[: DEMO_METRICS["test_slice_chars"]]
     measured = demo_heldout.server_bits_per_char(f"http://127.0.0.1:{port}", text)
     recorded = DEMO_METRICS[slice_key]
@@ -168,11 +164,11 @@ def test_readme_quotes_the_heldout_bits_per_char_measured_through_the_server(nam
     that agrees with what training recorded for the shipped weights."""
     result = json.loads((ROOT / "benchmarks" / "results" / "demo_heldout.json").read_text())
     row = result[name]
-    path, key, _ = HELDOUT_SETS[name]
+    key = HELDOUT_SETS[name][0]
     if name == "chat":
         assert row["heldout_chars"] == sum(len(t["answer"]) for t in demo_heldout.chat_turns())
     else:
-        assert row["heldout_chars"] == len(path.read_text(encoding="utf-8"))
+        assert row["heldout_chars"] == len(demo_heldout.TEXT_FILES[name].read_text("utf-8"))
     bpc = row["heldout_bits_per_char"]
     assert bpc == pytest.approx(DEMO_METRICS[key], abs=SERVER_BITS_PER_CHAR_TOLERANCE)
     shown = readme_gb(rf"\| `{name}` \| [^|]+ \| [\d,]+ \| ([\d.]+) \|")
