@@ -100,7 +100,7 @@ def clean(text: str) -> str:
 
 
 def _digest(text: str) -> bytes:
-    """The order documents and turns are shuffled into, and the seed of their random choices."""
+    """The order documents and turns are shuffled into, and what seeds their random choices."""
     return hashlib.sha256(text.encode()).digest()
 
 
