@@ -151,6 +151,20 @@ LLAMA_CMAKE_ARGS = {
     "-DGGML_AVX_VNNI=OFF",
 }
 PAGEDSERVE_KERNELS = {"native": "auto", "avx2": "avx2"}
+# llama.cpp 0.3.36's AMX kernels (Intel Sapphire Rapids and later) crash on the benchmark models:
+# SIGSEGV in ggml_backend_amx_mul_mat at the first matmul of the demo model (hidden size 256),
+# seen on a 2-core Xeon with AMX. The native build there keeps every other extension the CPU has
+# (AVX-512 VNNI / BF16, what it uses on AMD Zen 4) and leaves AMX out.
+NO_AMX = "-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+
+
+def llama_cmake_args(isa: str) -> str:
+    """The CMake options of llama.cpp's build for ``--isa`` on this machine."""
+    from pagedserve.hal.native import cpu_flags
+
+    if isa == "native" and "amx_int8" in cpu_flags():
+        return NO_AMX
+    return LLAMA_CMAKE_ARGS[isa]
 
 
 def llama_paths(root: Path, isa: str = "native") -> tuple[Path, Path]:
@@ -173,7 +187,7 @@ def setup_llama(root: Path, isa: str) -> None:
          f"llama-cpp-python=={LLAMA_VERSION}", "torch==2.13.0", "transformers", "safetensors",
          "numpy", "sentencepiece"],
         check=True,
-        env={"CMAKE_BUILD_PARALLEL_LEVEL": "2", "CMAKE_ARGS": LLAMA_CMAKE_ARGS[isa], **os.environ},
+        env={"CMAKE_BUILD_PARALLEL_LEVEL": "2", "CMAKE_ARGS": llama_cmake_args(isa), **os.environ},
     )  # fmt: skip
     sdist_dir = converter.parents[2]
     sdist_dir.mkdir(parents=True, exist_ok=True)

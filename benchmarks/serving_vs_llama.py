@@ -35,7 +35,13 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_models import build_model, cache_root
-from benchmarks.compare import LLAMA_CMAKE_ARGS, PAGEDSERVE_KERNELS, gguf_q4_0, llama_paths
+from benchmarks.compare import (
+    LLAMA_CMAKE_ARGS,
+    PAGEDSERVE_KERNELS,
+    gguf_q4_0,
+    llama_cmake_args,
+    llama_paths,
+)
 from benchmarks.results import spread, write_result
 from pagedserve.testing import free_port
 
@@ -62,7 +68,7 @@ def setup_llama_server(root: Path, isa: str) -> None:
         ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
          "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
-         *LLAMA_CMAKE_ARGS[isa].split()],
+         *llama_cmake_args(isa).split()],
         check=True,
     )  # fmt: skip
     subprocess.run(
