@@ -708,8 +708,8 @@ def answer_turns(docs: list[Document]) -> list[ChatTurn]:
     return [*help_turns(docs), *faq_turns(docs), *glossary_turns(docs), *dictionary_turns(docs)]
 
 
-def chat_turns(docs: list[Document]) -> list[ChatTurn]:
-    return [*answer_turns(docs), *edit_turns(docs)]
+def chat_turns(docs: list[Document], edits_per_file: int = 3) -> list[ChatTurn]:
+    return [*answer_turns(docs), *edit_turns(docs, edits_per_file)]
 
 
 def heldout_chat_lines(turns: list[ChatTurn], max_turns: int = 300) -> str:

@@ -37,6 +37,7 @@ from demo_corpus import (
     build_corpus,
     chat_turns,
     corpus_sources,
+    edit_turns,
     heldout_chat_lines,
     heldout_eval_text,
     heldout_prose_text,
@@ -104,6 +105,7 @@ class HeldoutSets:
     prose: str = ""
     dictionaries: str = ""
     chat: list[dict] = field(default_factory=list)
+    edits: list[dict] = field(default_factory=list)  # rename turns, measured as copying
 
     @property
     def texts(self) -> dict[str, str]:
@@ -131,6 +133,9 @@ def write_heldout_sets(corpus, cpython_file: Path) -> HeldoutSets:
         sets.dictionaries = heldout_prose_text(corpus.heldout, "dictionary")
         chat = heldout_chat_lines(answer_turns(corpus.heldout))
         sets.chat = [json.loads(line) for line in chat.splitlines()]
+        sets.edits = [
+            {"question": t.question, "answer": t.answer} for t in edit_turns(corpus.heldout)
+        ]
         texts = {"prose": sets.prose, "dictionaries": sets.dictionaries, "chat": chat}
         for name, text in texts.items():
             (cpython_file.parent / HELDOUT_FILES[name].name).write_text(text, encoding="utf-8")
@@ -202,19 +207,39 @@ def bits_per_char(model, tokenizer, text: str, max_chars: int | None = None) -> 
     return nll / math.log(2) / n_chars
 
 
+def _answer_logits(model, tokenizer, row: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits that predict a chat turn's answer tokens given its question in the chat
+    template, and those tokens."""
+    prompt = _token_ids(tokenizer, CHAT_PROMPT.format(question=row["question"]))
+    answer = _token_ids(tokenizer, row["answer"])
+    ids = torch.tensor([prompt + answer])
+    logits = model(input_ids=ids[:, :-1]).logits.float()[0, len(prompt) - 1 :]
+    return logits, ids[0, len(prompt) :]
+
+
 @torch.inference_mode()
 def chat_bits_per_char(model, tokenizer, rows: list[dict]) -> float:
     """Bits per character of the answers of held-out chat turns, each given its question in the
     chat template (the prompt is not scored)."""
     nats, chars = 0.0, 0
     for row in rows:
-        prompt = _token_ids(tokenizer, CHAT_PROMPT.format(question=row["question"]))
-        answer = _token_ids(tokenizer, row["answer"])
-        ids = torch.tensor([prompt + answer])
-        logits = model(input_ids=ids[:, :-1]).logits.float()[0, len(prompt) - 1 :]
-        nats += torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :], reduction="sum")
+        logits, answer = _answer_logits(model, tokenizer, row)
+        nats += torch.nn.functional.cross_entropy(logits, answer, reduction="sum")
         chars += len(row["answer"])
     return float(nats) / math.log(2) / chars
+
+
+@torch.inference_mode()
+def copy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+    """The share of the answer tokens of held-out rename turns that the model predicts first
+    (teacher-forced): how faithfully it copies the function it is asked to edit, which is what
+    prompt-lookup drafts of such an answer need to be accepted."""
+    hits, total = 0, 0
+    for row in rows:
+        logits, answer = _answer_logits(model, tokenizer, row)
+        hits += int((logits.argmax(-1) == answer).sum())
+        total += len(answer)
+    return hits / total
 
 
 def unigram_bits_per_char(train_ids: list[int], vocab_size: int, tokenizer, text: str) -> float:
@@ -556,6 +581,8 @@ def docs_metrics(model, tokenizer, heldout: HeldoutSets, args) -> dict:
         ),
         "heldout_chat_turns": len(heldout.chat),
         "heldout_chat_bits_per_char": round(chat_bits_per_char(model, tokenizer, heldout.chat), 4),
+        "heldout_edit_turns": len(heldout.edits),
+        "heldout_edit_copy_accuracy": round(copy_accuracy(model, tokenizer, heldout.edits), 4),
     }
 
 
@@ -612,6 +639,7 @@ def write_report(out: Path, metrics: dict, samples: dict[str, str]) -> None:
     keys += ["test_slice_bits_per_char", "heldout_prose_chars", "heldout_prose_bits_per_char"]
     keys += ["heldout_dictionaries_chars", "heldout_dictionaries_bits_per_char"]
     keys += ["heldout_chat_turns", "heldout_chat_bits_per_char"]
+    keys += ["heldout_edit_turns", "heldout_edit_copy_accuracy"]
     lines += [f"| {key} | {metrics[key]} |" for key in keys if key in metrics]
     lines += _vocab_lines(metrics)
     lines += ["", "Greedy samples:", ""]
@@ -746,6 +774,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the training forward (about 1.5x the tokens/s of eager on one thread)",
     )
     p.add_argument("--chat-repeats", type=int, default=3)
+    p.add_argument(
+        "--edit-turns-per-file",
+        type=int,
+        default=3,
+        help="with --corpus docs: rename turns made from each standard-library source file (at "
+        "most; one function each), the examples that teach the model to copy from its prompt",
+    )
+    p.add_argument(
+        "--probe-edit-turns",
+        type=int,
+        default=40,
+        help="held-out rename turns probed at checkpoints",
+    )
     p.add_argument("--max-source-bytes", type=int, default=16_000_000)
     p.add_argument("--max-file-bytes", type=int, default=30_000)
     p.add_argument("--num-attention-heads", type=int, default=4)
@@ -788,7 +829,10 @@ def main(argv: list[str] | None = None) -> None:
     vocab_measurements[str(args.vocab_size)] = round(chars_per_token(tokenizer, heldout.cpython), 3)
     print(f"chars/token by vocab: {vocab_measurements}", flush=True)
 
-    turns = chat_turns(corpus.train) if args.corpus == "docs" else help_turns(corpus.train)
+    if args.corpus == "docs":
+        turns = chat_turns(corpus.train, args.edit_turns_per_file)
+    else:
+        turns = help_turns(corpus.train)
     chats = [turn.text() for turn in turns]
     stream_ids = token_stream(tokenizer, corpus.train, chats, args.chat_repeats, args.seed)
     stream = torch.tensor(stream_ids)
@@ -815,10 +859,14 @@ def main(argv: list[str] | None = None) -> None:
         schedule = Schedule(args.lr, args.warmup)
 
     def probe(m) -> str:
-        return ", ".join(
+        figures = [
             f"{name} {bits_per_char(m, tokenizer, text, args.probe_chars):.4f}"
             for name, text in heldout.texts.items()
-        )
+        ]
+        if heldout.edits:
+            edits = heldout.edits[: args.probe_edit_turns]
+            figures.append(f"edit copy accuracy {copy_accuracy(m, tokenizer, edits):.4f}")
+        return ", ".join(figures)
 
     if args.qat:
         set_quantization_aware(model, args.qat_group_size)
@@ -847,6 +895,11 @@ def main(argv: list[str] | None = None) -> None:
         + (f" --qat --qat-group-size {args.qat_group_size}" if args.qat else "")
         + (f" --init-from {args.init_from.as_posix()}" if args.init_from else "")
         + (f" --corpus {args.corpus}" if args.corpus != "cpython" else "")
+        + (
+            f" --edit-turns-per-file {args.edit_turns_per_file}"
+            if args.edit_turns_per_file != 3
+            else ""
+        )
         + (" --compile" if args.compile else ""),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
