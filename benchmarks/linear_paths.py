@@ -7,7 +7,7 @@
   w4a8``), multiplied with vpdpbusd (avx512) or vpmaddubsw + vpmaddwd (avx2);
 - aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--kernels eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
-- native bf16 GEMV (up to the target's FEW_ROWS: 4 on avx512, 64 on avx2) and torch.mv (1 row): the
+- native bf16 GEMV (up to the target's FEW_ROWS: 8 on avx512, 64 on avx2) and torch.mv (1 row): the
   dense few-row paths.
 
     python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2]

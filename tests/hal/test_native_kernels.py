@@ -258,10 +258,11 @@ def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 64, 65])
 def test_bf16_dense_linear_equals_reference(kernel_set, rows):
-    # up to FEW_ROWS rows (4 on avx512, 64 on avx2) the native backend streams the weight with its
-    # own GEMV, in passes of 4 rows; one more row goes to oneDNN
+    # up to FEW_ROWS rows (8 on avx512, 64 on avx2) the native backend streams the weight with its
+    # own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100 leaves a tail of
+    # single outputs); one more row goes to oneDNN
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 96, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)

@@ -1,7 +1,7 @@
 // A dense bf16 GEMV for a few rows, written once against the vector API: each weight vector is
 // loaded once for up to kRowsPerPass rows (bf16 pairs: vdpbf16ps where the target has it, widened
-// FMAs where not), one horizontal sum per output. More rows take several passes over a thread's
-// slice of the weights, which stays in its cache between them.
+// FMAs where not), and the sums of a block of outputs are reduced together. More rows take
+// several passes over a thread's slice of the weights, which stays in its cache between them.
 #pragma once
 
 #include "vec.h"
@@ -9,40 +9,71 @@
 namespace pagedserve {
 
 constexpr int kRowsPerPass = 4;
-// Up to kFewRows rows this beats oneDNN's GEMM (benchmarks/linear_paths.py). On avx512 oneDNN
-// multiplies bf16 with vdpbf16ps and wins from 5 rows on. On avx2 its bf16 is emulated, at about
-// the same rate for any number of rows, a half or less of this kernel's up to 64 rows (the most
-// measured), so the kernel keeps the rows a decode batch or a verification of drafts brings;
-// longer prefills stay with oneDNN.
+// Up to kFewRows rows this beats oneDNN's GEMM (benchmarks/linear_paths.py). On avx2 oneDNN's
+// bf16 is emulated, at about the same rate for any number of rows, a half or less of this
+// kernel's up to 64 rows (the most measured), so the kernel keeps the rows a decode batch or a
+// verification of drafts brings; longer prefills stay with oneDNN. On avx512 oneDNN multiplies
+// bf16 with vdpbf16ps (AMX where the CPU has it) and wins from 5 rows on where the weights
+// stream from memory; but each call also costs it about 40 us (a 2-core Xeon), which a matrix of
+// up to kSmallMatrix values never earns back: a small model's layers, in cache, keep the GEMV
+// up to 8 rows, the most a verification of drafts brings (linear_paths_122m_avx512_gemv.json).
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
-constexpr int64_t kFewRows = 64;
+constexpr int64_t kFewRows = 64, kFewRowsLarge = 64;
 #else
-constexpr int64_t kFewRows = 4;
+constexpr int64_t kFewRows = 8, kFewRowsLarge = 4;
 #endif
+constexpr int64_t kSmallMatrix = int64_t{1} << 20;  // 2 MiB of bf16
+
+// Whether M rows through an N x K bf16 matrix take the GEMV.
+inline bool few_rows(int64_t M, int64_t N, int64_t K) {
+  return M <= (N * K <= kSmallMatrix ? kFewRows : kFewRowsLarge);
+}
 // The portable target leaves dense layers to PyTorch: this GEMV is measured on x86 targets only.
 constexpr bool kHasFewRowsGemv = PAGEDSERVE_TARGET != PAGEDSERVE_PORTABLE;
 
-// out[m, n] = x[m] . w[n] for row-major bf16 w [N, K] and MB <= kRowsPerPass rows of x.
+// out[m, n + r] = x[m] . w[n + r] for NR rows of the row-major bf16 w [N, K] and MB rows of x:
+// each weight vector is loaded once for the MB rows, and the NR x MB accumulators stay in
+// registers (NR and MB are compile-time, so the loops unroll).
+template <int NR, int MB>
+inline void bf16_block(const BFloat16* w, const BFloat16* x, int64_t K, int64_t n, int64_t N,
+                       float* acc) {
+  constexpr int64_t kStep = 2 * kLanes;  // bf16 values in one Bf16Pairs
+  Vec s[NR * MB];
+  for (Vec& v : s) v = vec::zero();
+  for (int64_t k = 0; k < K; k += kStep) {
+    vec::Bf16Pairs xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = vec::load_pairs(x + m * K + k);
+    for (int r = 0; r < NR; ++r) {
+      const vec::Bf16Pairs wv = vec::load_pairs(w + (n + r) * K + k);
+      for (int m = 0; m < MB; ++m) s[r * MB + m] = vec::dot_pairs(s[r * MB + m], wv, xv[m]);
+    }
+  }
+  // the dot products, kLanes at a time through one transpose-and-add tree (vec::sum_lanes)
+  // rather than a horizontal sum each: at the K of a small model's layers the sums cost as much
+  // as the products
+  constexpr int kSums = NR * MB, kPadded = (kSums + kLanes - 1) / kLanes * kLanes;
+  Vec all[kPadded];
+  for (int i = 0; i < kPadded; ++i) all[i] = i < kSums ? s[i] : vec::zero();
+  float sums[kPadded];
+  for (int g = 0; g < kPadded; g += kLanes) vec::store(sums + g, vec::sum_lanes(all + g));
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MB; ++m) acc[m * N + n + r] = sums[r * MB + m];
+}
+
+// Weight rows per block: up to kLanes dot products, reduced by one sum_lanes, and a power of two
+// so that blocks tile a thread's kLanes-aligned range of outputs. They keep their accumulators,
+// the rows of x and a weight vector in registers (avx2's 16 ymm hold a Bf16Pairs as two).
+template <int MB>
+constexpr int kBlockRows = MB == 1 ? kLanes : MB == 2 ? kLanes / 2 : kLanes / 4;
+
+// out[m, n] = x[m] . w[n] for n in [n0, n1) and MB <= kRowsPerPass rows of x.
 template <int MB>
 void bf16_rows(const BFloat16* w, const BFloat16* x, int64_t K, int64_t n0, int64_t n1, int64_t N,
                float* acc) {
-  constexpr int64_t kStep = 2 * kLanes;  // bf16 values in one Bf16Pairs
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int64_t rows = std::min<int64_t>(4, n1 - n);
-    Vec s[4][MB];
-    for (int r = 0; r < 4; ++r)
-      for (int m = 0; m < MB; ++m) s[r][m] = vec::zero();
-    for (int64_t k = 0; k < K; k += kStep) {
-      vec::Bf16Pairs xv[MB];
-      for (int m = 0; m < MB; ++m) xv[m] = vec::load_pairs(x + m * K + k);
-      for (int r = 0; r < rows; ++r) {
-        const vec::Bf16Pairs wv = vec::load_pairs(w + (n + r) * K + k);
-        for (int m = 0; m < MB; ++m) s[r][m] = vec::dot_pairs(s[r][m], wv, xv[m]);
-      }
-    }
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < MB; ++m) acc[m * N + n + r] = vec::reduce_add(s[r][m]);
-  }
+  constexpr int NR = kBlockRows<MB>;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) bf16_block<NR, MB>(w, x, K, n, N, acc);
+  for (; n < n1; ++n) bf16_block<1, MB>(w, x, K, n, N, acc);
 }
 
 inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& weight,
@@ -61,10 +92,12 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
                           float*);
   const RowsFn kernels[kRowsPerPass + 1] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>,
                                             bf16_rows<4>};
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t q0, int64_t q1) {
+  // in units of kLanes outputs (whole blocks for any number of rows), 64 outputs at the least
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 64 / kLanes, [&](int64_t b0, int64_t b1) {
     for (int64_t m = 0; m < M; m += kRowsPerPass)
-      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, q0 * 4,
-                                                       std::min(q1 * 4, N), N, acc.data() + m * N);
+      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, b0 * kLanes,
+                                                       std::min(b1 * kLanes, N), N,
+                                                       acc.data() + m * N);
   });
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;

@@ -35,14 +35,15 @@ inline at::Tensor quantize_activations_int8(const at::Tensor& x) {
 }
 
 // A dense layer, by the one rule the fused decoder layer and CpuDevice.linear share: bf16 rows
-// through the few-rows GEMV where it beats oneDNN (dense.h), more of them on avx2 through
-// oneDNN's fp32 GEMM on the widened (exact) values, since these CPUs have no bf16 arithmetic and
-// oneDNN's bf16 GEMM is emulated there (3 to 5 times slower from 64 rows on); anything else
-// through at::linear.
+// through the few-rows GEMV where it beats oneDNN (dense.h: few_rows), more of them on avx2
+// through oneDNN's fp32 GEMM on the widened (exact) values, since these CPUs have no bf16
+// arithmetic and oneDNN's bf16 GEMM is emulated there (3 to 5 times slower from 64 rows on);
+// anything else through at::linear.
 inline at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                                const c10::optional<at::Tensor>& bias) {
   const bool bf16 = weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16;
-  if (bf16 && kHasFewRowsGemv && x.size(0) <= kFewRows && x.size(1) % 32 == 0)
+  if (bf16 && kHasFewRowsGemv && few_rows(x.size(0), weight.size(0), x.size(1)) &&
+      x.size(1) % 32 == 0)
     return bf16_linear_few_rows(x, weight, bias);
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
   if (bf16) {
