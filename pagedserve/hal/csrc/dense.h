@@ -60,11 +60,15 @@ inline void bf16_block(const BFloat16* w, const BFloat16* x, int64_t K, int64_t 
     for (int m = 0; m < MB; ++m) acc[m * N + n + r] = sums[r * MB + m];
 }
 
-// Weight rows per block: up to kLanes dot products, reduced by one sum_lanes, and a power of two
-// so that blocks tile a thread's kLanes-aligned range of outputs. They keep their accumulators,
-// the rows of x and a weight vector in registers (avx2's 16 ymm hold a Bf16Pairs as two).
+// Weight rows per block, a power of two so that blocks tile a thread's kLanes-aligned range of
+// outputs. avx512: up to kLanes dot products, reduced by one sum_lanes, with their accumulators,
+// the rows of x and a weight vector in its 32 registers. avx2 (16 registers, a Bf16Pairs held as
+// two vectors): 4 weight rows for any number of rows of x, which measured faster than fewer.
 template <int MB>
-constexpr int kBlockRows = MB == 1 ? kLanes : MB == 2 ? kLanes / 2 : kLanes / 4;
+constexpr int kBlockRows = vec::kRegisters < 32 ? 4
+                           : MB == 1           ? kLanes
+                           : MB == 2           ? kLanes / 2
+                                               : kLanes / 4;
 
 // out[m, n] = x[m] . w[n] for n in [n0, n1) and MB <= kRowsPerPass rows of x.
 template <int MB>
