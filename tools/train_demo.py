@@ -410,10 +410,29 @@ class Schedule:
         )
 
 
+def chat_starts(tokenizer: Tokenizer, stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Where the chat turns of ``stream`` begin (documents begin ``[gMASK]<sop>`` too, but
+    never ``<|user|>`` after it), those a window of ``seq_len`` fits after."""
+    opening = torch.tensor(_token_ids(tokenizer, CHAT_PROMPT.split("\n", 1)[0]))
+    windows = stream[: len(stream) - seq_len - 1].unfold(0, len(opening), 1)
+    return (windows == opening).all(dim=1).nonzero().flatten()
+
+
 def sample_batch(
-    stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator
+    stream: torch.Tensor,
+    batch: int,
+    seq_len: int,
+    gen: torch.Generator,
+    turn_starts: torch.Tensor | None = None,
+    num_aligned: int = 0,
 ) -> torch.Tensor:
+    """``batch`` windows of ``seq_len + 1`` tokens at random places; the first ``num_aligned``
+    of them at the start of a chat turn (from ``turn_starts``), so that a rename turn's window
+    holds the function it asks for as well as the answer that copies it."""
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
+    if num_aligned:
+        picks = torch.randint(0, len(turn_starts), (num_aligned,), generator=gen)
+        starts[:num_aligned] = turn_starts[picks]
     return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
@@ -487,6 +506,8 @@ def train(model, stream: torch.Tensor, args, schedule: Schedule, tokenizer, prob
         print(f"resumed at step {progress.step} ({progress.seconds:.0f} s trained)", flush=True)
     budget_s = args.minutes * 60
     stepped = torch.compile(model) if args.compile else model  # shares model's parameters
+    num_aligned = round(args.aligned_fraction * args.batch)
+    turn_starts = chat_starts(tokenizer, stream, args.seq_len) if num_aligned else None
     model.train()
     while schedule.total is None or progress.step < schedule.total:
         if schedule.total is None and progress.seconds >= (1 - args.decay_fraction) * budget_s:
@@ -495,7 +516,7 @@ def train(model, stream: torch.Tensor, args, schedule: Schedule, tokenizer, prob
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr(progress.step)
         start = time.perf_counter()
-        batch = sample_batch(stream, args.batch, args.seq_len, gen)
+        batch = sample_batch(stream, args.batch, args.seq_len, gen, turn_starts, num_aligned)
         loss = train_step(stepped, optimizer, batch, args.autocast)
         progress.seconds += time.perf_counter() - start
         progress.step += 1
@@ -782,6 +803,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "most; one function each), the examples that teach the model to copy from its prompt",
     )
     p.add_argument(
+        "--aligned-fraction",
+        type=float,
+        default=0.0,
+        help="the share of each batch's windows that start where a chat turn starts (0, as every "
+        "earlier run: all at random places, which cut most rename turns from the function they "
+        "copy)",
+    )
+    p.add_argument(
         "--probe-edit-turns",
         type=int,
         default=40,
@@ -900,6 +929,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.edit_turns_per_file != 3
             else ""
         )
+        + (f" --aligned-fraction {args.aligned_fraction}" if args.aligned_fraction else "")
         + (" --compile" if args.compile else ""),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
