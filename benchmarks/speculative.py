@@ -18,7 +18,10 @@ Every generation has ``--max-tokens`` tokens: pagedserve's go on past a stop tok
 (``ignore_eos``), llama.cpp's never sample one (``logit_bias``).
 
 For each, tokens/s (generated tokens / seconds, prompt included in the time) without and with
-speculation: pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
+speculation, and the answer itself (up to its first stop token): for ``edit``, how closely it is
+the function renamed as asked (``copy_of_function``: difflib's similarity ratio, 1.0 for the exact
+renamed function), which says whether accepted drafts copied the function or a loop of the
+model's own; pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
 K, "prompt_lookup_max": N}'`` against llama-cpp-python's
 ``Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K, max_ngram_size=N))``; and
 pagedserve's acceptance rate and mean accepted length. ``--precision 16bit`` runs pagedserve in
@@ -31,6 +34,7 @@ prefix caching: each repetition computes its prompt. Each system runs in its own
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import hashlib
 import json
@@ -79,9 +83,33 @@ def demo_tokenizer():
     return Tokenizer.from_file(str(resolve_model_path("demo") / "tokenizer.json"))
 
 
+def renamed_function() -> str:
+    """The answer the edit workload asks for: FUNCTION with the name ``value`` spelt ``amount``
+    (names only: the docstring's "order value" stays), as the demo model's rename turns were
+    made (tools/demo_corpus.py)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from demo_corpus import rename
+
+    return rename(FUNCTION, "value", "amount")
+
+
+def copy_of_function(answer: str) -> float:
+    """How much of the edit workload's answer is the renamed function (difflib's ratio of the
+    function to the answer's first ``def`` on)."""
+    start = answer.find("def ")
+    return difflib.SequenceMatcher(None, renamed_function(), answer[max(start, 0) :]).ratio()
+
+
 def prompt_ids() -> dict[str, list[int]]:
     """Each workload's prompt in the demo model's token ids."""
     return {name: demo_tokenizer().encode(text).ids for name, text in WORKLOADS.items()}
+
+
+def answer_text(token_ids: list[int]) -> str:
+    """The generated tokens up to the first stop token (the runs go on past it), as text."""
+    stops = set(stop_ids())
+    end = next((i for i, t in enumerate(token_ids) if t in stops), len(token_ids))
+    return demo_tokenizer().decode(token_ids[:end])
 
 
 def stop_ids() -> list[int]:
@@ -144,9 +172,12 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
         lengths: dict[str, int] = {}
         before = engines["pagedserve ngram"].llm_engine.get_stats()
 
-        def run(label, prompt=prompt, lengths=lengths):
+        answers: dict[str, list[int]] = {}
+
+        def run(label, prompt=prompt, lengths=lengths, answers=answers):
             out = engines[label].generate(prompt, params, use_tqdm=False)[0].outputs[0]
             lengths[label] = len(out.token_ids)
+            answers[label] = list(out.token_ids)
 
         seconds = alternated_medians(
             {label: functools.partial(run, label) for label in engines}, args.repeats
@@ -155,7 +186,12 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
             rows[label][name] = {
                 "tokens_per_s": lengths[label] / seconds[label],
                 "num_tokens": lengths[label],
+                "answer": answer_text(answers[label]),
             }
+            if name == "edit":
+                rows[label][name]["copy_of_function"] = copy_of_function(
+                    rows[label][name]["answer"]
+                )
         after = engines["pagedserve ngram"].llm_engine.get_stats()
         drafts, draft_tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
         rows["pagedserve ngram"][name]["acceptance_rate"] = (
@@ -267,6 +303,9 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
             for key in ("acceptance_rate", "mean_acceptance_length"):
                 if key in runs[0][system][name]:
                     rows[system][key] = statistics.median(r[system][name][key] for r in runs)
+            for key in ("answer", "copy_of_function"):  # greedy: the same in every run
+                if key in runs[0][system][name]:
+                    rows[system][key] = runs[0][system][name][key]
         rows |= {
             f"{system} speed-up": spread(
                 [r[f"{system} {how}"][name]["tokens_per_s"] / r[system][name]["tokens_per_s"]
