@@ -51,6 +51,7 @@ HELDOUT_FILES = {
     "prose": DATA_DIR / "demo_heldout_prose.txt",
     "dictionaries": DATA_DIR / "demo_heldout_dictionaries.txt",
     "chat": DATA_DIR / "demo_heldout_chat.jsonl",
+    "edits": DATA_DIR / "demo_heldout_edits.jsonl",  # rename turns: how well the model copies
 }
 HELDOUT_SHIPPED_CHARS = 100_000
 # encodings/ is mostly generated codec tables: a megabyte of hex that teaches nothing useful.

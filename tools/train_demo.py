@@ -123,8 +123,8 @@ def load_corpus(args: argparse.Namespace):
 
 
 def write_heldout_sets(corpus, cpython_file: Path) -> HeldoutSets:
-    """Write the held-out sets, the prose and chat ones beside the CPython file under the names
-    pagedserve/data gives them, and return them."""
+    """Write the held-out sets, the prose, chat and rename ones beside the CPython file under the
+    names pagedserve/data gives them, and return them."""
     sets = HeldoutSets(heldout_eval_text(corpus.heldout))
     cpython_file.parent.mkdir(parents=True, exist_ok=True)
     cpython_file.write_text(sets.cpython, encoding="utf-8")
@@ -136,7 +136,9 @@ def write_heldout_sets(corpus, cpython_file: Path) -> HeldoutSets:
         sets.edits = [
             {"question": t.question, "answer": t.answer} for t in edit_turns(corpus.heldout)
         ]
+        edits = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in sets.edits)
         texts = {"prose": sets.prose, "dictionaries": sets.dictionaries, "chat": chat}
+        texts |= {"edits": edits}
         for name, text in texts.items():
             (cpython_file.parent / HELDOUT_FILES[name].name).write_text(text, encoding="utf-8")
     return sets
@@ -564,7 +566,9 @@ def write_tokenizer_files(tokenizer: Tokenizer, out: Path) -> None:
         "padding_side": "left",
         "chat_template": CHAT_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
 
 
 def write_model_files(model, tokenizer: Tokenizer, out: Path) -> None:
