@@ -6,22 +6,25 @@ llama.cpp's own converter, as ``benchmarks.compare`` does).
     python -m benchmarks.speculative [--isa avx2] [--runs 3]
         # writes benchmarks/results/speculative_<kernels>[_int4].json
 
-Two workloads, greedy, batch 1, each the median of ``--repeats`` timed generations after a
-warm-up, a system's two variants (without and with speculation) timed in turn in one process,
-both systems given the same prompt token ids:
+Three workloads, greedy, batch 1, each the median of ``--repeats`` timed runs after a warm-up,
+a system's two variants (without and with speculation) timed in turn in one process, both
+systems given the same prompt token ids:
 - ``edit``: a chat turn asking to rename a variable in a function given in full, so that the
   answer repeats most of the prompt (where prompt lookup drafts are accepted; the demo model
   learnt such renames on standard-library functions, not on this one);
+- ``stdlib-edit``: the same request on standard-library functions the demo model never trained
+  on (the first ``STDLIB_EDITS`` held-out rename turns, pagedserve/data/demo_heldout_edits.jsonl),
+  one after the other: the kind of function its rename turns were made of;
 - ``free``: free generation from a short prompt (little to look up: speculation must cost
   nothing here).
 Every generation has ``--max-tokens`` tokens: pagedserve's go on past a stop token
 (``ignore_eos``), llama.cpp's never sample one (``logit_bias``).
 
 For each, tokens/s (generated tokens / seconds, prompt included in the time) without and with
-speculation, and the answer itself (up to its first stop token): for ``edit``, how closely it is
-the function renamed as asked (``copy_of_function``: difflib's similarity ratio, 1.0 for the exact
-renamed function), which says whether accepted drafts copied the function or a loop of the
-model's own; pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
+speculation, and the answers themselves (up to their first stop token): for the two edit
+workloads, how closely they are the functions renamed as asked (``copy_of_answer``: difflib's
+similarity ratio from the first ``def`` on, averaged over the prompts; 1.0 for the exact renamed
+functions), which says whether accepted drafts copied the function or a loop of the model's own; pagedserve ``--speculative-config '{"method": "ngram", "num_speculative_tokens":
 K, "prompt_lookup_max": N}'`` against llama-cpp-python's
 ``Llama(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K, max_ngram_size=N))``; and
 pagedserve's acceptance rate and mean accepted length. ``--precision 16bit`` runs pagedserve in
@@ -44,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_models import cache_root
@@ -65,13 +69,35 @@ FUNCTION = '''def summarize_orders(orders, tax_rate):
     mean = total / len(orders) if orders else 0.0
     return {"total": total, "mean": mean, "largest": largest}
 '''
-WORKLOADS = {  # the prompts as text; both systems get the same token ids (prompt_ids)
-    "edit": (  # a chat turn, as a user asks a chat model to edit code
-        "[gMASK]<sop><|user|>\nRename the variable `value` to `amount` in this function and "
-        f"return the whole function.\n\n{FUNCTION}<|assistant|>\n"
-    ),
-    "free": "[gMASK]<sop>Once upon a time, in a small village by the sea, there lived",
-}
+CHAT_TURN = "[gMASK]<sop><|user|>\n{question}<|assistant|>\n"  # the chat template's turn
+EDIT_REQUEST = (
+    "Rename the variable `value` to `amount` in this function and return the whole function."
+)
+STDLIB_EDITS = 6  # held-out rename turns in the stdlib-edit workload
+HELDOUT_EDITS = ROOT / "pagedserve" / "data" / "demo_heldout_edits.jsonl"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[str]  # as text: both systems get the same token ids (prompt_ids)
+    answers: list[str] | None = None  # what a perfect copy answers (the edit workloads)
+
+
+@functools.cache
+def workloads() -> dict[str, Workload]:
+    turns = [json.loads(line) for line in HELDOUT_EDITS.read_text("utf-8").splitlines()]
+    turns = turns[:STDLIB_EDITS]
+    return {
+        "edit": Workload(  # a chat turn, as a user asks a chat model to edit code
+            [CHAT_TURN.format(question=f"{EDIT_REQUEST}\n\n{FUNCTION}")], [renamed_function()]
+        ),
+        "stdlib-edit": Workload(
+            [CHAT_TURN.format(question=t["question"]) for t in turns], [t["answer"] for t in turns]
+        ),
+        "free": Workload(
+            ["[gMASK]<sop>Once upon a time, in a small village by the sea, there lived"]
+        ),
+    }
 
 
 @functools.cache
@@ -93,16 +119,20 @@ def renamed_function() -> str:
     return rename(FUNCTION, "value", "amount")
 
 
-def copy_of_function(answer: str) -> float:
-    """How much of the edit workload's answer is the renamed function (difflib's ratio of the
-    function to the answer's first ``def`` on)."""
-    start = answer.find("def ")
-    return difflib.SequenceMatcher(None, renamed_function(), answer[max(start, 0) :]).ratio()
+def copy_of_answer(expected: str, answer: str) -> float:
+    """How close an answer is to the renamed function asked for: difflib's ratio of the two from
+    their first ``def`` on (1.0: the function exactly)."""
+
+    def function(text: str) -> str:
+        return text[max(text.find("def "), 0) :]
+
+    return difflib.SequenceMatcher(None, function(expected), function(answer)).ratio()
 
 
-def prompt_ids() -> dict[str, list[int]]:
-    """Each workload's prompt in the demo model's token ids."""
-    return {name: demo_tokenizer().encode(text).ids for name, text in WORKLOADS.items()}
+def prompt_ids() -> dict[str, list[list[int]]]:
+    """Each workload's prompts in the demo model's token ids."""
+    encode = demo_tokenizer().encode
+    return {name: [encode(p).ids for p in w.prompts] for name, w in workloads().items()}
 
 
 def answer_text(token_ids: list[int]) -> str:
@@ -168,30 +198,31 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows: dict[str, dict] = {label: {} for label in engines}
     for name, ids in prompt_ids().items():
-        prompt = {"prompt_token_ids": ids}
         lengths: dict[str, int] = {}
         before = engines["pagedserve ngram"].llm_engine.get_stats()
+        answers: dict[str, list[str]] = {}
 
-        answers: dict[str, list[int]] = {}
-
-        def run(label, prompt=prompt, lengths=lengths, answers=answers):
-            out = engines[label].generate(prompt, params, use_tqdm=False)[0].outputs[0]
-            lengths[label] = len(out.token_ids)
-            answers[label] = list(out.token_ids)
+        def run(label, ids=ids, lengths=lengths, answers=answers):
+            outs = [
+                engines[label].generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+                for p in ids
+            ]  # one at a time: batch 1
+            lengths[label] = sum(len(o.outputs[0].token_ids) for o in outs)
+            answers[label] = [answer_text(o.outputs[0].token_ids) for o in outs]
 
         seconds = alternated_medians(
             {label: functools.partial(run, label) for label in engines}, args.repeats
         )
+        expected = workloads()[name].answers
         for label in engines:
             rows[label][name] = {
                 "tokens_per_s": lengths[label] / seconds[label],
                 "num_tokens": lengths[label],
-                "answer": answer_text(answers[label]),
+                "answers": answers[label],
             }
-            if name == "edit":
-                rows[label][name]["copy_of_function"] = copy_of_function(
-                    rows[label][name]["answer"]
-                )
+            if expected:
+                copies = map(copy_of_answer, expected, answers[label])
+                rows[label][name]["copy_of_answer"] = statistics.mean(copies)
         after = engines["pagedserve ngram"].llm_engine.get_stats()
         drafts, draft_tokens, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
         rows["pagedserve ngram"][name]["acceptance_rate"] = (
@@ -217,12 +248,12 @@ llms = {
                          ("llama.cpp lookup", LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=n)))
 }
 rows = {label: {} for label in llms}
-for name, prompt in workloads.items():
+for name, prompts in workloads.items():
     counts = {}
-    def run(label, prompt=prompt):
-        out = llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
-                                           logit_bias=never)
-        counts[label] = out["usage"]["completion_tokens"]
+    def run(label, prompts=prompts):
+        outs = [llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
+                                              logit_bias=never) for prompt in prompts]
+        counts[label] = sum(out["usage"]["completion_tokens"] for out in outs)
     seconds = alternated_medians({label: functools.partial(run, label) for label in llms}, repeats)
     for label in llms:
         rows[label][name] = {"tokens_per_s": counts[label] / seconds[label], "num_tokens": counts[label]}
@@ -291,8 +322,8 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
     """Per workload and system: tokens/s (the median over runs and its range), each system's
     speed-up from speculation (the median and range of its runs' ratios) and pagedserve's
     acceptance."""
-    workloads = {}
-    for name in WORKLOADS:
+    figures = {}
+    for name in workloads():
         rows = {}
         for system in runs[0]:
             rates = [r[system][name]["tokens_per_s"] for r in runs]
@@ -303,7 +334,7 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
             for key in ("acceptance_rate", "mean_acceptance_length"):
                 if key in runs[0][system][name]:
                     rows[system][key] = statistics.median(r[system][name][key] for r in runs)
-            for key in ("answer", "copy_of_function"):  # greedy: the same in every run
+            for key in ("answers", "copy_of_answer"):  # greedy: the same in every run
                 if key in runs[0][system][name]:
                     rows[system][key] = runs[0][system][name][key]
         rows |= {
@@ -314,7 +345,7 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
             for system, how in (("pagedserve", "ngram"), ("llama.cpp", "lookup"))
             if f"{system} {how}" in runs[0]
         }  # fmt: skip
-        workloads[name] = rows
+        figures[name] = rows
     return {
         "kernels": kernels,
         "llama_cpp_build": llama_build,
@@ -323,7 +354,7 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
         "prompt_lookup_max": args.n,
         "max_tokens": args.max_tokens,
         "runs": args.runs,
-        "workloads": workloads,
+        "workloads": figures,
     }
 
 
