@@ -7,8 +7,8 @@
   w4a8``), multiplied with vpdpbusd (avx512) or vpmaddubsw + vpmaddwd (avx2);
 - aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--kernels eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
-- native bf16 GEMV (up to the target's FEW_ROWS: 8 on avx512, 64 on avx2) and torch.mv (1 row): the
-  dense few-row paths.
+- native bf16 GEMV (up to the target's few_rows_max(): 8 on avx512, 16 with AMX, 64 on avx2)
+  and torch.mv (1 row): the dense few-row paths.
 
     python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2]
         [--rows 1 2 4 8 16 32 64 128 512] [--output NAME]
@@ -100,7 +100,7 @@ def measure(n: int, k: int, rows: list[int], kernels: str) -> dict[int, dict[str
         if has_int4:
             t["native int4"] = per_call_us([lambda la=la: native.linear(x, la) for la in layers])
             t["native w4a8"] = per_call_us([lambda la=la: native.linear(x, la) for la in layers_a8])
-        if hasattr(native.native, "bf16_linear_few_rows") and m <= native.native.FEW_ROWS:
+        if hasattr(native.native, "bf16_linear_few_rows") and m <= native.native.few_rows_max():
             gemv = native.native.bf16_linear_few_rows
             t["native bf16 GEMV"] = per_call_us(
                 [lambda d=d: gemv(x, d, None) for d in dense_copies]

@@ -51,6 +51,7 @@ _X86_64_V3 = (
     "sse4_1", "sse4_2", "ssse3", "pni", "popcnt", "cx16", "lahf_lm",
 )  # fmt: skip
 _X86_64_V4 = (*_X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # the avx512 target's GEMV uses them if present
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,15 @@ def load_target(name: str) -> ModuleType:
             time.monotonic() - start,
             build_dir,
         )
+    if hasattr(module, "amx_enable"):
+        module.amx_enable(AMX_FLAGS <= cpu_flags())
     return module
+
+
+def uses_amx(module: ModuleType | None) -> bool:
+    """Whether a loaded target runs its few-rows bf16 GEMV on the AMX tile unit (csrc/amx.h):
+    avx512 on a CPU whose flags name AMX, where Linux granted the tile state."""
+    return module is not None and hasattr(module, "amx_enabled") and module.amx_enabled()
 
 
 def choose_kernels(kernels: str = "auto") -> KernelChoice:
@@ -255,8 +264,8 @@ def _announce(choice: KernelChoice) -> KernelChoice:
             "times slower at small batches. Install a C++ compiler (g++) and ninja to enable them.",
             choice.reason,
         )
-    elif choice.reason:
-        logger.info("CPU kernels: %s (not %s)", choice.name, choice.reason)
     else:
-        logger.info("CPU kernels: %s", choice.name)
+        amx = " with AMX tiles for few-row bf16 layers" if uses_amx(choice.module) else ""
+        passed_over = f" (not {choice.reason})" if choice.reason else ""
+        logger.info("CPU kernels: %s%s%s", choice.name, amx, passed_over)
     return choice

@@ -257,18 +257,75 @@ def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
     torch.testing.assert_close(dev.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
+def _gemv_param(kernel_set: str, tiles: bool):
+    """A kernel set's few-rows bf16 GEMV: the vector one, or (avx512 on an AMX CPU) the tile
+    unit's, which the target takes by default where the CPU has it."""
+    if not tiles:
+        return pytest.param((kernel_set, False), id=f"{kernel_set}-vectors")
+    missing = sorted(native.AMX_FLAGS - native.cpu_flags())
+    reason = f"this CPU has no AMX tile unit: it lacks {' '.join(missing)}"
+    return pytest.param(
+        (kernel_set, True),
+        id=f"{kernel_set}-amx",
+        marks=pytest.mark.skipif(bool(missing), reason=reason),
+    )
+
+
+GEMV_SETS = [_gemv_param("avx512", True), *[_gemv_param(k, False) for k in ("avx512", "avx2")]]
+
+
+@pytest.fixture
+def gemv(request):
+    """The device of (kernel set, tiles): the AMX unit switched on or off for the test alone."""
+    kernel_set, tiles = request.param
+    if native.missing_flags(native.TARGETS[kernel_set]):
+        pytest.skip(f"this CPU cannot execute the {kernel_set} kernels")
+    dev = _device(kernel_set)
+    switch = getattr(dev.native, "amx_enable", None)
+    before = dev.native.amx_enabled() if switch else False
+    if switch:
+        assert switch(tiles) == tiles
+    yield dev
+    if switch:
+        switch(before)
+
+
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 16, 17, 64, 65])
 def test_bf16_dense_linear_equals_reference(kernel_set, rows):
-    # up to FEW_ROWS rows (8 on avx512, 64 on avx2) the native backend streams the weight with its
-    # own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100 leaves a tail of
-    # single outputs); one more row goes to oneDNN
+    # up to few_rows_max() rows (8 on avx512, 16 with AMX, 64 on avx2) the native backend streams
+    # the weight with its own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100
+    # leaves a tail of single outputs; AMX takes whole blocks of 16); more rows go to oneDNN
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 96, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     b = torch.randn(100, generator=g).to(torch.bfloat16)
     got = _device(kernel_set).linear(x, w, b)
     torch.testing.assert_close(got, F.linear(x, w, b), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("gemv", GEMV_SETS, indirect=True)
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 16])
+def test_the_few_rows_gemv_equals_reference_with_vectors_and_with_amx(gemv, rows):
+    # K = 352: eleven tiles of 32 along K; N = 200: twelve blocks of 16 and a tail of 8
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 352, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
+    b = torch.randn(200, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(gemv.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("gemv", GEMV_SETS, indirect=True)
+def test_a_rows_gemv_result_does_not_depend_on_the_rows_beside_it(gemv):
+    """The bits of a row are the same alone and among up to 8 others: a verification of drafts
+    (several rows of one sequence) gives its first row what a plain decode step gives it, so
+    greedy output with speculation is the same as without."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(1408, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    together = gemv.linear(x, w)
+    for m in range(8):
+        assert torch.equal(gemv.linear(x[m : m + 1], w), together[m : m + 1])
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)

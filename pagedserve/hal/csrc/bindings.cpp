@@ -5,7 +5,7 @@
 //   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
 //   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax
 //   attention.h             paged attention for decoding rows, straight from the pages
-//   dense.h                 a bf16 GEMV for a few rows
+//   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit)
 //     (these are written once against the vector API)
 //   int4_avx512.h           INT4 GEMMs per target, each with its own packed layout (int4.py)
 //   int4_avx2.h
@@ -57,9 +57,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("dense_linear", &dense_linear);
   if constexpr (kHasFewRowsGemv) {
-    m.attr("FEW_ROWS") = kFewRows;
+    m.def("few_rows_max", &few_rows_max);
     m.def("bf16_linear_few_rows", &bf16_linear_few_rows);
   }
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  m.def("amx_enable", &amx::enable, "use the AMX tile unit for the few-rows GEMV (if granted)");
+  m.def("amx_enabled", [] { return amx::enabled().load(); });
+#endif
 
   pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local())
       .def(pybind11::init<const std::string&, c10::optional<at::Tensor>, c10::optional<at::Tensor>,

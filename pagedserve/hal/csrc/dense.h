@@ -4,6 +4,7 @@
 // several passes over a thread's slice of the weights, which stays in its cache between them.
 #pragma once
 
+#include "amx.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -24,9 +25,21 @@ constexpr int64_t kFewRows = 8, kFewRowsLarge = 4;
 #endif
 constexpr int64_t kSmallMatrix = int64_t{1} << 20;  // 2 MiB of bf16
 
+// Whether the tile unit computes the GEMV (amx.h; avx512 with AMX only): up to 16 rows.
+inline bool amx_rows(int64_t M, int64_t K) {
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  return amx::usable(M, K);
+#else
+  return false;
+#endif
+}
+
+// The most rows the GEMV takes through a small matrix: kFewRows, or 16 with the tile unit.
+inline int64_t few_rows_max() { return amx_rows(16, 32) ? 16 : kFewRows; }
+
 // Whether M rows through an N x K bf16 matrix take the GEMV.
 inline bool few_rows(int64_t M, int64_t N, int64_t K) {
-  return M <= (N * K <= kSmallMatrix ? kFewRows : kFewRowsLarge);
+  return amx_rows(M, K) || M <= (N * K <= kSmallMatrix ? kFewRows : kFewRowsLarge);
 }
 // The portable target leaves dense layers to PyTorch: this GEMV is measured on x86 targets only.
 constexpr bool kHasFewRowsGemv = PAGEDSERVE_TARGET != PAGEDSERVE_PORTABLE;
@@ -85,8 +98,8 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
               "bf16_linear_few_rows: weight must be contiguous bf16");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M >= 1 && M <= kFewRows && K % 32 == 0,
-              "bf16_linear_few_rows: 1 to kFewRows rows, K % 32 == 0");
+  TORCH_CHECK(M >= 1 && M <= few_rows_max() && K % 32 == 0,
+              "bf16_linear_few_rows: 1 to few_rows_max() rows, K % 32 == 0");
   auto xb = x.to(at::kBFloat16).contiguous();
   auto out = at::empty({M, N}, x.options());
   const auto* w = reinterpret_cast<const BFloat16*>(weight.data_ptr<at::BFloat16>());
@@ -96,13 +109,26 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
                           float*);
   const RowsFn kernels[kRowsPerPass + 1] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>,
                                             bf16_rows<4>};
-  // in units of kLanes outputs (whole blocks for any number of rows), 64 outputs at the least
-  at::parallel_for(0, (N + kLanes - 1) / kLanes, 64 / kLanes, [&](int64_t b0, int64_t b1) {
+  const auto vector_rows = [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowsPerPass)
-      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, b0 * kLanes,
-                                                       std::min(b1 * kLanes, N), N,
+      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, n0, n1, N,
                                                        acc.data() + m * N);
-  });
+  };
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  if (amx_rows(M, K)) {  // whole blocks of 16 outputs on the tile unit, the rest as vectors
+    const std::vector<BFloat16> packed = amx::pack_rows(xp, M, K);
+    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      amx::bf16_rows(w, packed.data(), M, K, b0 * 16, b1 * 16, N, acc.data());
+    });
+    if (N % 16) vector_rows(N / 16 * 16, N);
+  } else
+#endif
+  {
+    // in units of kLanes outputs (whole blocks for any number of rows), 64 outputs at the least
+    at::parallel_for(0, (N + kLanes - 1) / kLanes, 64 / kLanes, [&](int64_t b0, int64_t b1) {
+      vector_rows(b0 * kLanes, std::min(b1 * kLanes, N));
+    });
+  }
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "bf16_linear", [&] {
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
