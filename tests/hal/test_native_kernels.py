@@ -52,6 +52,40 @@ def _tol(dtype: torch.dtype) -> dict:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
 
 
+def _gemv_param(kernel_set: str, tiles: bool):
+    """A kernel set's few-rows bf16 GEMV: the vector one, or (avx512 on an AMX CPU) the tile
+    unit's, which the target takes by default where the CPU has it."""
+    if not tiles:
+        return pytest.param((kernel_set, False), id=f"{kernel_set}-vectors")
+    missing = sorted(native.AMX_FLAGS - native.cpu_flags())
+    reason = f"this CPU has no AMX tile unit: it lacks {' '.join(missing)}"
+    return pytest.param(
+        (kernel_set, True),
+        id=f"{kernel_set}-amx",
+        marks=pytest.mark.skipif(bool(missing), reason=reason),
+    )
+
+
+AVX512_GEMV_SETS = [_gemv_param("avx512", True), _gemv_param("avx512", False)]
+GEMV_SETS = [*AVX512_GEMV_SETS, _gemv_param("avx2", False)]
+
+
+@pytest.fixture
+def gemv(request):
+    """The device of (kernel set, tiles): the AMX unit switched on or off for the test alone."""
+    kernel_set, tiles = request.param
+    if native.missing_flags(native.TARGETS[kernel_set]):
+        pytest.skip(f"this CPU cannot execute the {kernel_set} kernels")
+    dev = _device(kernel_set)
+    switch = getattr(dev.native, "amx_enable", None)
+    before = dev.native.amx_enabled() if switch else False
+    if switch:
+        assert switch(tiles) == tiles
+    yield dev
+    if switch:
+        switch(before)
+
+
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_and_residual_add_equal_reference(kernel_set, dtype):
@@ -231,6 +265,24 @@ def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size,
 INT4_TARGETS = [p for p in TARGETS if p.values[0] in ("avx512", "avx2")]
 
 
+@pytest.mark.parametrize("gemv", AVX512_GEMV_SETS, indirect=True)
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("rows", [2, 6, 16])
+def test_int4_few_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(
+    gemv, group_size, rows
+):
+    # W4A16 of 2 to 16 rows on avx512: on an AMX CPU the tile unit's pass, else the vector one;
+    # both multiply bf16 exactly and sum in fp32, so they equal the dequantized weights up to
+    # summation order (avx2's int16 activations round otherwise: the test above bounds them)
+    g = torch.Generator().manual_seed(rows)
+    q, s, z = quantize_rtn(torch.randn(64, 192, generator=g), group_size)
+    x = torch.randn(rows, 192, generator=g)
+    layer = gemv.prepare_int4(q, s, z, group_size, f"w{group_size}-{rows}")
+    reference = Int4Linear(64, 192, group_size, qcodes=q, scales=s, zeros=z)
+    expected = x.to(torch.bfloat16).float() @ dequantize(reference).T
+    torch.testing.assert_close(gemv.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kernel_set", INT4_TARGETS)
 def test_native_w4a8_equals_its_fp32_emulation_to_rounding(kernel_set):
     # integer products are exact: in fp32 the kernel equals the emulation up to summation order
@@ -255,39 +307,6 @@ def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
     layer = dev.prepare_int4(q, s, z, 32, "w")
     expected = x @ dequantize(Int4Linear(32, 128, 32, qcodes=q, scales=s, zeros=z)).T
     torch.testing.assert_close(dev.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
-
-
-def _gemv_param(kernel_set: str, tiles: bool):
-    """A kernel set's few-rows bf16 GEMV: the vector one, or (avx512 on an AMX CPU) the tile
-    unit's, which the target takes by default where the CPU has it."""
-    if not tiles:
-        return pytest.param((kernel_set, False), id=f"{kernel_set}-vectors")
-    missing = sorted(native.AMX_FLAGS - native.cpu_flags())
-    reason = f"this CPU has no AMX tile unit: it lacks {' '.join(missing)}"
-    return pytest.param(
-        (kernel_set, True),
-        id=f"{kernel_set}-amx",
-        marks=pytest.mark.skipif(bool(missing), reason=reason),
-    )
-
-
-GEMV_SETS = [_gemv_param("avx512", True), *[_gemv_param(k, False) for k in ("avx512", "avx2")]]
-
-
-@pytest.fixture
-def gemv(request):
-    """The device of (kernel set, tiles): the AMX unit switched on or off for the test alone."""
-    kernel_set, tiles = request.param
-    if native.missing_flags(native.TARGETS[kernel_set]):
-        pytest.skip(f"this CPU cannot execute the {kernel_set} kernels")
-    dev = _device(kernel_set)
-    switch = getattr(dev.native, "amx_enable", None)
-    before = dev.native.amx_enabled() if switch else False
-    if switch:
-        assert switch(tiles) == tiles
-    yield dev
-    if switch:
-        switch(before)
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
