@@ -231,7 +231,7 @@ class Driver:
 
     def fault(self, victim: Request) -> None:
         """What the engine does when a device reports a corrupt page under a running request."""
-        self.scheduler.preempt(victim, recompute=True)
+        self.scheduler.preempt(victim)
         assert not victim.spec_token_ids, "a preempted request keeps its drafts"
         self.proposed.pop(victim.request_id, None)
         assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
