@@ -47,6 +47,13 @@ SERVER_TESTS = [
     "tests/server/test_server_fields.py",
     "tests/server/test_server_sampling.py",
 ]
+
+
+def _named(path: str, *tests: str) -> list[str]:
+    """Some tests of a file, by name: its unit tests, where the rest start an engine per test."""
+    return [f"{path}::{test}" for test in tests]
+
+
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
@@ -74,6 +81,18 @@ MODULES = {
         ["tests/engine/test_stop_checker.py", *ENGINE_TESTS],
     ),
     "request": ("pagedserve/engine/request.py", ["tests/engine/test_scheduler.py", *ENGINE_TESTS]),
+    "swap_policy": (
+        "pagedserve/engine/swap_policy.py",
+        _named(
+            "tests/engine/test_kv_tiers.py",
+            "test_auto_swaps_while_the_copy_is_cheaper_and_recomputes_when_it_is_not",
+            "test_auto_charges_a_swap_two_copies_and_a_recompute_a_prefill_of_its_tokens",
+            "test_auto_swaps_only_when_the_copy_is_strictly_cheaper",
+            "test_auto_swaps_while_either_rate_is_unmeasured",
+            "test_a_prefill_of_min_prefill_tokens_is_measured_and_a_step_without_copies_is_not",
+            "test_each_rate_moves_part_way_toward_each_new_measurement_and_settles_on_a_steady_one",
+        ),
+    ),
     "request_group": ("pagedserve/engine/request_group.py", ENGINE_TESTS),
     "limits": ("pagedserve/engine/limits.py", ENGINE_TESTS),
     "llm_engine": (
