@@ -310,10 +310,10 @@ MATCH_RULES = [
     ),
     (
         "scheduler",
-        "_schedule_waiting",
-        r"^\s*break$",
-        r"^\s*return$",
-        "the loop is the function's last statement: leaving it is returning",
+        "_scheduled",
+        r"if start < req\.num_lost_tokens:",
+        r"if start <= req\.num_lost_tokens:",
+        "at start == num_lost_tokens the count grows by min(start + n, start) - start = 0",
     ),
     (
         "server_sampling",
