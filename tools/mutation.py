@@ -81,6 +81,20 @@ MODULES = {
         ["tests/engine/test_stop_checker.py", *ENGINE_TESTS],
     ),
     "request": ("pagedserve/engine/request.py", ["tests/engine/test_scheduler.py", *ENGINE_TESTS]),
+    "spec_decode": (
+        "pagedserve/engine/spec_decode.py",
+        _named(
+            "tests/engine/test_spec_decode.py",
+            "test_drafts_follow_the_first_occurrence_of_the_longest_suffix_ngram",
+            "test_the_index_a_sequence_grows_finds_what_a_scan_of_it_finds",
+            "test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again",
+            "test_failing_drafts_back_off_for_a_cooldown_that_doubles_up_to_its_bound",
+            "test_an_accepted_draft_resets_the_failures_and_the_cooldown",
+            "test_the_proposer_drafts_up_to_its_k_and_the_room_left_by_the_longest_suffix_match",
+            "test_spec_decode_stats_count_steps_drafts_and_acceptances_by_position",
+            "test_spec_decode_stats_before_any_draft_are_zero",
+        ),
+    ),
     "swap_policy": (
         "pagedserve/engine/swap_policy.py",
         _named(
