@@ -107,6 +107,7 @@ MODULES = {
             "test_each_rate_moves_part_way_toward_each_new_measurement_and_settles_on_a_steady_one",
         ),
     ),
+    "host_tier": ("pagedserve/engine/host_tier.py", ["tests/engine/test_block_manager.py"]),
     "request_group": ("pagedserve/engine/request_group.py", ENGINE_TESTS),
     "limits": ("pagedserve/engine/limits.py", ENGINE_TESTS),
     "llm_engine": (
