@@ -114,7 +114,10 @@ MODULES = {
         "pagedserve/engine/llm_engine.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
-    "fault_recovery": ("pagedserve/engine/fault_recovery.py", ENGINE_TESTS),
+    "fault_recovery": (
+        "pagedserve/engine/fault_recovery.py",
+        [*ENGINE_TESTS, "tests/engine/test_kv_tiers.py"],  # the host tier's frames
+    ),
     "model_runner": (
         "pagedserve/engine/model_runner.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],

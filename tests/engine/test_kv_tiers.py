@@ -140,6 +140,29 @@ def test_the_same_host_fault_unrecovered_would_corrupt_the_answer(swapping, clea
 
 
 @pytest.mark.faults
+def test_a_host_fault_injected_with_nothing_there_hits_frame_0_and_is_recovered(swapping):
+    engine = swapping.llm_engine
+    engine.block_manager.reset_prefix_cache()  # the host tier's too
+    before = engine.device.faults.to_dict()["kv_page"]
+    assert engine.inject_fault("host_page") == {"kind": "host_page", "page": 0}
+    assert engine.step() == []  # found; nothing holds the frame any more
+    after = engine.device.faults.to_dict()["kv_page"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 1,
+    }
+    assert _drained(swapping)
+
+
+def test_a_host_fault_injection_outside_the_host_tier_names_its_frames(swapping):
+    num_frames = swapping.llm_engine.block_manager.host.num_frames
+    for frame in (-1, num_frames):
+        with pytest.raises(ValueError, match=rf"frames are 0\.\.{num_frames - 1}, not {frame}$"):
+            swapping.llm_engine.inject_fault("host_page", page=frame)
+
+
+@pytest.mark.faults
 def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monkeypatch):
     """A failed step's page moves may not have run: the victim it swapped out recomputes rather
     than come back from frames nobody wrote (here the swap-out itself fails)."""
