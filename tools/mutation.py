@@ -47,6 +47,13 @@ SERVER_TESTS = [
     "tests/server/test_server_fields.py",
     "tests/server/test_server_sampling.py",
 ]
+
+
+def _named(path: str, *tests: str) -> list[str]:
+    """Some tests of a file, by name: its unit tests, where the rest start an engine per test."""
+    return [f"{path}::{test}" for test in tests]
+
+
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
@@ -74,13 +81,43 @@ MODULES = {
         ["tests/engine/test_stop_checker.py", *ENGINE_TESTS],
     ),
     "request": ("pagedserve/engine/request.py", ["tests/engine/test_scheduler.py", *ENGINE_TESTS]),
+    "spec_decode": (
+        "pagedserve/engine/spec_decode.py",
+        _named(
+            "tests/engine/test_spec_decode.py",
+            "test_drafts_follow_the_first_occurrence_of_the_longest_suffix_ngram",
+            "test_the_index_a_sequence_grows_finds_what_a_scan_of_it_finds",
+            "test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again",
+            "test_failing_drafts_back_off_for_a_cooldown_that_doubles_up_to_its_bound",
+            "test_an_accepted_draft_resets_the_failures_and_the_cooldown",
+            "test_the_proposer_drafts_up_to_its_k_and_the_room_left_by_the_longest_suffix_match",
+            "test_spec_decode_stats_count_steps_drafts_and_acceptances_by_position",
+            "test_spec_decode_stats_before_any_draft_are_zero",
+        ),
+    ),
+    "swap_policy": (
+        "pagedserve/engine/swap_policy.py",
+        _named(
+            "tests/engine/test_kv_tiers.py",
+            "test_auto_swaps_while_the_copy_is_cheaper_and_recomputes_when_it_is_not",
+            "test_auto_charges_a_swap_two_copies_and_a_recompute_a_prefill_of_its_tokens",
+            "test_auto_swaps_only_when_the_copy_is_strictly_cheaper",
+            "test_auto_swaps_while_either_rate_is_unmeasured",
+            "test_a_prefill_of_min_prefill_tokens_is_measured_and_a_step_without_copies_is_not",
+            "test_each_rate_moves_part_way_toward_each_new_measurement_and_settles_on_a_steady_one",
+        ),
+    ),
+    "host_tier": ("pagedserve/engine/host_tier.py", ["tests/engine/test_block_manager.py"]),
     "request_group": ("pagedserve/engine/request_group.py", ENGINE_TESTS),
     "limits": ("pagedserve/engine/limits.py", ENGINE_TESTS),
     "llm_engine": (
         "pagedserve/engine/llm_engine.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
-    "fault_recovery": ("pagedserve/engine/fault_recovery.py", ENGINE_TESTS),
+    "fault_recovery": (
+        "pagedserve/engine/fault_recovery.py",
+        [*ENGINE_TESTS, "tests/engine/test_kv_tiers.py"],  # the host tier's frames
+    ),
     "model_runner": (
         "pagedserve/engine/model_runner.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
@@ -291,10 +328,10 @@ MATCH_RULES = [
     ),
     (
         "scheduler",
-        "_schedule_waiting",
-        r"^\s*break$",
-        r"^\s*return$",
-        "the loop is the function's last statement: leaving it is returning",
+        "_scheduled",
+        r"if start < req\.num_lost_tokens:",
+        r"if start <= req\.num_lost_tokens:",
+        "at start == num_lost_tokens the count grows by min(start + n, start) - start = 0",
     ),
     (
         "server_sampling",

@@ -72,7 +72,7 @@ class FaultRecovery:
         for req in list(self.scheduler.running):
             if faulted & set(self.block_manager.get_block_table(req.request_id)):
                 logger.warning("KV page fault under %s: recomputing it", req.request_id)
-                self.scheduler.preempt(req, recompute=True)
+                self.scheduler.preempt(req)
                 preempted.append(req)
         self.device.faults.recovered["kv_page"] += len(faulted - self._pages_in_use())
         return preempted

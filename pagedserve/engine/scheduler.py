@@ -172,11 +172,11 @@ class Scheduler:
         table = self.block_manager.get_block_table(req.request_id)
         return ScheduledRequest(req, n, table, list(req.spec_token_ids))
 
-    def preempt(self, req: Request, recompute: bool = False) -> None:
-        """Take a running request back to the front of the queue; ``recompute``: its pages are
+    def preempt(self, req: Request) -> None:
+        """Take a running request back to the front of the queue to recompute: its pages are
         freed whatever the preemption mode (their contents are not trusted)."""
         self.running.remove(req)
-        self._preempt(req, recompute)
+        self._preempt(req, recompute=True)
 
     def _preempt(self, req: Request, recompute: bool = False) -> None:
         """Swap the request's pages out, or free them: it recomputes from scratch later (prefix

@@ -20,8 +20,8 @@ from hypothesis.stateful import (
 )
 
 from pagedserve.engine import block_manager as bm_module
-from pagedserve.engine.block_manager import PAGE_STATES, BlockManager
-from pagedserve.engine.host_tier import HostBlock
+from pagedserve.engine.block_manager import PAGE_STATES, BlockManager, CachedBlock
+from pagedserve.engine.host_tier import HostBlock, HostTier
 from pagedserve.engine.page_allocator import PhysicalPageAllocator
 from pagedserve.engine.request import Request
 from pagedserve.sampling_params import SamplingParams
@@ -597,6 +597,81 @@ def test_the_invariant_check_covers_the_host_tier():
     bm.host.allocator.ref_counts[bm.host.block_tables["a"][0]] -= 1
     bm.block_tables["a"] = []  # in both tiers
     assert any("both tiers" in p for p in bm.check_invariants())
+
+
+def test_the_swap_share_is_usable_to_its_last_frame():
+    bm = host_manager(swap=4, cache=0)
+    a = Seq("a", list(range(16)))  # 4 pages
+    assert admit(bm, a) and bm.can_swap_out(a)
+    bm.swap_out(a)
+    assert bm.host.num_swapped_frames == 4 and bm.check_invariants() == []
+
+
+def test_a_host_tier_of_swap_space_alone_caches_no_evicted_block():
+    bm = host_manager(num_pages=2, swap=4, cache=0)
+    assert admit(bm, Seq("a", list(range(5))))  # one full block, cached
+    bm.free(Seq("a", []))
+    assert admit(bm, Seq("b", list(range(50, 58))))  # evicts it
+    assert bm.take_pending_swaps() == ([], []) and not bm.host.frame_to_cached_block
+
+
+def test_a_sequence_cannot_be_swapped_out_twice():
+    host = HostTier(4, 0)
+    host.hold("a", 1)
+    with pytest.raises(AssertionError, match="request a is swapped out already"):
+        host.hold("a", 1)
+
+
+def test_a_block_spilled_again_is_kept_and_becomes_the_last_evicted():
+    host = HostTier(0, 2)
+    a, b, c = (CachedBlock(h, None, (h,)) for h in (1, 2, 3))
+    frame_a, frame_b = host.spill(a), host.spill(b)
+    assert host.spill(a) is None  # cached already: kept where it is, newest in the LRU order
+    assert host.spill(c) == frame_b  # so b, the least recently used, is evicted for c
+    assert host.cached_frame(a) == frame_a and host.cached_frame(b) is None
+    assert host.check_invariants() == []
+
+
+def test_a_host_tier_needs_frames_and_no_negative_share():
+    for swap, cache in [(0, 0), (-1, 3), (3, -1)]:
+        with pytest.raises(AssertionError, match=f"needs frames: swap {swap}, cache {cache}"):
+            HostTier(swap, cache)
+
+
+def _swap_share_full_and_a_block_spilled() -> BlockManager:
+    """A host tier whose swap share a swapped-out sequence fills, beside a spilled block."""
+    bm = host_manager(num_pages=3, swap=2, cache=2)
+    a = Seq("a", list(range(5)))
+    assert admit(bm, a)
+    bm.swap_out(a)
+    bm.take_pending_swaps()
+    assert admit(bm, Seq("b", list(range(50, 62))))  # evicts a's cached block: one spill
+    assert bm.host.num_swapped_frames == bm.host.swap_share and bm.host.frame_to_cached_block
+    assert bm.check_invariants() == []
+    return bm
+
+
+def _cache_a_swapped_frame(host: HostTier) -> None:
+    host.frame_to_cached_block[host.block_tables["a"][0]] = host.frame_to_cached_block[
+        next(iter(host.frame_to_cached_block))
+    ]
+
+
+@pytest.mark.parametrize(
+    "breakage, problem",
+    [
+        (lambda h: h.pinned.append(h.block_tables["a"][0]), "a swapped sequence's frame is held"),
+        (lambda h: setattr(h, "num_swapped_frames", 1), "2 frames held by swapped sequences "),
+        (lambda h: setattr(h, "swap_share", 1), "(counted 2; the swap share is 1)"),
+        (_cache_a_swapped_frame, "a swapped sequence's frame also caches a prefix block"),
+        (lambda h: h.cached_block_hash_to_frame.clear(), "hash -> frame and frame -> block"),
+    ],
+    ids=["pinned-while-swapped", "miscounted", "over-the-share", "swapped-and-cached", "maps"],
+)
+def test_the_host_invariant_check_names_each_broken_rule(breakage, problem):
+    bm = _swap_share_full_and_a_block_spilled()
+    breakage(bm.host)
+    assert any(p.startswith("host tier: ") and problem in p for p in bm.check_invariants())
 
 
 # ---- property test: a scheduler's random moves never leak or corrupt pages

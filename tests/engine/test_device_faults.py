@@ -108,7 +108,11 @@ def test_a_scrub_on_demand_restores_a_layer_page_bit_for_bit_from_the_checkpoint
     monkeypatch.setattr(engine.config.device, "weight_scrub_pages", 0)
     tag = next(t for t in engine.device.weight_tensors if t.startswith("model.layers.1."))
     pristine = page_bytes(engine.device.weight_tensors[tag], 0).clone()
-    engine.inject_fault("weight_page", tag, 0)
+    assert engine.inject_fault("weight_page", tag, 0) == {
+        "kind": "weight_page",
+        "tag": tag,
+        "page": 0,
+    }
     assert not torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
     assert engine.scrub_weights() == 1 and engine.scrub_weights() == 0
     assert torch.equal(page_bytes(engine.device.weight_tensors[tag], 0), pristine)
@@ -175,7 +179,7 @@ def test_without_recovery_a_failed_step_leaves_the_engine(kunlun_llm, monkeypatc
 
 @pytest.mark.faults
 def test_offline_generate_reports_a_failed_step_as_an_error_output(kunlun_llm):
-    kunlun_llm.llm_engine.inject_fault("step")
+    assert kunlun_llm.llm_engine.inject_fault("step") == {"kind": "step"}
     out, after = kunlun_llm.generate(
         [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT}], GREEDY, use_tqdm=False
     )
@@ -216,8 +220,28 @@ def test_fault_injection_names_what_it_cannot_do(kunlun_llm):
         engine.inject_fault("disk")
     with pytest.raises(ValueError, match="no weight tensor 'nope'"):
         engine.inject_fault("weight_page", "nope")
-    with pytest.raises(ValueError, match=r"KV pages are 0\.\.31, not 99"):
-        engine.inject_fault("kv_page", page=99)
+    for page in (-1, 32, 99):
+        with pytest.raises(ValueError, match=rf"KV pages are 0\.\.31, not {page}$"):
+            engine.inject_fault("kv_page", page=page)
+    with pytest.raises(ValueError, match="no host tier: start with --swap-space or --host-prefix"):
+        engine.inject_fault("host_page")
+
+
+@pytest.mark.faults
+def test_a_kv_fault_injected_with_nothing_running_hits_page_0_and_is_recovered(kunlun_llm):
+    engine = kunlun_llm.llm_engine
+    before = engine.device.faults.to_dict()["kv_page"]
+    assert engine.inject_fault("kv_page") == {"kind": "kv_page", "page": 0}
+    assert engine.inject_fault("kv_page", page=31) == {"kind": "kv_page", "page": 31}
+    assert engine.step() == []  # found; no cache or request holds the pages any more
+    assert 0 not in engine.block_manager.page_to_cached_block
+    after = engine.device.faults.to_dict()["kv_page"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "injected": 2,
+        "detected": 2,
+        "recovered": 2,
+    }
+    assert _drained(kunlun_llm)
 
 
 @pytest.mark.parametrize("nbytes", [4096, 4093], ids=["words", "unaligned-bytes"])

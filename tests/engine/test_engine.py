@@ -255,6 +255,13 @@ def test_an_output_names_its_request_prompt_and_sequences_and_times_its_first_to
     assert _drained(tiny_llm)
 
 
+def test_a_sequence_has_no_finish_reason_until_it_finishes_and_then_says_why(tiny_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outputs = _run_to_the_end(tiny_llm.llm_engine, "why", [5, 6, 7], params)
+    assert [o.outputs[0].finish_reason for o in outputs] == [None, None, "length"]
+    assert [o.finished for o in outputs] == [False, False, True]
+
+
 def test_logprobs_are_returned_where_asked_and_sum_to_the_cumulative_logprob(tiny_llm):
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=2)
     asked = SamplingParams(**{**vars(params), "prompt_logprobs": 1})

@@ -140,6 +140,29 @@ def test_the_same_host_fault_unrecovered_would_corrupt_the_answer(swapping, clea
 
 
 @pytest.mark.faults
+def test_a_host_fault_injected_with_nothing_there_hits_frame_0_and_is_recovered(swapping):
+    engine = swapping.llm_engine
+    engine.block_manager.reset_prefix_cache()  # the host tier's too
+    before = engine.device.faults.to_dict()["kv_page"]
+    assert engine.inject_fault("host_page") == {"kind": "host_page", "page": 0}
+    assert engine.step() == []  # found; nothing holds the frame any more
+    after = engine.device.faults.to_dict()["kv_page"]
+    assert {k: after[k] - before[k] for k in after} == {
+        "injected": 1,
+        "detected": 1,
+        "recovered": 1,
+    }
+    assert _drained(swapping)
+
+
+def test_a_host_fault_injection_outside_the_host_tier_names_its_frames(swapping):
+    num_frames = swapping.llm_engine.block_manager.host.num_frames
+    for frame in (-1, num_frames):
+        with pytest.raises(ValueError, match=rf"frames are 0\.\.{num_frames - 1}, not {frame}$"):
+            swapping.llm_engine.inject_fault("host_page", page=frame)
+
+
+@pytest.mark.faults
 def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monkeypatch):
     """A failed step's page moves may not have run: the victim it swapped out recomputes rather
     than come back from frames nobody wrote (here the swap-out itself fails)."""
@@ -284,6 +307,51 @@ def test_auto_swaps_while_the_copy_is_cheaper_and_recomputes_when_it_is_not():
     assert should_swap("auto", costs, 10, 400)  # 2 ms of copies against 4 ms of prefill
     assert not should_swap("auto", costs, 10, 40)  # against 0.4 ms
     assert should_swap("swap", costs, 10, 40) and not should_swap("recompute", costs, 10, 400)
+
+
+def test_auto_charges_a_swap_two_copies_and_a_recompute_a_prefill_of_its_tokens():
+    costs = PreemptionCosts()
+    costs.observe_copies(4, 4e-4)  # 0.1 ms a page, one way
+    costs.observe_forward(200, 2e-3)  # 10 us a token
+    # 10 pages: 1 ms one way, 2 ms out and back in
+    assert not should_swap("auto", costs, 10, 150)  # against 1.5 ms of prefill
+    assert should_swap("auto", costs, 10, 250)  # against 2.5 ms
+
+
+def test_auto_swaps_only_when_the_copy_is_strictly_cheaper():
+    costs = PreemptionCosts(seconds_per_page_copy=1e-4, seconds_per_prefill_token=1e-4)
+    assert not should_swap("auto", costs, 1, 2)  # two copies of a page: a prefill of 2 tokens
+    assert should_swap("auto", costs, 1, 3)
+
+
+def test_auto_swaps_while_either_rate_is_unmeasured():
+    copies_only = PreemptionCosts(seconds_per_page_copy=1.0)  # a copy dearer than any prefill
+    prefill_only = PreemptionCosts(seconds_per_prefill_token=1e-9)
+    assert should_swap("auto", copies_only, 10, 1) and should_swap("auto", prefill_only, 10, 1)
+
+
+def test_a_prefill_of_min_prefill_tokens_is_measured_and_a_step_without_copies_is_not():
+    costs = PreemptionCosts()
+    costs.observe_copies(0, 1e-3)  # a step that moved no page
+    costs.observe_forward(MIN_PREFILL_TOKENS, 1e-3)
+    assert costs.seconds_per_page_copy is None
+    assert costs.seconds_per_prefill_token == pytest.approx(1e-3 / MIN_PREFILL_TOKENS)
+
+
+def test_each_rate_moves_part_way_toward_each_new_measurement_and_settles_on_a_steady_one():
+    costs = PreemptionCosts()
+    costs.observe_copies(1, 1e-3)  # the first measurement is the rate
+    costs.observe_forward(100, 1e-1)  # 1 ms a token
+    assert costs.seconds_per_page_copy == pytest.approx(1e-3)
+    costs.observe_copies(1, 2e-3)
+    costs.observe_forward(100, 2e-1)
+    assert 1e-3 < costs.seconds_per_page_copy < 2e-3
+    assert 1e-3 < costs.seconds_per_prefill_token < 2e-3
+    for _ in range(200):
+        costs.observe_copies(2, 4e-3)
+        costs.observe_forward(50, 1e-1)
+    assert costs.seconds_per_page_copy == pytest.approx(2e-3)
+    assert costs.seconds_per_prefill_token == pytest.approx(2e-3)
 
 
 def test_auto_recomputes_when_the_swap_space_is_full(tiny_dir, clean):

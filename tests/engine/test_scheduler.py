@@ -41,6 +41,7 @@ from pagedserve.config import SchedulerConfig
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
+from pagedserve.engine.swap_policy import PreemptionCosts
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -97,6 +98,10 @@ class Driver:
     proposed: dict[str, int] = field(default_factory=dict, repr=False)  # drafts, before the budget
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # the most tokens of a request computed before a preemption freed them, and the tokens
+    # scheduled again below that mark
+    lost: dict[str, int] = field(default_factory=dict, repr=False)
+    num_recomputed_tokens: int = 0
 
     def __post_init__(self) -> None:
         host_cache = self.num_host_cache_frames if self.enable_prefix_caching else 0
@@ -160,6 +165,7 @@ class Driver:
         if self.step_count in self.host_fault_steps and self.scheduler.swapped:
             self.host_fault(self.scheduler.swapped[0])
         running_before = list(self.admitted)
+        self.computed_before = {r.request_id: r.num_computed_tokens for r in running_before}
         swapped_before = set(map(id, self.scheduler.swapped))
         out = self.scheduler.schedule()
         self.check(out, running_before, swapped_before)
@@ -224,6 +230,7 @@ class Driver:
         request: the frame's contents are garbage, and the request recomputes."""
         frame = self.bm.host.block_tables[victim.request_id][0]
         self.host_kv[frame] = [-1] * self.block_size
+        self.lose(victim, victim.num_computed_tokens)
         assert victim.request_id in self.bm.drop_host_frames([frame])
         self.scheduler.recompute_swapped(victim)
         assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
@@ -231,7 +238,8 @@ class Driver:
 
     def fault(self, victim: Request) -> None:
         """What the engine does when a device reports a corrupt page under a running request."""
-        self.scheduler.preempt(victim, recompute=True)
+        self.lose(victim, victim.num_computed_tokens)
+        self.scheduler.preempt(victim)
         assert not victim.spec_token_ids, "a preempted request keeps its drafts"
         self.proposed.pop(victim.request_id, None)
         assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
@@ -306,6 +314,10 @@ class Driver:
     def group_of(self, seq: Request) -> Group:
         return next(g for g in self.groups if seq in g.seqs)
 
+    def lose(self, seq: Request, num_computed: int) -> None:
+        """A preemption freed ``seq``'s ``num_computed`` computed tokens: it computes them again."""
+        self.lost[seq.request_id] = max(self.lost.get(seq.request_id, 0), num_computed)
+
     def _forget(self, seq: Request) -> None:
         if seq in self.admitted:
             self.admitted.remove(seq)
@@ -359,6 +371,7 @@ class Driver:
             assert not admitted_now, "admitted a waiting request in a step that preempted"
         self.check_tokens(out)
         self.check_work_conserving(out, scheduled)
+        self.check_recomputed(out)
         for r in admitted_now:
             self.queue.remove(r)
             self.admitted.append(r)
@@ -407,6 +420,7 @@ class Driver:
                 assert victim.num_computed_tokens > 0
             else:
                 assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+                self.lose(victim, self.computed_before[victim.request_id])
             self.admitted.remove(victim)
             self.queue.insert(0, victim)
             self.num_preemptions += 1
@@ -433,6 +447,14 @@ class Driver:
             needed = -(-(req.num_computed_tokens + s.num_new_tokens) // self.block_size)
             assert s.block_table == self.bm.get_block_table(req.request_id)
             assert len(s.block_table) >= needed, "scheduled tokens without pages for them"
+
+    def check_recomputed(self, out: SchedulerOutput) -> None:
+        """The scheduler counts the positions it schedules below what a preemption lost."""
+        for s in out.scheduled:
+            start, lost = s.request.num_computed_tokens, self.lost.get(s.request.request_id, 0)
+            positions = range(start, start + s.num_new_tokens)
+            self.num_recomputed_tokens += sum(1 for pos in positions if pos < lost)
+        assert self.scheduler.num_recomputed_tokens == self.num_recomputed_tokens
 
     def check_work_conserving(self, out: SchedulerOutput, scheduled: list[Request]) -> None:
         """Budget left over while requests lacked tokens: only when pages or seats ran out."""
@@ -662,6 +684,20 @@ def test_out_of_pages_preempts_the_most_recently_admitted():
     assert preempted[0] == ["r2", "r1"]
 
 
+@pytest.mark.parametrize("copy_is_cheaper", [True, False])
+def test_auto_swaps_a_victim_while_measured_copies_are_cheaper_and_recomputes_it_if_not(
+    copy_is_cheaper,
+):
+    driver = Driver(4, 64, 3, 2, False, preemption_mode="auto", num_swap_frames=8)
+    fast, slow = 1e-6, 1e-3
+    copy, prefill = (fast, slow) if copy_is_cheaper else (slow, fast)
+    driver.scheduler.costs = PreemptionCosts(copy, prefill)  # seconds a page, a token
+    run(driver, [Arrival(0, [i], max_tokens=3) for i in range(3)])
+    assert driver.num_preemptions > 0
+    swapped = driver.scheduler.num_swapped_preemptions
+    assert swapped == (driver.num_preemptions if copy_is_cheaper else 0)
+
+
 def test_siblings_of_an_n_request_count_against_max_num_seqs():
     """An ``n = 3`` request admitted beside another must not fork past ``max_num_seqs``."""
     driver = Driver(3, 64, 64, 4)
@@ -697,6 +733,23 @@ def test_a_request_waiting_for_its_grammar_keeps_its_place_and_others_pass_it():
     second = scheduler.schedule()
     assert "r1" in [s.request.request_id for s in second.scheduled]
     assert not scheduler.waiting
+
+
+def test_a_request_waiting_for_its_grammar_keeps_its_place_when_the_next_does_not_fit():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), bm)
+    running = Request("r0", [1] * 12, SamplingParams(max_tokens=2))
+    scheduler.add_request(running)
+    assert [s.request for s in scheduler.schedule().scheduled] == [running]
+    running.num_computed_tokens = 12
+    running.append_output_token(1)  # its next token takes the last free page
+    compiling = Request("r1", [2] * 3, SamplingParams(max_tokens=2))
+    compiling.structured_output = SimpleNamespace(ready=False)
+    pageless = Request("r2", [3] * 3, SamplingParams(max_tokens=2))
+    for req in (compiling, pageless):
+        scheduler.add_request(req)
+    assert [s.request for s in scheduler.schedule().scheduled] == [running]
+    assert list(scheduler.waiting) == [compiling, pageless]
 
 
 def test_requests_waiting_for_grammars_keep_their_order():

@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import EngineConfig, UsageContext
+from pagedserve.config import EngineConfig, SpeculativeConfig, UsageContext
 from pagedserve.engine.spec_decode import (
     BACKOFF_AFTER,
     FIRST_COOLDOWN,
+    MAX_COOLDOWN,
     DraftState,
     NgramIndex,
+    NgramProposer,
+    SpecDecodeStats,
 )
 from tests.engine.test_engine_numerics import PROMPTS, _assert_pool_drained, _tier_kwargs
 from tests.helpers.models import build_tiny_hf_model
@@ -87,6 +90,83 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again():
     assert sum(drafting) < 15  # the cooldown doubles
     state.observe(3, 2)  # an accepted draft resets it
     assert state.num_failed == 0 and state.cooldown == FIRST_COOLDOWN
+
+
+def _drafting_steps(proposer: NgramProposer, accepts: list[int], num_steps: int) -> list[int]:
+    """The steps (from 1) at which a request whose sequence always repeats got drafts from
+    ``proposer``; its i-th drafting step accepts ``accepts[i]`` (0 past the list's end)."""
+    state, tokens, steps = DraftState(), LOOP * 2, []
+    for step in range(1, num_steps + 1):
+        drafts = proposer.propose(tokens, state, max_drafts=8)
+        if drafts:
+            state.observe(len(drafts), accepts[len(steps)] if len(steps) < len(accepts) else 0)
+            steps.append(step)
+    return steps
+
+
+def _backoff_steps(num_steps: int, start: int = 1, cooldown: int = FIRST_COOLDOWN) -> list[int]:
+    """The rule, step by step: BACKOFF_AFTER drafting steps in a row that accept nothing, then
+    the next drafting step ``cooldown`` steps after the last of them; the cooldown doubles each
+    time, up to MAX_COOLDOWN."""
+    steps, step = [], start
+    while step <= num_steps:
+        run = list(range(step, step + BACKOFF_AFTER))
+        steps += [s for s in run if s <= num_steps]
+        step = run[-1] + cooldown
+        cooldown = min(2 * cooldown, MAX_COOLDOWN)
+    return steps
+
+
+def test_failing_drafts_back_off_for_a_cooldown_that_doubles_up_to_its_bound():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3))
+    assert _drafting_steps(proposer, [], 600) == _backoff_steps(600)
+
+
+def test_an_accepted_draft_resets_the_failures_and_the_cooldown():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3))
+    # fail into two back-offs, then one failure short of a third, then an accepted draft
+    fails = 2 * BACKOFF_AFTER + BACKOFF_AFTER - 1
+    steps = _drafting_steps(proposer, [0] * fails + [1], 300)
+    before = _backoff_steps(300)[:fails]
+    assert steps[:fails] == before
+    accepted_at = before[-1] + 1  # no back-off yet: it drafts the next step too
+    assert steps[fails:] == [accepted_at, *_backoff_steps(300, start=accepted_at + 1)]
+
+
+def test_the_proposer_drafts_up_to_its_k_and_the_room_left_by_the_longest_suffix_match():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3)
+    proposer = NgramProposer(config)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 7, 1, 2, 3]
+    for room in range(-1, 7):
+        state = DraftState()
+        expected = scanned_drafts(tokens, 2, 3, min(4, room)) if room > 0 else []
+        assert proposer.propose(tokens, state, room) == expected
+        assert state.num_steps == 1
+    # a 1-gram repeats ([3]), but lookups start at prompt_lookup_min = 2
+    assert proposer.propose([5, 3, 6, 3], DraftState(), 4) == []
+
+
+def test_spec_decode_stats_count_steps_drafts_and_acceptances_by_position():
+    steps = [(4, 0), (4, 2), (3, 3), (2, 1), (4, 4)]  # (drafts, accepted) per verification step
+    stats = SpecDecodeStats(num_speculative_tokens=4)
+    for num_drafts, num_accepted in steps:
+        stats.observe(num_drafts, num_accepted)
+    drafts, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
+    per_pos = [sum(1 for _, a in steps if a > i) for i in range(4)]
+    assert stats.to_dict() == {
+        "spec_decode_num_drafts_total": len(steps),
+        "spec_decode_num_draft_tokens_total": drafts,
+        "spec_decode_num_accepted_tokens_total": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": per_pos,
+        "spec_decode_draft_acceptance_rate": pytest.approx(accepted / drafts),
+        "spec_decode_mean_acceptance_length": pytest.approx(1 + accepted / len(steps)),
+    }
+
+
+def test_spec_decode_stats_before_any_draft_are_zero():
+    stats = SpecDecodeStats(num_speculative_tokens=3)
+    assert stats.acceptance_rate == 0.0 and stats.mean_acceptance_length == 0.0
+    assert stats.to_dict()["spec_decode_num_accepted_tokens_per_pos"] == [0, 0, 0]
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,77 @@ def test_json_whitespace_is_bounded():
         assert accepted == ok, text
 
 
+def test_an_object_that_lists_its_properties_takes_no_others_unless_its_schema_says_so():
+    from pagedserve.engine.structured_output.backend_guidance import strict_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    strict = {**point, "additionalProperties": False}
+    assert strict_schema(point) == strict and "additionalProperties" not in point
+    # everywhere in the schema: under keywords, in lists of subschemas
+    schema = {"anyOf": [point, {"type": "array", "items": point}], "$defs": {"p": point}}
+    assert strict_schema(schema) == {
+        "anyOf": [strict, {"type": "array", "items": strict}],
+        "$defs": {"p": strict},
+    }
+    # a schema that says which other properties it takes, or lists none, is left as it is
+    for opening in (
+        {"additionalProperties": True},
+        {"unevaluatedProperties": {"type": "string"}},
+        {"patternProperties": {"^s_": {"type": "string"}}},
+    ):
+        assert strict_schema({**point, **opening}) == {**point, **opening}
+    assert strict_schema({"type": "object"}) == {"type": "object"}
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    import llguidance
+
+    tok = llguidance.LLTokenizer(_demo_tokenizer())
+    m = llguidance.LLMatcher(tok, grammar, log_level=0)
+    return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
+
+
+@pytest.mark.parametrize(
+    "constraint, allowed, refused",
+    [
+        ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, '{"a": 1}',
+         '{"a": 1, "b": 2}'),
+        ({"json_object": True}, '{"b": [1]}', "[1]"),
+        ({"regex": PHONE}, "555-1234", "555-12345"),
+        ({"choice": CHOICES}, "New York", "York"),
+        ({"grammar": 'start: "yes" | "no"'}, "no", "maybe"),  # Lark
+        ({"grammar": 'root ::= "yes" | "no"'}, "yes", "yesno"),  # GBNF
+    ],
+    ids=["json", "json_object", "regex", "choice", "lark", "gbnf"],
+)  # fmt: skip
+def test_each_kind_of_constraint_becomes_a_grammar_of_exactly_what_it_allows(
+    constraint, allowed, refused
+):
+    from pagedserve.engine.structured_output.backend_guidance import grammar_for
+
+    grammar = grammar_for(*StructuredOutputsParams(**constraint).key)
+    assert _accepts(grammar, allowed) and not _accepts(grammar, refused)
+
+
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        ({"json": {"not": {"type": "integer"}}}, "the JSON schema cannot be used for decoding: "),
+        ({"regex": "[0-9"}, "the regex cannot be used for decoding: "),
+        ({"grammar": "start: undefined_rule"}, "the grammar cannot be used for decoding: "),
+    ],
+    ids=["json", "regex", "grammar"],
+)
+def test_a_constraint_that_cannot_compile_is_refused_naming_its_kind(constraint, message):
+    from pagedserve.engine.structured_output.backend_guidance import check_structured_outputs
+
+    params = StructuredOutputsParams(**constraint)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_structured_outputs(params)
+    with pytest.raises(ValueError, match=re.escape(message)):  # the same, from the cache
+        check_structured_outputs(params)
+
+
 def _demo_tokenizer() -> str:
     from pagedserve.models import DEMO_MODEL_DIR
 
