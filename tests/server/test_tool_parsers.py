@@ -23,7 +23,7 @@ from pagedserve.presets import demo_model_dir
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionToolsParam, DeltaMessage
 from pagedserve.server.reasoning_parsers import ReasoningParserManager
-from pagedserve.server.tool_parsers import ToolParserManager
+from pagedserve.server.tool_parsers import CallSegment, ToolParserManager
 from tests.helpers.glm_formats import PUBLISHED, TOOLS, render_published
 
 SPECIALS = ("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "</think>")
@@ -237,6 +237,37 @@ def test_one_call_only_without_parallel_tool_calls(glm4):
 def test_a_truncated_call_is_text(glm4):
     content, calls = _whole(glm4, 'get_weather\n{"location": "Par')
     assert calls == [] and content == 'get_weather\n{"location": "Par'
+
+
+def test_an_output_that_ends_in_the_start_of_a_marker_keeps_that_text(glm4):
+    assert _whole(glm4, "\nSee <|") == ("\nSee <|", [])
+
+
+def test_a_name_alone_at_the_end_is_text_and_a_call_once_its_line_is_over(glm4):
+    """Cut short (max_tokens, a stop string): a bare name may be the start of a sentence; a
+    name and its newline is a call without arguments."""
+    assert _whole(glm4, "get_time") == ("get_time", [])
+    assert _whole(glm4, "get_time\n") == (None, [{"name": "get_time", "arguments": "{}"}])
+
+
+def test_spaces_after_a_name_alone_are_not_part_of_it(glm4):
+    assert _whole(glm4, "get_time <|observation|>") == (
+        None,
+        [{"name": "get_time", "arguments": "{}"}],
+    )
+
+
+def test_a_call_before_the_next_calls_marker_is_whole_while_the_turn_goes_on(glm4):
+    for first in ("get_time", "get_time\n"):
+        assert glm4.segments(first + "<|assistant|>get_wea", final=False) == [
+            CallSegment("get_time", "{}", first)
+        ]
+
+
+def test_a_newline_after_the_marker_of_a_further_call_is_not_part_of_its_name(glm4):
+    output = 'get_weather\n{"location": "Paris"}<|assistant|>\nget_time\n{}<|observation|>'
+    content, calls = _assert_streams_add_up(glm4, output)
+    assert content is None and [c["name"] for c in calls] == ["get_weather", "get_time"]
 
 
 def test_special_tokens_the_client_skips_are_dropped_from_content(glm4):
