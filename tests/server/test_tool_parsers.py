@@ -20,10 +20,16 @@ from hypothesis import strategies as st
 from pagedserve.models.chat_templates import builtin_chat_template
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.presets import demo_model_dir
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionToolsParam, DeltaMessage
 from pagedserve.server.reasoning_parsers import ReasoningParserManager
-from pagedserve.server.tool_parsers import CallSegment, ToolParserManager
+from pagedserve.server.tool_parsers import CallSegment, ToolParser, ToolParserManager
+from pagedserve.server.tool_parsers.abstract_tool_parser import (
+    JSON_OPTIONS,
+    is_special_token,
+    partial_mark_length,
+)
 from tests.helpers.glm_formats import PUBLISHED, TOOLS, render_published
 
 SPECIALS = ("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "</think>")
@@ -386,6 +392,138 @@ def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
         .reasoning
         is None
     )
+
+
+# ---- what every parser shares --------------------------------------------------------------------
+PLUGIN = """
+from pagedserve.server.tool_parsers import TextSegment, ToolParser, ToolParserManager
+
+
+@ToolParserManager.register_module("plugin-a", "plugin-b")
+class PluginParser(ToolParser):
+    def segments(self, text, final):
+        return [TextSegment(text)]
+"""
+
+
+def test_a_plugin_file_registers_its_parser_under_each_name(tmp_path):
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(PLUGIN)
+    ToolParserManager.import_tool_parser(str(plugin))
+    try:
+        a = ToolParserManager.get_tool_parser("plugin-a")
+        assert a is ToolParserManager.get_tool_parser("plugin-b")
+        assert a.__name__ == "PluginParser" and a.__module__ == "pagedserve_tool_plugin_my_parser"
+    finally:
+        for name in ("plugin-a", "plugin-b"):
+            ToolParserManager.tool_parsers.pop(name, None)
+
+
+def test_a_plugin_that_is_not_a_file_or_fails_to_run_is_an_error_naming_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        ToolParserManager.import_tool_parser(str(tmp_path / "none.py"))
+    assert str(e.value) == f"--tool-parser-plugin {tmp_path / 'none.py'}: no such file"
+    with pytest.raises(FileNotFoundError):
+        ToolParserManager.import_tool_parser(str(tmp_path))  # a directory
+    broken = tmp_path / "broken.py"
+    broken.write_text("oops")
+    with pytest.raises(ValueError) as e:
+        ToolParserManager.import_tool_parser(str(broken))
+    assert str(e.value) == (
+        f"--tool-parser-plugin {broken} failed to load: NameError: name 'oops' is not defined"
+    )
+
+
+def test_an_unknown_parser_name_lists_the_parsers():
+    with pytest.raises(ValueError) as e:
+        ToolParserManager.get_tool_parser("hermes")
+    assert str(e.value) == (
+        "--tool-call-parser hermes: no such parser; the parsers are glm4, glm45, glm47 (a file "
+        "given to --tool-parser-plugin can register another)"
+    )
+    with pytest.raises(ValueError) as e:
+        ReasoningParserManager.get_reasoning_parser("deepseek_r1")
+    assert str(e.value) == "--reasoning-parser deepseek_r1: no such parser; the parsers are glm4"
+
+
+def test_the_parsers_are_registered_by_their_names():
+    assert ToolParserManager.get_tool_parser("glm45") is ToolParserManager.get_tool_parser("glm47")
+    assert ToolParserManager.get_tool_parser("glm4").__name__ == "Glm4ToolParser"
+
+
+def test_a_parser_keeps_special_tokens_in_the_text(glm4):
+    params = SamplingParams()
+    glm4.adjust_request(params)
+    assert params.skip_special_tokens is False
+
+
+def test_a_special_token_is_named_in_a_grammar_and_other_text_quoted(tokenizer, glm4):
+    assert glm4.token("<|assistant|>") == "<|assistant|>" and glm4.has_special("<|assistant|>")
+    assert glm4.token("<tool_call>") == '"<tool_call>"' and not glm4.has_special("<tool_call>")
+    assert glm4.token("get_time") == '"get_time"'  # a word of the vocabulary, not special
+    assert not is_special_token(None, "<|assistant|>")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc<|obs", 5),
+        ("abc<", 1),
+        ("abc", 0),
+        ("", 0),
+        ("<|observation|", 14),  # the longest start of a mark, one short of it
+        ("x<|user", 6),
+        ("<|u", 3),
+    ],
+)
+def test_the_end_of_the_text_that_may_begin_a_mark_is_held_back(text, expected):
+    assert partial_mark_length(text, "<|observation|>", "<|user|>") == expected
+
+
+def test_the_arguments_schema_of_a_tool():
+    def schema(parameters, enforced=None):
+        function = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+        tool = ChatCompletionToolsParam(type="function", function=function)
+        return ToolParser.arguments_schema(tool, enforced)
+
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert schema(None) == no_arguments
+    assert schema({"properties": {"a": {}}}) == {"type": "object", "properties": {"a": {}}}
+    assert schema({"type": "object", "required": []}) == {"type": "object", "required": []}
+    assert schema({"type": "object", "required": ["a"]}, enforced={"g"}) == {"type": "object"}
+    assert schema({"type": "object", "required": ["a"]}, enforced={"f"})["required"] == ["a"]
+
+
+def test_a_json_rule_is_strict_and_tight():
+    rule = ToolParser.json_rule({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert rule.startswith("%json ")
+    body = json.loads(rule.removeprefix("%json "))
+    assert body["additionalProperties"] is False and body["x-guidance"] == JSON_OPTIONS
+    assert json.loads(ToolParser.json_rule(None).removeprefix("%json "))["properties"] == {}
+    assert "é" in ToolParser.json_rule({"description": "é"})  # not escaped
+
+
+def test_auto_starts_with_free_text_or_calls(glm4):
+    assert glm4.auto_start() == "FREE | calls"
+
+
+def test_content_beside_calls_is_none_unless_it_has_text(glm4):
+    found = glm4.extract_tool_calls("get_time\n{}<|observation|>")
+    assert (found.tools_called, found.content) == (True, None)
+    found = glm4.extract_tool_calls("  <|assistant|>get_time\n{}<|observation|>")
+    assert (found.tools_called, found.content) == (True, None)
+    found = glm4.extract_tool_calls("\n \n<|user|>")
+    assert (found.tools_called, found.tool_calls, found.content) == (False, [], "\n \n")
+    found = glm4.extract_tool_calls(
+        'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{}', False
+    )
+    assert [c.function.name for c in found.tool_calls] == ["get_weather"]
+
+
+def test_a_call_whose_arguments_are_not_an_object_says_why():
+    assert CallSegment("f", "{}", "").error() is None
+    assert CallSegment("f", "[1]", "").error() == "arguments are not a JSON object"
+    assert CallSegment("f", "{", "").error().startswith("arguments are not JSON (")
 
 
 # ---- any output at all --------------------------------------------------------------------------
