@@ -394,6 +394,113 @@ def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
     )
 
 
+def _glm4_reasoning(tokenizer, prompt: str):
+    return ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+
+
+def test_a_prompt_opens_the_thinking_when_it_ends_in_think_whitespace_aside(tokenizer):
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>\n ").opened_by_prompt
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>").opened_by_prompt
+    assert not _glm4_reasoning(tokenizer, "<|assistant|><think>x").opened_by_prompt
+    assert not _glm4_reasoning(tokenizer, "<think>\n<|assistant|>").opened_by_prompt
+
+
+@pytest.mark.parametrize(
+    "text, final, expected",
+    [
+        ("hm</think>4", True, ("hm", "4")),
+        ("hm</think>4", False, ("hm", "4")),
+        ("hm</thi", False, ("hm", None)),  # may be the end of the thinking: held back
+        ("hm</thi", True, ("hm</thi", None)),
+        ("hm", True, ("hm", None)),
+        ("a</think>b</think>c", True, ("a", "b</think>c")),
+        ("", False, ("", None)),
+    ],
+)
+def test_a_thinking_the_prompt_opened_ends_at_its_mark(tokenizer, text, final, expected):
+    reasoning = _glm4_reasoning(tokenizer, "<|assistant|>\n<think>")
+    assert reasoning.split(text, final) == expected
+
+
+@pytest.mark.parametrize(
+    "text, final, expected",
+    [
+        ("4", True, (None, "4")),
+        ("\n4", False, (None, "\n4")),
+        ("  <think>hm</think>4", True, ("hm", "4")),
+        ("<think>hm", True, ("hm", None)),
+        ("<think>hm</th", False, ("hm", None)),
+        ("\n<thi", False, (None, None)),  # may be opening its thinking
+        ("\n<thi", True, (None, "\n<thi")),
+        ("", False, (None, "")),
+        ("\n", False, (None, "\n")),
+        ("<b>", False, (None, "<b>")),
+    ],
+)
+def test_without_a_thinking_opened_by_the_prompt_the_output_may_open_one(
+    tokenizer, text, final, expected
+):
+    reasoning = _glm4_reasoning(tokenizer, "<|assistant|>")
+    assert reasoning.split(text, final) == expected
+
+
+def test_the_end_of_thinking_is_kept_in_the_text_where_it_is_a_special_token(tokenizer, tmp_path):
+    from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+
+    params = SamplingParams()
+    _glm4_reasoning(tokenizer, "<think>").adjust_request(params)
+    assert params.skip_special_tokens is True  # the demo's </think> is text
+    special = Tokenizer(
+        build_tiny_tokenizer(tmp_path, special_tokens=(*SPECIAL_TOKENS, "</think>"))
+    )
+    _glm4_reasoning(special, "<think>").adjust_request(params)
+    assert params.skip_special_tokens is False
+
+
+def test_the_thinking_before_a_constrained_answer(tokenizer, tmp_path):
+    from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+
+    assert _glm4_reasoning(tokenizer, "<|assistant|>").grammar_prefix() is None
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>").grammar_prefix() == (
+        'thinking[stop="</think>"]: /(?s:.*)/',
+        'thinking "\\n"*',
+    )
+    special = Tokenizer(
+        build_tiny_tokenizer(tmp_path, special_tokens=(*SPECIAL_TOKENS, "</think>"))
+    )
+    assert _glm4_reasoning(special, "<think>").grammar_prefix() == (
+        "THINKING: /(?s:.*)/",
+        'THINKING </think> "\\n"*',
+    )
+
+
+def test_a_reasoning_parser_by_default_keeps_the_request_and_has_no_prefix(tokenizer):
+    from pagedserve.server.reasoning_parsers import ReasoningParser
+
+    parser = ReasoningParser(tokenizer, "the prompt")
+    assert (parser.tokenizer, parser.prompt) == (tokenizer, "the prompt")
+    params = SamplingParams()
+    parser.adjust_request(params)
+    assert params.skip_special_tokens is True and parser.grammar_prefix() is None
+    with pytest.raises(NotImplementedError):
+        parser.split("x", True)
+
+
+def test_a_reasoning_parser_registers_under_each_name():
+    from pagedserve.server.reasoning_parsers import ReasoningParser
+
+    @ReasoningParserManager.register_module("think-a", "think-b")
+    class Mine(ReasoningParser):
+        pass
+
+    try:
+        assert ReasoningParserManager.get_reasoning_parser("think-a") is Mine
+        assert ReasoningParserManager.get_reasoning_parser("think-b") is Mine
+    finally:
+        for name in ("think-a", "think-b"):
+            ReasoningParserManager.reasoning_parsers.pop(name, None)
+
+
 # ---- what every parser shares --------------------------------------------------------------------
 PLUGIN = """
 from pagedserve.server.tool_parsers import TextSegment, ToolParser, ToolParserManager
