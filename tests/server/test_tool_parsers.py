@@ -281,6 +281,47 @@ def test_special_tokens_the_client_skips_are_dropped_from_content(glm4):
     assert parsed.content == "\nHi there"
 
 
+def test_special_tokens_the_client_skips_are_dropped_from_streamed_content_too(glm4):
+    parser = ChatOutputParser(glm4, specials=("[gMASK]",))
+    assert parser.delta("\nHi[gMASK] there<|user|>", finished=True).content == "\nHi there"
+
+
+def test_an_answer_of_only_whitespace_waits_while_a_call_may_follow(glm4):
+    parser = ChatOutputParser(glm4)
+    assert parser.delta("\n", finished=False) is None
+    last = parser.delta("\n", finished=True)
+    assert (last.content, last.tool_calls) == ("\n", None)
+    assert (
+        ChatOutputParser(None).delta("\n", finished=False).content == "\n"
+    )  # no calls to wait for
+
+
+def test_a_parser_says_whether_it_streamed_a_call(glm4):
+    parser = ChatOutputParser(glm4)
+    parser.delta("get_wea", finished=False)
+    assert not parser.called
+    parser.delta('get_weather\n{"lo', finished=False)
+    assert parser.called
+
+
+def test_a_first_call_delta_carries_its_id_type_name_and_arguments_so_far(glm4):
+    parser = ChatOutputParser(glm4)
+    (first,) = parser.delta('get_weather\n{"lo', finished=False).tool_calls
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        '{"lo',
+    )
+    assert first.id.startswith("call_") and len(first.id) == 29
+    assert parser.delta('get_weather\n{"lo', finished=False) is None  # nothing new
+    (second,) = parser.delta(
+        'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{', finished=False
+    ).tool_calls[1:]
+    assert (second.index, second.function.name, second.function.arguments) == (1, "get_time", "{")
+    assert second.id != first.id
+
+
 # ---- glm45: the XML form ----------------------------------------------------------------------
 GLM45_OUTPUTS = [
     (
@@ -380,6 +421,22 @@ def test_a_prompt_that_opens_no_thinking_starts_with_the_answer(tokenizer):
     assert ChatOutputParser(None, reasoning).parse("\n4").content == "\n4"
     parsed = ChatOutputParser(None, reasoning).parse("<think>hm</think>4")
     assert (parsed.reasoning, parsed.content) == ("hm", "4")
+
+
+def test_streamed_thinking_is_sent_under_both_names(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    parser = ChatOutputParser(None, reasoning)
+    first = parser.delta("Two", finished=False)
+    assert (first.reasoning_content, first.reasoning, first.content) == ("Two", "Two", None)
+    assert parser.delta("Two", finished=False) is None
+    last = parser.delta("Two and two.</think>4", finished=True)
+    assert (last.reasoning_content, last.reasoning, last.content) == (" and two.", " and two.", "4")
+
+
+def test_thinking_that_never_ends_has_no_answer_streamed(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    last = ChatOutputParser(None, reasoning).delta("Two and", finished=True)
+    assert (last.reasoning, last.content, last.tool_calls) == ("Two and", None, None)
 
 
 def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
