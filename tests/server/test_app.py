@@ -7,7 +7,6 @@ builds its own app over one engine, fast enough for mutation testing (tools/muta
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,34 +15,14 @@ import pagedserve
 from pagedserve.server.app import build_app
 from pagedserve.server.reasoning_parsers import Glm4ReasoningParser
 from pagedserve.server.tool_parsers import Glm4ToolParser, Glm45ToolParser
+from tests.helpers.apps import AUTH, KEY, LIMITS, demo_engine, served
 
-KEY = "app-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-LIMITS = dict(max_model_len=64, max_num_seqs=4, num_kv_pages=32, block_size=16)
 CHAT = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from pagedserve.config import EngineConfig
-    from pagedserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig.from_kwargs(model="demo", device="cpu", **LIMITS))
-
-
-@contextmanager
-def served(engine, started: bool = True, **settings) -> Iterator[TestClient]:
-    """A client of ``build_app(engine, "demo", api_key=KEY, **settings)``; ``started`` False:
-    its lifespan never runs, so its engine loop is not running (a dead engine)."""
-    app = build_app(
-        engine, settings.pop("served_model_name", "demo"), **{"api_key": KEY, **settings}
-    )
-    client = TestClient(app)
-    if not started:
-        yield client
-        return
-    with client:
-        yield client
+    return demo_engine()
 
 
 @pytest.fixture
