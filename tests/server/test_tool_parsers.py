@@ -263,6 +263,20 @@ def test_spaces_after_a_name_alone_are_not_part_of_it(glm4):
     )
 
 
+def test_spaces_after_a_name_before_its_newline_are_not_part_of_it(glm4):
+    content, calls = _assert_streams_add_up(
+        glm4, 'get_weather \n{"location": "Paris"}<|observation|>'
+    )
+    assert content is None and calls == [
+        {"name": "get_weather", "arguments": '{"location": "Paris"}'}
+    ]
+
+
+def test_text_that_cannot_begin_a_call_is_shown_at_once(glm4):
+    assert ChatOutputParser(glm4).delta("\nSunny", finished=False).content == "\nSunny"
+    assert ChatOutputParser(glm4).delta("\nget_w", finished=False) is None  # it may
+
+
 def test_a_call_before_the_next_calls_marker_is_whole_while_the_turn_goes_on(glm4):
     for first in ("get_time", "get_time\n"):
         assert glm4.segments(first + "<|assistant|>get_wea", final=False) == [
