@@ -212,6 +212,13 @@ DROP_RULES = [
 ]
 MATCH_RULES = [
     (
+        "server_body_limit",
+        "__call__",
+        r'decode\("latin-1"\)',
+        r'decode\("LATIN-1"\)',
+        "Python's codec names are case-insensitive: the same codec",
+    ),
+    (
         "server_streaming",
         "sse_response",
         r'"Cache-Control": "no-cache"',

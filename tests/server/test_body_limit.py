@@ -22,7 +22,9 @@ class App:
 
     async def __call__(self, scope, receive, send):
         self.calls += 1
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # lifespan: read one event, answer it
+            self.body = (await receive())["body"]
+            await send({"type": "lifespan.startup.complete"})
             return
         if self.mode == "start-first":
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -171,7 +173,8 @@ def test_messages_without_a_body_count_nothing():
     assert sent[0]["status"] == 200
 
 
-def test_other_scopes_pass_through():
+def test_other_scopes_pass_through_untouched():
     app = App()
     sent, read = call(app, [b"x" * 50], {"content-length": "50"}, scope_type="lifespan")
-    assert app.calls == 1 and sent == [] and read == 0
+    assert app.calls == 1 and read == 1 and app.body == b"x" * 50
+    assert sent == [{"type": "lifespan.startup.complete"}]
