@@ -272,6 +272,11 @@ def test_spaces_after_a_name_before_its_newline_are_not_part_of_it(glm4):
     ]
 
 
+def test_the_answer_ends_at_the_first_turn_end_even_at_its_start(glm4):
+    assert _whole(glm4, "\nHi<|user|>more<|user|>") == ("\nHi", [])
+    assert _whole(glm4, "<|user|>more") == ("", [])
+
+
 def test_text_that_cannot_begin_a_call_is_shown_at_once(glm4):
     assert ChatOutputParser(glm4).delta("\nSunny", finished=False).content == "\nSunny"
     assert ChatOutputParser(glm4).delta("\nget_w", finished=False) is None  # it may
