@@ -55,8 +55,9 @@ class BodySizeLimit:
             await self.reject(send, f"more than {received}")
 
     async def reject(self, send, size: str) -> None:
+        status = 413
         body = error_body(
-            413,
+            status,
             f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
             f"(--max-request-body)",
             code="request_too_large",
@@ -64,5 +65,5 @@ class BodySizeLimit:
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         headers.append((b"content-length", str(len(data)).encode()))
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})

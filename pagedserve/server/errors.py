@@ -16,14 +16,8 @@ from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    500: "server_error",
-    503: "server_error",
-}
+# OpenAI's error types: a client's error below 500, the server's from 500 on, but for these
+ERROR_TYPES = {401: "authentication_error"}
 
 
 class APIError(Exception):

@@ -22,7 +22,7 @@ from pagedserve.server.errors import APIError, bad_request
 MAX_SESSIONS = 1024
 MAX_BYTES = 256 * 1024
 TTL_S = 3600.0
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 class SessionStore:
@@ -68,7 +68,7 @@ class SessionStore:
 
 
 def _check_id(session_id: str) -> None:
-    if not _SESSION_ID.match(session_id):
+    if not _SESSION_ID.fullmatch(session_id):
         raise bad_request(
             "session_id must be 1-128 characters of letters, digits and _ . : -", "session_id"
         )

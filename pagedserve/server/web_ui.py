@@ -29,4 +29,4 @@ def install_web_ui(app: FastAPI) -> None:
     async def console() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
-    app.mount(ASSETS_PREFIX, StaticFiles(directory=WEB_DIR), name="console")
+    app.mount(ASSETS_PREFIX, StaticFiles(directory=WEB_DIR))

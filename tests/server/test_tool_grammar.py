@@ -110,6 +110,15 @@ def test_auto_holds_only_strict_tools_to_their_schema(demo):
     assert tool_request(_tools(WEATHER), "auto", True, True).enforced() == []  # no grammar
 
 
+def test_auto_holds_each_strict_tool_and_a_further_call_of_another_to_any_object(demo):
+    g = _grammar(demo, "glm4", ToolRequest(_tools(_strict(WEATHER), _strict(CLOCK)), "auto"))
+    assert not _accepts(demo, g, 'get_weather\n{"location": 5}')
+    assert not _accepts(demo, g, 'get_time\n{"x": 1}')
+    assert _accepts(demo, g, "get_time\n{}") and _accepts(demo, g, "\nSunny.")
+    g = _grammar(demo, "glm4", ToolRequest(_tools(_strict(WEATHER), CLOCK), "auto"))
+    assert _accepts(demo, g, f'get_weather\n{PARIS}<|assistant|>get_time\n{{"x": 1}}')
+
+
 @pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])  # </think> as text, as a special
 def test_thinking_comes_before_the_call(vocab, request):
     tok = request.getfixturevalue(vocab)

@@ -20,10 +20,16 @@ from hypothesis import strategies as st
 from pagedserve.models.chat_templates import builtin_chat_template
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.presets import demo_model_dir
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionToolsParam, DeltaMessage
 from pagedserve.server.reasoning_parsers import ReasoningParserManager
-from pagedserve.server.tool_parsers import ToolParserManager
+from pagedserve.server.tool_parsers import CallSegment, ToolParser, ToolParserManager
+from pagedserve.server.tool_parsers.abstract_tool_parser import (
+    JSON_OPTIONS,
+    is_special_token,
+    partial_mark_length,
+)
 from tests.helpers.glm_formats import PUBLISHED, TOOLS, render_published
 
 SPECIALS = ("<|assistant|>", "<|observation|>", "<|user|>", "<|endoftext|>", "</think>")
@@ -239,9 +245,100 @@ def test_a_truncated_call_is_text(glm4):
     assert calls == [] and content == 'get_weather\n{"location": "Par'
 
 
+def test_an_output_that_ends_in_the_start_of_a_marker_keeps_that_text(glm4):
+    assert _whole(glm4, "\nSee <|") == ("\nSee <|", [])
+
+
+def test_a_name_alone_at_the_end_is_text_and_a_call_once_its_line_is_over(glm4):
+    """Cut short (max_tokens, a stop string): a bare name may be the start of a sentence; a
+    name and its newline is a call without arguments."""
+    assert _whole(glm4, "get_time") == ("get_time", [])
+    assert _whole(glm4, "get_time\n") == (None, [{"name": "get_time", "arguments": "{}"}])
+
+
+def test_spaces_after_a_name_alone_are_not_part_of_it(glm4):
+    assert _whole(glm4, "get_time <|observation|>") == (
+        None,
+        [{"name": "get_time", "arguments": "{}"}],
+    )
+
+
+def test_spaces_after_a_name_before_its_newline_are_not_part_of_it(glm4):
+    content, calls = _assert_streams_add_up(
+        glm4, 'get_weather \n{"location": "Paris"}<|observation|>'
+    )
+    assert content is None and calls == [
+        {"name": "get_weather", "arguments": '{"location": "Paris"}'}
+    ]
+
+
+def test_the_answer_ends_at_the_first_turn_end_even_at_its_start(glm4):
+    assert _whole(glm4, "\nHi<|user|>more<|user|>") == ("\nHi", [])
+    assert _whole(glm4, "<|user|>more") == ("", [])
+
+
+def test_text_that_cannot_begin_a_call_is_shown_at_once(glm4):
+    assert ChatOutputParser(glm4).delta("\nSunny", finished=False).content == "\nSunny"
+    assert ChatOutputParser(glm4).delta("\nget_w", finished=False) is None  # it may
+
+
+def test_a_call_before_the_next_calls_marker_is_whole_while_the_turn_goes_on(glm4):
+    for first in ("get_time", "get_time\n"):
+        assert glm4.segments(first + "<|assistant|>get_wea", final=False) == [
+            CallSegment("get_time", "{}", first)
+        ]
+
+
+def test_a_newline_after_the_marker_of_a_further_call_is_not_part_of_its_name(glm4):
+    output = 'get_weather\n{"location": "Paris"}<|assistant|>\nget_time\n{}<|observation|>'
+    content, calls = _assert_streams_add_up(glm4, output)
+    assert content is None and [c["name"] for c in calls] == ["get_weather", "get_time"]
+
+
 def test_special_tokens_the_client_skips_are_dropped_from_content(glm4):
     parsed = ChatOutputParser(glm4, specials=("[gMASK]",)).parse("\nHi[gMASK] there<|user|>")
     assert parsed.content == "\nHi there"
+
+
+def test_special_tokens_the_client_skips_are_dropped_from_streamed_content_too(glm4):
+    parser = ChatOutputParser(glm4, specials=("[gMASK]",))
+    assert parser.delta("\nHi[gMASK] there<|user|>", finished=True).content == "\nHi there"
+
+
+def test_an_answer_of_only_whitespace_waits_while_a_call_may_follow(glm4):
+    parser = ChatOutputParser(glm4)
+    assert parser.delta("\n", finished=False) is None
+    last = parser.delta("\n", finished=True)
+    assert (last.content, last.tool_calls) == ("\n", None)
+    assert (
+        ChatOutputParser(None).delta("\n", finished=False).content == "\n"
+    )  # no calls to wait for
+
+
+def test_a_parser_says_whether_it_streamed_a_call(glm4):
+    parser = ChatOutputParser(glm4)
+    parser.delta("get_wea", finished=False)
+    assert not parser.called
+    parser.delta('get_weather\n{"lo', finished=False)
+    assert parser.called
+
+
+def test_a_first_call_delta_carries_its_id_type_name_and_arguments_so_far(glm4):
+    parser = ChatOutputParser(glm4)
+    (first,) = parser.delta('get_weather\n{"lo', finished=False).tool_calls
+    assert (first.index, first.type, first.function.name, first.function.arguments) == (
+        0,
+        "function",
+        "get_weather",
+        '{"lo',
+    )
+    assert first.id.startswith("call_") and len(first.id) == 29
+    assert parser.delta('get_weather\n{"lo', finished=False) is None  # nothing new
+    (second,) = parser.delta(
+        'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{', finished=False
+    ).tool_calls[1:]
+    assert (second.index, second.function.name, second.function.arguments) == (1, "get_time", "{")
+    assert second.id != first.id
 
 
 # ---- glm45: the XML form ----------------------------------------------------------------------
@@ -345,6 +442,22 @@ def test_a_prompt_that_opens_no_thinking_starts_with_the_answer(tokenizer):
     assert (parsed.reasoning, parsed.content) == ("hm", "4")
 
 
+def test_streamed_thinking_is_sent_under_both_names(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    parser = ChatOutputParser(None, reasoning)
+    first = parser.delta("Two", finished=False)
+    assert (first.reasoning_content, first.reasoning, first.content) == ("Two", "Two", None)
+    assert parser.delta("Two", finished=False) is None
+    last = parser.delta("Two and two.</think>4", finished=True)
+    assert (last.reasoning_content, last.reasoning, last.content) == (" and two.", " and two.", "4")
+
+
+def test_thinking_that_never_ends_has_no_answer_streamed(tokenizer):
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    last = ChatOutputParser(None, reasoning).delta("Two and", finished=True)
+    assert (last.reasoning, last.content, last.tool_calls) == ("Two and", None, None)
+
+
 def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
     reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
     parser = ChatOutputParser(None, reasoning, include_reasoning=False)
@@ -355,6 +468,245 @@ def test_no_reasoning_fields_when_the_client_does_not_want_them(tokenizer):
         .reasoning
         is None
     )
+
+
+def _glm4_reasoning(tokenizer, prompt: str):
+    return ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+
+
+def test_a_prompt_opens_the_thinking_when_it_ends_in_think_whitespace_aside(tokenizer):
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>\n ").opened_by_prompt
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>").opened_by_prompt
+    assert not _glm4_reasoning(tokenizer, "<|assistant|><think>x").opened_by_prompt
+    assert not _glm4_reasoning(tokenizer, "<think>\n<|assistant|>").opened_by_prompt
+
+
+@pytest.mark.parametrize(
+    "text, final, expected",
+    [
+        ("hm</think>4", True, ("hm", "4")),
+        ("hm</think>4", False, ("hm", "4")),
+        ("hm</thi", False, ("hm", None)),  # may be the end of the thinking: held back
+        ("hm</thi", True, ("hm</thi", None)),
+        ("hm", True, ("hm", None)),
+        ("a</think>b</think>c", True, ("a", "b</think>c")),
+        ("", False, ("", None)),
+    ],
+)
+def test_a_thinking_the_prompt_opened_ends_at_its_mark(tokenizer, text, final, expected):
+    reasoning = _glm4_reasoning(tokenizer, "<|assistant|>\n<think>")
+    assert reasoning.split(text, final) == expected
+
+
+@pytest.mark.parametrize(
+    "text, final, expected",
+    [
+        ("4", True, (None, "4")),
+        ("\n4", False, (None, "\n4")),
+        ("  <think>hm</think>4", True, ("hm", "4")),
+        ("<think>hm", True, ("hm", None)),
+        ("<think>hm</th", False, ("hm", None)),
+        ("\n<thi", False, (None, None)),  # may be opening its thinking
+        ("\n<thi", True, (None, "\n<thi")),
+        ("", False, (None, "")),
+        ("\n", False, (None, "\n")),
+        ("<b>", False, (None, "<b>")),
+    ],
+)
+def test_without_a_thinking_opened_by_the_prompt_the_output_may_open_one(
+    tokenizer, text, final, expected
+):
+    reasoning = _glm4_reasoning(tokenizer, "<|assistant|>")
+    assert reasoning.split(text, final) == expected
+
+
+def test_the_end_of_thinking_is_kept_in_the_text_where_it_is_a_special_token(tokenizer, tmp_path):
+    from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+
+    params = SamplingParams()
+    _glm4_reasoning(tokenizer, "<think>").adjust_request(params)
+    assert params.skip_special_tokens is True  # the demo's </think> is text
+    special = Tokenizer(
+        build_tiny_tokenizer(tmp_path, special_tokens=(*SPECIAL_TOKENS, "</think>"))
+    )
+    _glm4_reasoning(special, "<think>").adjust_request(params)
+    assert params.skip_special_tokens is False
+
+
+def test_the_thinking_before_a_constrained_answer(tokenizer, tmp_path):
+    from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+
+    assert _glm4_reasoning(tokenizer, "<|assistant|>").grammar_prefix() is None
+    assert _glm4_reasoning(tokenizer, "<|assistant|>\n<think>").grammar_prefix() == (
+        'thinking[stop="</think>"]: /(?s:.*)/',
+        'thinking "\\n"*',
+    )
+    special = Tokenizer(
+        build_tiny_tokenizer(tmp_path, special_tokens=(*SPECIAL_TOKENS, "</think>"))
+    )
+    assert _glm4_reasoning(special, "<think>").grammar_prefix() == (
+        "THINKING: /(?s:.*)/",
+        'THINKING </think> "\\n"*',
+    )
+
+
+def test_a_reasoning_parser_by_default_keeps_the_request_and_has_no_prefix(tokenizer):
+    from pagedserve.server.reasoning_parsers import ReasoningParser
+
+    parser = ReasoningParser(tokenizer, "the prompt")
+    assert (parser.tokenizer, parser.prompt) == (tokenizer, "the prompt")
+    params = SamplingParams()
+    parser.adjust_request(params)
+    assert params.skip_special_tokens is True and parser.grammar_prefix() is None
+    with pytest.raises(NotImplementedError):
+        parser.split("x", True)
+
+
+def test_a_reasoning_parser_registers_under_each_name():
+    from pagedserve.server.reasoning_parsers import ReasoningParser
+
+    @ReasoningParserManager.register_module("think-a", "think-b")
+    class Mine(ReasoningParser):
+        pass
+
+    try:
+        assert ReasoningParserManager.get_reasoning_parser("think-a") is Mine
+        assert ReasoningParserManager.get_reasoning_parser("think-b") is Mine
+    finally:
+        for name in ("think-a", "think-b"):
+            ReasoningParserManager.reasoning_parsers.pop(name, None)
+
+
+# ---- what every parser shares --------------------------------------------------------------------
+PLUGIN = """
+from pagedserve.server.tool_parsers import TextSegment, ToolParser, ToolParserManager
+
+
+@ToolParserManager.register_module("plugin-a", "plugin-b")
+class PluginParser(ToolParser):
+    def segments(self, text, final):
+        return [TextSegment(text)]
+"""
+
+
+def test_a_plugin_file_registers_its_parser_under_each_name(tmp_path):
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(PLUGIN)
+    ToolParserManager.import_tool_parser(str(plugin))
+    try:
+        a = ToolParserManager.get_tool_parser("plugin-a")
+        assert a is ToolParserManager.get_tool_parser("plugin-b")
+        assert a.__name__ == "PluginParser" and a.__module__ == "pagedserve_tool_plugin_my_parser"
+    finally:
+        for name in ("plugin-a", "plugin-b"):
+            ToolParserManager.tool_parsers.pop(name, None)
+
+
+def test_a_plugin_that_is_not_a_file_or_fails_to_run_is_an_error_naming_the_flag(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        ToolParserManager.import_tool_parser(str(tmp_path / "none.py"))
+    assert str(e.value) == f"--tool-parser-plugin {tmp_path / 'none.py'}: no such file"
+    with pytest.raises(FileNotFoundError):
+        ToolParserManager.import_tool_parser(str(tmp_path))  # a directory
+    broken = tmp_path / "broken.py"
+    broken.write_text("oops")
+    with pytest.raises(ValueError) as e:
+        ToolParserManager.import_tool_parser(str(broken))
+    assert str(e.value) == (
+        f"--tool-parser-plugin {broken} failed to load: NameError: name 'oops' is not defined"
+    )
+
+
+def test_an_unknown_parser_name_lists_the_parsers():
+    with pytest.raises(ValueError) as e:
+        ToolParserManager.get_tool_parser("hermes")
+    assert str(e.value) == (
+        "--tool-call-parser hermes: no such parser; the parsers are glm4, glm45, glm47 (a file "
+        "given to --tool-parser-plugin can register another)"
+    )
+    with pytest.raises(ValueError) as e:
+        ReasoningParserManager.get_reasoning_parser("deepseek_r1")
+    assert str(e.value) == "--reasoning-parser deepseek_r1: no such parser; the parsers are glm4"
+
+
+def test_the_parsers_are_registered_by_their_names():
+    assert ToolParserManager.get_tool_parser("glm45") is ToolParserManager.get_tool_parser("glm47")
+    assert ToolParserManager.get_tool_parser("glm4").__name__ == "Glm4ToolParser"
+
+
+def test_a_parser_keeps_special_tokens_in_the_text(glm4):
+    params = SamplingParams()
+    glm4.adjust_request(params)
+    assert params.skip_special_tokens is False
+
+
+def test_a_special_token_is_named_in_a_grammar_and_other_text_quoted(tokenizer, glm4):
+    assert glm4.token("<|assistant|>") == "<|assistant|>" and glm4.has_special("<|assistant|>")
+    assert glm4.token("<tool_call>") == '"<tool_call>"' and not glm4.has_special("<tool_call>")
+    assert glm4.token("get_time") == '"get_time"'  # a word of the vocabulary, not special
+    assert not is_special_token(None, "<|assistant|>")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc<|obs", 5),
+        ("abc<", 1),
+        ("abc", 0),
+        ("", 0),
+        ("<|observation|", 14),  # the longest start of a mark, one short of it
+        ("x<|user", 6),
+        ("<|u", 3),
+    ],
+)
+def test_the_end_of_the_text_that_may_begin_a_mark_is_held_back(text, expected):
+    assert partial_mark_length(text, "<|observation|>", "<|user|>") == expected
+
+
+def test_the_arguments_schema_of_a_tool():
+    def schema(parameters, enforced=None):
+        function = {"name": "f"} if parameters is None else {"name": "f", "parameters": parameters}
+        tool = ChatCompletionToolsParam(type="function", function=function)
+        return ToolParser.arguments_schema(tool, enforced)
+
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert schema(None) == no_arguments
+    assert schema({"properties": {"a": {}}}) == {"type": "object", "properties": {"a": {}}}
+    assert schema({"type": "object", "required": []}) == {"type": "object", "required": []}
+    assert schema({"type": "object", "required": ["a"]}, enforced={"g"}) == {"type": "object"}
+    assert schema({"type": "object", "required": ["a"]}, enforced={"f"})["required"] == ["a"]
+
+
+def test_a_json_rule_is_strict_and_tight():
+    rule = ToolParser.json_rule({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert rule.startswith("%json ")
+    body = json.loads(rule.removeprefix("%json "))
+    assert body["additionalProperties"] is False and body["x-guidance"] == JSON_OPTIONS
+    assert json.loads(ToolParser.json_rule(None).removeprefix("%json "))["properties"] == {}
+    assert "é" in ToolParser.json_rule({"description": "é"})  # not escaped
+
+
+def test_auto_starts_with_free_text_or_calls(glm4):
+    assert glm4.auto_start() == "FREE | calls"
+
+
+def test_content_beside_calls_is_none_unless_it_has_text(glm4):
+    found = glm4.extract_tool_calls("get_time\n{}<|observation|>")
+    assert (found.tools_called, found.content) == (True, None)
+    found = glm4.extract_tool_calls("  <|assistant|>get_time\n{}<|observation|>")
+    assert (found.tools_called, found.content) == (True, None)
+    found = glm4.extract_tool_calls("\n \n<|user|>")
+    assert (found.tools_called, found.tool_calls, found.content) == (False, [], "\n \n")
+    found = glm4.extract_tool_calls(
+        'get_weather\n{"location": "Paris"}<|assistant|>get_time\n{}', False
+    )
+    assert [c.function.name for c in found.tool_calls] == ["get_weather"]
+
+
+def test_a_call_whose_arguments_are_not_an_object_says_why():
+    assert CallSegment("f", "{}", "").error() is None
+    assert CallSegment("f", "[1]", "").error() == "arguments are not a JSON object"
+    assert CallSegment("f", "{", "").error().startswith("arguments are not JSON (")
 
 
 # ---- any output at all --------------------------------------------------------------------------

@@ -60,7 +60,9 @@ class Glm4ToolParser(ToolParser):
                 if first.rstrip() in self.tools and before_call:
                     return CallSegment(first.rstrip(), "{}", piece)
                 return TextSegment(piece)
-            return HELD if any(name.startswith(body) for name in self.tools) else TextSegment(piece)
+            stem = body.rstrip()  # a name may be followed by spaces before its newline
+            held = any(name.startswith(body) or name == stem for name in self.tools)
+            return HELD if held else TextSegment(piece)
         if first.rstrip() not in self.tools:
             return TextSegment(piece)
         arguments = rest.strip()
