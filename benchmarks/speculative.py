@@ -6,7 +6,7 @@ llama.cpp's own converter, as ``benchmarks.compare`` does).
     python -m benchmarks.speculative [--isa avx2] [--runs 3]
         # writes benchmarks/results/speculative_<kernels>[_int4].json
 
-Three workloads, greedy, batch 1, each the median of ``--repeats`` timed runs after a warm-up,
+Four workloads at batch 1, each the median of ``--repeats`` timed runs after a warm-up,
 a system's two variants (without and with speculation) timed in turn in one process, both
 systems given the same prompt token ids:
 - ``edit``: a chat turn asking to rename a variable in a function given in full, so that the
@@ -15,8 +15,12 @@ systems given the same prompt token ids:
 - ``stdlib-edit``: the same request on standard-library functions the demo model never trained
   on (the first ``STDLIB_EDITS`` held-out rename turns, pagedserve/data/demo_heldout_edits.jsonl),
   one after the other: the kind of function its rename turns were made of;
-- ``free``: free generation from a short prompt (little to look up: speculation must cost
-  nothing here).
+- ``free``: greedy free generation from a short prompt (a small model's greedy text repeats
+  itself, which drafts copy);
+- ``sampled``: the same prompt sampled at temperature 1 (a fixed seed each generation; no top-k,
+  top-p or min-p on either system), which repeats little: what speculation costs where it finds
+  little to copy.
+The first three are greedy.
 Every generation has ``--max-tokens`` tokens: pagedserve's go on past a stop token
 (``ignore_eos``), llama.cpp's never sample one (``logit_bias``).
 
@@ -81,6 +85,11 @@ HELDOUT_EDITS = ROOT / "pagedserve" / "data" / "demo_heldout_edits.jsonl"
 class Workload:
     prompts: list[str]  # as text: both systems get the same token ids (prompt_ids)
     answers: list[str] | None = None  # what a perfect copy answers (the edit workloads)
+    temperature: float = 0.0  # 0: greedy
+
+
+FREE_PROMPT = "[gMASK]<sop>Once upon a time, in a small village by the sea, there lived"
+SAMPLING_SEED = 0
 
 
 @functools.cache
@@ -94,9 +103,8 @@ def workloads() -> dict[str, Workload]:
         "stdlib-edit": Workload(
             [CHAT_TURN.format(question=t["question"]) for t in turns], [t["answer"] for t in turns]
         ),
-        "free": Workload(
-            ["[gMASK]<sop>Once upon a time, in a small village by the sea, there lived"]
-        ),
+        "free": Workload([FREE_PROMPT]),
+        "sampled": Workload([FREE_PROMPT], temperature=1.0),
     }
 
 
@@ -195,14 +203,20 @@ def worker_pagedserve(args: argparse.Namespace) -> dict:
         )
         for label, spec in (("pagedserve", None), ("pagedserve ngram", speculative_config(args.k, args.n)))
     }  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows: dict[str, dict] = {label: {} for label in engines}
     for name, ids in prompt_ids().items():
+        temperature = workloads()[name].temperature
+        params = SamplingParams(
+            temperature=temperature,
+            seed=SAMPLING_SEED if temperature else None,
+            max_tokens=args.max_tokens,
+            ignore_eos=True,
+        )
         lengths: dict[str, int] = {}
         before = engines["pagedserve ngram"].llm_engine.get_stats()
         answers: dict[str, list[str]] = {}
 
-        def run(label, ids=ids, lengths=lengths, answers=answers):
+        def run(label, ids=ids, lengths=lengths, answers=answers, params=params):
             outs = [
                 engines[label].generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
                 for p in ids
@@ -242,6 +256,7 @@ sys.path.insert(0, sys.argv[7])
 from benchmarks.speculative import alternated_medians
 path, workloads, k, n, max_tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), *map(int, sys.argv[3:7])
 never = {token: -100.0 for token in json.loads(sys.argv[8])}  # the stop tokens: no early end
+temperatures, seed = json.loads(sys.argv[9]), int(sys.argv[10])
 llms = {
     label: Llama(model_path=path, n_ctx=1024, n_threads=2, n_batch=512, verbose=False, draft_model=draft)
     for label, draft in (("llama.cpp", None),
@@ -250,9 +265,10 @@ llms = {
 rows = {label: {} for label in llms}
 for name, prompts in workloads.items():
     counts = {}
-    def run(label, prompts=prompts):
-        outs = [llms[label].create_completion(prompt, max_tokens=max_tokens, temperature=0.0,
-                                              logit_bias=never) for prompt in prompts]
+    sampling = dict(temperature=temperatures[name], top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+    def run(label, prompts=prompts, sampling=sampling):
+        outs = [llms[label].create_completion(prompt, max_tokens=max_tokens, logit_bias=never,
+                                              **sampling) for prompt in prompts]
         counts[label] = sum(out["usage"]["completion_tokens"] for out in outs)
     seconds = alternated_medians({label: functools.partial(run, label) for label in llms}, repeats)
     for label in llms:
@@ -289,7 +305,8 @@ def run_llama(args: argparse.Namespace, root: Path) -> dict:
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", LLAMA_WORKER,
          str(demo_gguf(root, args.isa, args.precision)), json.dumps(prompt_ids()), str(args.k),
-         str(args.n), str(args.max_tokens), str(args.repeats), str(ROOT), json.dumps(stop_ids())],
+         str(args.n), str(args.max_tokens), str(args.repeats), str(ROOT), json.dumps(stop_ids()),
+         json.dumps({name: w.temperature for name, w in workloads().items()}), str(SAMPLING_SEED)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
