@@ -78,7 +78,9 @@ def test_the_flags_reach_the_app():
     assert tool_settings(_args())["chat_template"] is None  # the model's own (or its built-in)
 
 
-def test_a_plugin_file_registers_a_parser(tmp_path):
+def test_a_plugin_file_registers_a_parser(tmp_path, monkeypatch):
+    # the plugin registers in this process: into a copy, so that later tests see the built-ins
+    monkeypatch.setattr(ToolParserManager, "tool_parsers", dict(ToolParserManager.tool_parsers))
     plugin = tmp_path / "my_parser.py"
     plugin.write_text(PLUGIN)
     flags = ("--tool-parser-plugin", str(plugin), "--tool-call-parser", "my-glm")
