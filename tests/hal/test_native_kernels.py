@@ -52,9 +52,10 @@ def _tol(dtype: torch.dtype) -> dict:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
 
 
-def _gemv_param(kernel_set: str, tiles: bool):
-    """A kernel set's few-rows bf16 GEMV: the vector one, or (avx512 on an AMX CPU) the tile
-    unit's, which the target takes by default where the CPU has it."""
+def _unit_param(kernel_set: str, tiles: bool):
+    """A kernel set with its vector kernels alone, or (avx512 on an AMX CPU) with the tile unit's
+    (the few-rows GEMVs, decode attention), which the target takes by default where the CPU has
+    it."""
     if not tiles:
         return pytest.param((kernel_set, False), id=f"{kernel_set}-vectors")
     missing = sorted(native.AMX_FLAGS - native.cpu_flags())
@@ -66,12 +67,12 @@ def _gemv_param(kernel_set: str, tiles: bool):
     )
 
 
-AVX512_GEMV_SETS = [_gemv_param("avx512", True), _gemv_param("avx512", False)]
-GEMV_SETS = [*AVX512_GEMV_SETS, _gemv_param("avx2", False)]
+AVX512_UNITS = [_unit_param("avx512", True), _unit_param("avx512", False)]
+UNITS = [*AVX512_UNITS, _unit_param("avx2", False)]
 
 
 @pytest.fixture
-def gemv(request):
+def unit(request):
     """The device of (kernel set, tiles): the AMX unit switched on or off for the test alone."""
     kernel_set, tiles = request.param
     if native.missing_flags(native.TARGETS[kernel_set]):
@@ -237,6 +238,44 @@ def test_paged_attention_over_a_few_query_rows_per_sequence_equals_reference(
     assert (dev.fused_layer_max_query_rows == 8) == (kernel_set != "eager") and len(few) >= 1
 
 
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (32, 2, 128), (8, 8, 32)])
+def test_decode_attention_of_draft_rows_equals_reference_with_vectors_and_with_amx(
+    unit, heads, kv_heads, head_dim
+):
+    # bf16 in pages of 16 keys: on an AMX CPU the tile unit scores the keys and weighs the values
+    # (32 query heads of 2 rows: more query vectors than a tile's 16), else the vector kernel
+    lens, query_lens = [9, 40, 23, 61, 16], [2, 8, 1, 5, 3]
+    q, kc, vc, meta = paged_batch(
+        lens, query_lens, 16, heads, kv_heads, head_dim, torch.bfloat16, seed=7
+    )
+    ref = kernels.paged_attention(q, kc, vc, meta, scale=head_dim**-0.5)
+    got = unit.paged_attention(q, kc, vc, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, ref, **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
+def test_a_query_rows_attention_does_not_depend_on_the_rows_verified_with_it(unit):
+    # greedy output with drafts equals that without only if a position's row gets the same bits
+    # whether it is decoded alone or verified beside draft rows: each row of a verification
+    # equals, bit for bit, the same position decoded as the sequence's only row
+    rows, seq_len, head_dim = 7, 45, 64
+    q, kc, vc, meta = paged_batch(
+        [seq_len], [rows], 16, 4, 2, head_dim, torch.bfloat16, seed=11
+    )
+    together = unit.paged_attention(q, kc, vc, meta, head_dim**-0.5)
+    for i in range(rows):
+        alone = kernels.AttentionMetadata(
+            slot_mapping=torch.zeros(1, dtype=torch.long),
+            query_start_loc=[0, 1],
+            seq_lens=[seq_len - rows + 1 + i],
+            block_tables=meta.block_tables,
+            block_size=16,
+        )
+        assert torch.equal(unit.paged_attention(q[i : i + 1], kc, vc, alone, head_dim**-0.5),
+                           together[i : i + 1]), f"row {i}"
+
+
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -265,22 +304,36 @@ def test_int4_linear_equals_dequantized_reference(kernel_set, dtype, group_size,
 INT4_TARGETS = [p for p in TARGETS if p.values[0] in ("avx512", "avx2")]
 
 
-@pytest.mark.parametrize("gemv", AVX512_GEMV_SETS, indirect=True)
+@pytest.mark.parametrize("unit", AVX512_UNITS, indirect=True)
 @pytest.mark.parametrize("group_size", [32, 64])
-@pytest.mark.parametrize("rows", [2, 6, 16])
+@pytest.mark.parametrize("rows", [1, 2, 6, 16])
 def test_int4_few_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(
-    gemv, group_size, rows
+    unit, group_size, rows
 ):
-    # W4A16 of 2 to 16 rows on avx512: on an AMX CPU the tile unit's pass, else the vector one;
+    # W4A16 of 1 to 16 rows on avx512: on an AMX CPU the tile unit's pass, else the vector one;
     # both multiply bf16 exactly and sum in fp32, so they equal the dequantized weights up to
     # summation order (avx2's int16 activations round otherwise: the test above bounds them)
     g = torch.Generator().manual_seed(rows)
     q, s, z = quantize_rtn(torch.randn(64, 192, generator=g), group_size)
     x = torch.randn(rows, 192, generator=g)
-    layer = gemv.prepare_int4(q, s, z, group_size, f"w{group_size}-{rows}")
+    layer = unit.prepare_int4(q, s, z, group_size, f"w{group_size}-{rows}")
     reference = Int4Linear(64, 192, group_size, qcodes=q, scales=s, zeros=z)
     expected = x.to(torch.bfloat16).float() @ dequantize(reference).T
-    torch.testing.assert_close(gemv.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("unit", AVX512_UNITS[:1], indirect=True)
+def test_an_int4_rows_result_on_amx_does_not_depend_on_the_rows_beside_it(unit):
+    # the tile unit's W4A16 sums each row alike for any count of rows (the vector passes do not:
+    # their summation chains depend on it), so that drafts leave greedy INT4 output as it was
+    g = torch.Generator().manual_seed(5)
+    q, s, z = quantize_rtn(torch.randn(64, 256, generator=g), 32)
+    x = torch.randn(16, 256, generator=g).to(torch.bfloat16)
+    layer = unit.prepare_int4(q, s, z, 32, "w-rows")
+    together = unit.linear(x, layer)
+    for m in (0, 5, 15):
+        assert torch.equal(unit.linear(x[m : m + 1], layer), together[m : m + 1]), f"row {m}"
+        assert torch.equal(unit.linear(x[m : m + 6], layer)[:1], together[m : m + 1])
 
 
 @pytest.mark.parametrize("kernel_set", INT4_TARGETS)
@@ -323,28 +376,28 @@ def test_bf16_dense_linear_equals_reference(kernel_set, rows):
     torch.testing.assert_close(got, F.linear(x, w, b), **_tol(torch.bfloat16))
 
 
-@pytest.mark.parametrize("gemv", GEMV_SETS, indirect=True)
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
 @pytest.mark.parametrize("rows", [1, 3, 6, 8, 16])
-def test_the_few_rows_gemv_equals_reference_with_vectors_and_with_amx(gemv, rows):
+def test_the_few_rows_gemv_equals_reference_with_vectors_and_with_amx(unit, rows):
     # K = 352: eleven tiles of 32 along K; N = 200: twelve blocks of 16 and a tail of 8
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 352, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
     b = torch.randn(200, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(gemv.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
+    torch.testing.assert_close(unit.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
 
 
-@pytest.mark.parametrize("gemv", GEMV_SETS, indirect=True)
-def test_a_rows_gemv_result_does_not_depend_on_the_rows_beside_it(gemv):
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
+def test_a_rows_gemv_result_does_not_depend_on_the_rows_beside_it(unit):
     """The bits of a row are the same alone and among up to 8 others: a verification of drafts
     (several rows of one sequence) gives its first row what a plain decode step gives it, so
     greedy output with speculation is the same as without."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(1408, 256, generator=g).to(torch.bfloat16)
     x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
-    together = gemv.linear(x, w)
+    together = unit.linear(x, w)
     for m in range(8):
-        assert torch.equal(gemv.linear(x[m : m + 1], w), together[m : m + 1])
+        assert torch.equal(unit.linear(x[m : m + 1], w), together[m : m + 1])
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)

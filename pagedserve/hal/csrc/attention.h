@@ -2,7 +2,8 @@
 // straight from the pages; written once against the vector API.
 #pragma once
 
-#include "vec.h"
+#include "vec.h"  // first: it defines the targets amx.h tests
+#include "amx.h"
 
 namespace pagedserve {
 
@@ -70,6 +71,137 @@ inline Vec score_block(const T* q, const KT* k_cache, const int64_t* offsets, in
   }
 }
 
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+// Whether the tile unit computes a task's scores: bf16 queries and keys, whole tiles of 16 keys
+// in each page, the unit granted (amx.h).
+template <typename T, typename KT, int D>
+inline bool amx_scores_usable(int64_t block_size) {
+  return std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16> && D % 32 == 0 &&
+         block_size % 16 == 0 && amx::enabled();
+}
+
+// scale * (q . k) of M <= 16 query vectors (qv [M, D], contiguous) with every key of the
+// context, on the tile unit: 16 keys of a page (cache rows, loaded with their token stride) are
+// tile A, the query vectors packed in pairs along the head dim tile B, and tile C holds the 16 x
+// M scores. A vector's scores do not depend on the vectors beside it, so one decode row and a
+// verification's rows get the same. Keys past seq_len in the last page are read (the page is
+// whole) and their scores are never used. The tiles are all stored before any is read back: a
+// load right after a tile store waits for it (reading each C at once cost more than the dot
+// products saved).
+template <int D>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_scores(
+    const BFloat16* qv, int64_t M, const BFloat16* k_cache, const int64_t* pages, int64_t seq_len,
+    int64_t block_size, int64_t token_stride, float scale, float* scores, int64_t stride) {
+  const std::vector<BFloat16> packed = amx::pack_rows(qv, M, D);
+  thread_local std::vector<float> by_key;  // [key][vector], as the tiles store them
+  by_key.resize(stride * M);
+  amx::TileConfig config;
+  config.rows[0] = 16, config.colsb[0] = M * 4;  // C: 16 keys x M vectors, fp32
+  config.rows[1] = 16, config.colsb[1] = 64;     // A: 16 keys x 32 values of the head dim
+  config.rows[2] = 16, config.colsb[2] = M * 4;  // B: 16 pairs along the head dim x M vectors
+  _tile_loadconfig(&config);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += 16) {
+    const BFloat16* k =
+        k_cache + (pages[t0 / block_size] * block_size + t0 % block_size) * token_stride;
+    _tile_zero(0);
+    for (int d = 0; d < D; d += 32) {
+      _tile_loadd(1, k + d, token_stride * sizeof(BFloat16));
+      _tile_loadd(2, packed.data() + d * M, M * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, by_key.data() + t0 * M, M * 4);
+  }
+  _tile_release();
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(M));
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < M; ++j)  // vector j's scores: column j
+    for (int64_t t0 = 0; t0 < seq_len; t0 += 16)
+      _mm512_storeu_ps(scores + j * stride + t0,
+                       _mm512_mul_ps(_mm512_i32gather_ps(column, by_key.data() + t0 * M + j, 4),
+                                     scale_v));
+}
+
+// out = P V for M <= 16 query vectors, P their softmax weights (p: fp32 rows of `stride`, zero
+// past each vector's visible keys; the first `last` keys are read), on the tile unit: the weights
+// of 32 keys, rounded to bf16, are tile A (M x 32), and the 32 keys' value rows, interleaved in
+// pairs of keys, are tile B of each 16 dims of the head; the C tiles hold M x 16 dims each, four
+// at a time. Vector j's output goes to out + (j0 + j) / group * out_stride + (j0 + j) % group * D.
+template <int D>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_weighted_values(
+    const float* p, int64_t stride, int64_t M, const BFloat16* v_cache, const int64_t* offsets,
+    int64_t last, int64_t j0, int64_t group, BFloat16* out, int64_t out_stride) {
+  constexpr int kDimTiles = D / 16, kTilesAtOnce = 4;
+  const int64_t keys = (last + 31) / 32 * 32;
+  thread_local std::vector<BFloat16> weights;  // [M][keys], bf16 pairs of keys for tile A
+  weights.assign(M * keys, BFloat16{});
+  for (int64_t j = 0; j < M; ++j)
+    for (int64_t t = 0; t < last; t += kLanes)  // whole vectors: keys is a multiple of 32
+      vec::store(weights.data() + j * keys + t,
+                 vec::load_first(p + j * stride + t, int(std::min<int64_t>(kLanes, last - t))));
+  amx::TileConfig config;
+  for (int c = 0; c < kTilesAtOnce; ++c) config.rows[c] = M, config.colsb[c] = 64;  // C: M x 16
+  config.rows[4] = M, config.colsb[4] = 64;    // A: M vectors x 32 keys' weights
+  config.rows[5] = 16, config.colsb[5] = 64;   // B: 16 pairs of keys x 16 dims
+  _tile_loadconfig(&config);
+  alignas(64) uint32_t values[kTilesAtOnce][16][16];  // tile B of each dim tile: key pairs
+  alignas(64) float sums[kTilesAtOnce][amx::kMaxRows][16];
+  for (int d0 = 0; d0 < kDimTiles; d0 += kTilesAtOnce) {
+    const int n = std::min(kTilesAtOnce, kDimTiles - d0);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+      for (int pair = 0; pair < 16; ++pair) {  // keys t0 + 2 pair (low word) and the next
+        const int64_t t = t0 + 2 * pair;
+        for (int d = 0; d < n; ++d) {
+          const int64_t dim = (d0 + d) * 16;
+          const __m512i even = t < last ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(v_cache + offsets[t] + dim))) : _mm512_setzero_si512();
+          const __m512i odd = t + 1 < last ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(v_cache + offsets[t + 1] + dim))) : _mm512_setzero_si512();
+          _mm512_store_si512(values[d][pair], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        }
+      }
+      _tile_loadd(4, weights.data() + t0, keys * sizeof(BFloat16));
+      // the tile numbers are immediates: a statement per C tile
+      _tile_loadd(5, values[0], 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (n > 1) {
+        _tile_loadd(5, values[1], 64);
+        _tile_dpbf16ps(1, 4, 5);
+      }
+      if (n > 2) {
+        _tile_loadd(5, values[2], 64);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (n > 3) {
+        _tile_loadd(5, values[3], 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, sums[0], 64);
+    if (n > 1) {
+      _tile_stored(1, sums[1], 64);
+    }
+    if (n > 2) {
+      _tile_stored(2, sums[2], 64);
+    }
+    if (n > 3) {
+      _tile_stored(3, sums[3], 64);
+    }
+    for (int d = 0; d < n; ++d)
+      for (int64_t j = 0; j < M; ++j) {
+        const int64_t v = j0 + j;
+        vec::store(out + v / group * out_stride + v % group * D + (d0 + d) * 16,
+                   vec::load(sums[d][j]));
+      }
+  }
+  _tile_release();
+}
+#endif
+
 inline void softmax_inplace(float* s, int64_t n) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
@@ -109,10 +241,25 @@ void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const KT*
   token_offsets(pages, seq_len, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), offsets);
   // query vector j: row j / group, head j % group
   const auto query = [&](int64_t j) { return q + (j / group) * q_stride + (j % group) * D; };
+  bool scored = false;
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16>) {
+    if (amx_scores_usable<T, KT, D>(block_size)) {
+      alignas(64) BFloat16 qv[amx::kMaxRows * D];  // up to 16 query vectors, contiguous
+      for (int64_t j0 = 0; j0 < vectors; j0 += amx::kMaxRows) {
+        const int64_t m = std::min<int64_t>(amx::kMaxRows, vectors - j0);
+        for (int64_t j = 0; j < m; ++j) std::memcpy(qv + j * D, query(j0 + j), D * sizeof(T));
+        amx_scores<D>(qv, m, k_cache + kv_head * D, pages, seq_len, block_size,
+                      num_kv_heads * D, scale, scores.data() + j0 * stride, stride);
+      }
+      scored = true;
+    }
+  }
+#endif
   for (int64_t j = 0; j < vectors; ++j) {
     const int64_t visible = seq_len - rows + 1 + j / group;
     float* s = scores.data() + j * stride;
-    for (int64_t t0 = 0; t0 < visible; t0 += kLanes) {
+    for (int64_t t0 = 0; t0 < visible && !scored; t0 += kLanes) {
       const Vec block = score_block<T, KT, D>(query(j), k_cache, offsets.data() + t0,
                                           std::min<int64_t>(kLanes, visible - t0));
       vec::store(s + t0, vec::mul(block, vec::set1(scale)));
@@ -122,6 +269,19 @@ void decode_attention_task(const T* q, int64_t q_stride, int64_t rows, const KT*
     if constexpr (std::is_same_v<KT, int8_t>)  // each value row's scale, into its weight
       for (int64_t t = 0; t < visible; ++t) s[t] *= kv_row_scale(v_cache + offsets[t], D);
   }
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  if constexpr (std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16>) {
+    if (scored) {  // the tile unit's pass for the weighted values too
+      for (int64_t j0 = 0; j0 < vectors; j0 += amx::kMaxRows) {
+        const int64_t m = std::min<int64_t>(amx::kMaxRows, vectors - j0);
+        const int64_t last = seq_len - rows + 1 + (j0 + m - 1) / group;
+        amx_weighted_values<D>(scores.data() + j0 * stride, stride, m, v_cache, offsets.data(),
+                               last, j0, group, out, out_stride);
+      }
+      return;
+    }
+  }
+#endif
   // softmax(scores) . V with the accumulators in registers: a pass covers kDims vectors of the
   // head dim for kHeads query vectors, within three quarters of the target's registers.
   constexpr int kBudget = vec::kRegisters * 3 / 4, DV = D / kLanes;

@@ -187,9 +187,14 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
     const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
-    // one row stays with int4_tile: there the codes' unpacking is the work, and the round trip
-    // of tile B through memory only adds to it (1408 x 256: 18 us against 31 us, 2 threads)
-    if (M >= 2 && amx::usable(M, K) && group_size % 32 == 0) {
+    // every count of rows up to 16 on the tile unit, one row too, so that a row's sums do not
+    // depend on the rows beside it (int4_tile's passes sum in chains that depend on them): a
+    // decode row and the same position verified beside drafts, or batched with other requests,
+    // get the same bits. One row costs more there than in int4_tile, where the codes' unpacking
+    // is the work and tile B's round trip through memory only adds to it (1408 x 256 in cache:
+    // 31 us against 18 us, 2 threads; a whole demo-model step streams its weights from L3, and
+    // loses less)
+    if (amx::usable(M, K) && group_size % 32 == 0) {
       const BFloat16* xrows = xb.data();
       at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
         int4_tiles_amx(w, sz, xrows, K, xs, num_groups, group_size, M, t0, t1, b, o, N);
