@@ -72,18 +72,24 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void bf16_rows(
   config.rows[1] = 16, config.colsb[1] = 64;     // A: 16 weight rows x 32 bf16
   config.rows[2] = 16, config.colsb[2] = M * 4;  // B: 16 pairs along K x M rows
   _tile_loadconfig(&config);
-  alignas(64) float c[16 * kMaxRows];
-  for (int64_t n = n0; n < n1; n += 16) {
+  // a read of a tile just stored waits for the store: a block's sums are copied out after the
+  // next block's products are issued (two buffers)
+  alignas(64) float c[2][16 * kMaxRows];
+  const auto copy_out = [&](int64_t n, const float* sums) {
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t m = 0; m < M; ++m) acc[m * N + n + r] = sums[r * M + m];
+  };
+  for (int64_t n = n0, i = 0; n < n1; n += 16, ++i) {
     _tile_zero(0);
     for (int64_t k = 0; k < K; k += 32) {
       _tile_loadd(1, w + n * K + k, K * sizeof(BFloat16));
       _tile_loadd(2, xb + k * M, M * 4);
       _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_stored(0, c, M * 4);
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t m = 0; m < M; ++m) acc[m * N + n + r] = c[r * M + m];
+    _tile_stored(0, c[i & 1], M * 4);
+    if (n > n0) copy_out(n - 16, c[(i - 1) & 1]);
   }
+  if (n1 > n0) copy_out(n1 - 16, c[((n1 - n0) / 16 - 1) & 1]);
   _tile_release();
 }
 

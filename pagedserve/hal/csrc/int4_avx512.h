@@ -126,39 +126,51 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
   config.rows[2] = 16, config.colsb[2] = 64;  // B: 16 pairs along K x 16 outputs
   _tile_loadconfig(&config);
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F), bf16_128 = _mm512_set1_epi8(0x43);
-  alignas(64) uint8_t codes_tile[1024];
-  alignas(64) float sums[amx::kMaxRows * 16];
+  // A tile load of data just stored waits for the stores, and so does a read of a tile just
+  // stored: the codes of the next 32 values are unpacked while the tile unit takes the last, and
+  // a group's sums are scaled after the next group's products are issued (two buffers each).
+  alignas(64) uint8_t codes_tile[2][1024];
+  alignas(64) float sums[2][amx::kMaxRows * 16];
   __m512 acc[amx::kMaxRows];
+  const auto unpack = [&](const uint8_t* wt, int64_t k, uint8_t* tile) {
+    for (int q = 0; q < 4; ++q) {  // chunk k / 8 + q: pairs 4q .. 4q + 3 of tile B
+      const __m512i codes = _mm512_loadu_si512(wt + (k / 8 + q) * 64);
+      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+      uint8_t* row = tile + q * 4 * 64;
+      _mm512_store_si512(row, _mm512_unpacklo_epi8(lo, bf16_128));
+      _mm512_store_si512(row + 64, _mm512_unpackhi_epi8(lo, bf16_128));
+      _mm512_store_si512(row + 128, _mm512_unpacklo_epi8(hi, bf16_128));
+      _mm512_store_si512(row + 192, _mm512_unpackhi_epi8(hi, bf16_128));
+    }
+  };
+  const auto scale_group = [&](const at::Half* szt, int64_t g, const float* s) {
+    const __m512 scale = vec::load(szt + g * 32).v;
+    const __m512 zero128 = vec::load(szt + g * 32 + 16).v;
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
+      const __m512 d = _mm512_load_ps(s + m * 16);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, d), acc[m]);
+    }
+  };
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * (K / 8) * 64;
     const at::Half* szt = sz + t * num_groups * 32;
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    unpack(wt, 0, codes_tile[0]);
     for (int64_t g = 0; g < num_groups; ++g) {
       _tile_zero(0);
       for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 32) {
-        for (int q = 0; q < 4; ++q) {  // chunk k / 8 + q: pairs 4q .. 4q + 3 of tile B
-          const __m512i codes = _mm512_loadu_si512(wt + (k / 8 + q) * 64);
-          const __m512i lo = _mm512_and_si512(codes, low_nibbles);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
-          uint8_t* row = codes_tile + q * 4 * 64;
-          _mm512_store_si512(row, _mm512_unpacklo_epi8(lo, bf16_128));
-          _mm512_store_si512(row + 64, _mm512_unpackhi_epi8(lo, bf16_128));
-          _mm512_store_si512(row + 128, _mm512_unpacklo_epi8(hi, bf16_128));
-          _mm512_store_si512(row + 192, _mm512_unpackhi_epi8(hi, bf16_128));
-        }
+        const int64_t step = k / 32;
+        if (k + 32 < K) unpack(wt, k + 32, codes_tile[(step + 1) & 1]);
         _tile_loadd(1, xb + k, K * sizeof(BFloat16));
-        _tile_loadd(2, codes_tile, 64);
+        _tile_loadd(2, codes_tile[step & 1], 64);
         _tile_dpbf16ps(0, 1, 2);
       }
-      _tile_stored(0, sums, 64);
-      const __m512 scale = vec::load(szt + g * 32).v;
-      const __m512 zero128 = vec::load(szt + g * 32 + 16).v;
-      for (int64_t m = 0; m < M; ++m) {
-        const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
-        const __m512 d = _mm512_load_ps(sums + m * 16);
-        acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, d), acc[m]);
-      }
+      _tile_stored(0, sums[g & 1], 64);
+      if (g > 0) scale_group(szt, g - 1, sums[(g - 1) & 1]);
     }
+    scale_group(szt, num_groups - 1, sums[(num_groups - 1) & 1]);
     for (int64_t m = 0; m < M; ++m)
       store_output(out + m * N + t * 16, Vec{acc[m]}, bias ? bias + t * 16 : nullptr);
   }
