@@ -1,5 +1,7 @@
 // Paged attention for decoding rows (one query per sequence, or a few with draft tokens),
-// straight from the pages; written once against the vector API.
+// straight from the pages; written once against the vector API. On an AMX CPU (avx512), bf16
+// queries over bf16 pages of whole 16-key tiles take the tile unit for the scores and for the
+// weighted values, whose weights it takes rounded to bf16 (as a bf16 matmul of them would).
 #pragma once
 
 #include "vec.h"  // first: it defines the targets amx.h tests
@@ -144,40 +146,48 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_weighted_values(
   config.rows[4] = M, config.colsb[4] = 64;    // A: M vectors x 32 keys' weights
   config.rows[5] = 16, config.colsb[5] = 64;   // B: 16 pairs of keys x 16 dims
   _tile_loadconfig(&config);
-  alignas(64) uint32_t values[kTilesAtOnce][16][16];  // tile B of each dim tile: key pairs
+  // tile B of each dim tile: pairs of keys; two sets, so that the next 32 keys' values are
+  // interleaved while the tile unit takes the last (a tile load of data just stored waits)
+  alignas(64) uint32_t values[2][kTilesAtOnce][16][16];
   alignas(64) float sums[kTilesAtOnce][amx::kMaxRows][16];
+  const auto interleave = [&](int64_t t0, int d0, int n, uint32_t (*tiles)[16][16]) {
+    for (int pair = 0; pair < 16; ++pair) {  // keys t0 + 2 pair (low word) and the next
+      const int64_t t = t0 + 2 * pair;
+      for (int d = 0; d < n; ++d) {
+        const int64_t dim = (d0 + d) * 16;
+        const auto row = [&](int64_t key) {
+          return key < last ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(v_cache + offsets[key] + dim)))
+                            : _mm512_setzero_si512();
+        };
+        _mm512_store_si512(tiles[d][pair], _mm512_or_si512(row(t), _mm512_slli_epi32(row(t + 1), 16)));
+      }
+    }
+  };
   for (int d0 = 0; d0 < kDimTiles; d0 += kTilesAtOnce) {
     const int n = std::min(kTilesAtOnce, kDimTiles - d0);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
-      for (int pair = 0; pair < 16; ++pair) {  // keys t0 + 2 pair (low word) and the next
-        const int64_t t = t0 + 2 * pair;
-        for (int d = 0; d < n; ++d) {
-          const int64_t dim = (d0 + d) * 16;
-          const __m512i even = t < last ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(v_cache + offsets[t] + dim))) : _mm512_setzero_si512();
-          const __m512i odd = t + 1 < last ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(v_cache + offsets[t + 1] + dim))) : _mm512_setzero_si512();
-          _mm512_store_si512(values[d][pair], _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
-        }
-      }
+    interleave(0, d0, n, values[0]);
+    for (int64_t t0 = 0, i = 0; t0 < keys; t0 += 32, ++i) {
+      if (t0 + 32 < keys) interleave(t0 + 32, d0, n, values[(i + 1) & 1]);
+      uint32_t(*tiles)[16][16] = values[i & 1];
       _tile_loadd(4, weights.data() + t0, keys * sizeof(BFloat16));
       // the tile numbers are immediates: a statement per C tile
-      _tile_loadd(5, values[0], 64);
+      _tile_loadd(5, tiles[0], 64);
       _tile_dpbf16ps(0, 4, 5);
       if (n > 1) {
-        _tile_loadd(5, values[1], 64);
+        _tile_loadd(5, tiles[1], 64);
         _tile_dpbf16ps(1, 4, 5);
       }
       if (n > 2) {
-        _tile_loadd(5, values[2], 64);
+        _tile_loadd(5, tiles[2], 64);
         _tile_dpbf16ps(2, 4, 5);
       }
       if (n > 3) {
-        _tile_loadd(5, values[3], 64);
+        _tile_loadd(5, tiles[3], 64);
         _tile_dpbf16ps(3, 4, 5);
       }
     }
