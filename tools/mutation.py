@@ -89,6 +89,7 @@ MODULES = {
             "tests/engine/test_spec_decode.py",
             "test_drafts_follow_the_first_occurrence_of_the_longest_suffix_ngram",
             "test_the_index_a_sequence_grows_finds_what_a_scan_of_it_finds",
+            "test_a_growing_index_indexes_each_new_token_once_and_only_the_n_grams_it_looks_up",
             "test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again",
             "test_failing_drafts_back_off_for_a_cooldown_that_doubles_up_to_its_bound",
             "test_an_accepted_draft_resets_the_failures_and_the_cooldown",
@@ -376,6 +377,14 @@ MATCH_RULES = [
         r"if num_full <= start:",
         r"if num_full < start:",
         "with num_full == start the loop is empty and the count is rewritten unchanged",
+    ),
+    (
+        "spec_decode",
+        "drafts",
+        r"self\.min_n - 1, -1\)",
+        r"self\.min_n - 2, -1\)",
+        "the index holds no n-gram shorter than min_n (a test checks it), so a lookup of "
+        "min_n - 1 tokens always misses",
     ),
     (
         "scheduler",

@@ -937,3 +937,27 @@ TestBlockManagerWithSwap = BlockManagerMachineWithSwap.TestCase
 TestBlockManagerWithSwap.settings = PROPERTY_SETTINGS
 TestBlockManagerWithSwapAndHostCache = BlockManagerMachineWithSwapAndHostCache.TestCase
 TestBlockManagerWithSwapAndHostCache.settings = PROPERTY_SETTINGS
+
+
+def test_a_host_tier_of_one_frame_is_allowed_and_one_of_none_is_not():
+    assert HostTier(1, 0).num_frames == 1 and HostTier(0, 1).num_frames == 1
+    with pytest.raises(AssertionError, match="a host tier needs frames"):
+        HostTier(0, 0)
+
+
+def test_the_frames_of_two_sequences_swapped_in_in_one_step_stay_pinned_until_the_next():
+    host = HostTier(4, 0)
+    a, b = host.hold("a", 2), host.hold("b", 1)
+    assert host.release("a", pin=True) == a and host.release("b", pin=True) == b
+    assert sorted(host.pinned) == sorted(a + b) and host.allocator.num_free_pages == 1
+    assert host.check_invariants() == []
+    host.unpin_all()
+    assert host.pinned == [] and host.allocator.num_free_pages == 4
+
+
+def test_a_frame_in_two_swapped_sequences_tables_breaks_the_invariants():
+    host = HostTier(4, 0)
+    a = host.hold("a", 2)
+    host.block_tables["b"] = [a[0]]  # the bug the check exists for
+    host.num_swapped_frames += 1
+    assert any("held twice" in p for p in host.check_invariants())

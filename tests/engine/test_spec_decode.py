@@ -76,6 +76,33 @@ def test_the_index_a_sequence_grows_finds_what_a_scan_of_it_finds(tokens, bounds
         assert index.drafts(tokens[:size], k) == scanned_drafts(tokens[:size], min_n, max_n, k)
 
 
+class _CountingDict(dict):
+    """A dict that counts its ``setdefault`` calls: an index's work."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_probes = 0
+
+    def setdefault(self, key, default=None):
+        self.num_probes += 1
+        return super().setdefault(key, default)
+
+
+def test_a_growing_index_indexes_each_new_token_once_and_only_the_n_grams_it_looks_up():
+    # its point is its cost: a step indexes only the n-grams (min_n to max_n tokens) that end at
+    # the token appended since the last lookup, so it holds at most max_n - min_n + 1 per token
+    min_n, max_n = 2, 4
+    index = NgramIndex(min_n, max_n)
+    index.first_end = probes = _CountingDict()
+    tokens = LOOP * 2
+    for size in range(1, len(tokens) + 1):
+        before = probes.num_probes
+        index.drafts(tokens[:size], 3)
+        end = size - 1  # the n-grams ending before the last token, newly: at end
+        assert probes.num_probes - before == max(min(max_n, end) - min_n + 1, 0)
+    assert all(min_n <= len(ngram) <= max_n for ngram in index.first_end)
+
+
 def test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again():
     state = DraftState()
     drafting = []
@@ -142,6 +169,7 @@ def test_the_proposer_drafts_up_to_its_k_and_the_room_left_by_the_longest_suffix
         expected = scanned_drafts(tokens, 2, 3, min(4, room)) if room > 0 else []
         assert proposer.propose(tokens, state, room) == expected
         assert state.num_steps == 1
+        assert (state.index is None) == (room <= 0)  # no room: not even a lookup
     # a 1-gram repeats ([3]), but lookups start at prompt_lookup_min = 2
     assert proposer.propose([5, 3, 6, 3], DraftState(), 4) == []
 
