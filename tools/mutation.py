@@ -274,6 +274,14 @@ MATCH_RULES = [
         "HTTP header names are case-insensitive, and Starlette sends every name in lower case",
     ),
     (
+        "server_glm4_tool_parser",
+        "_piece",
+        r"return CallSegment\(first\.rstrip\(\), arguments, piece\)$",
+        r"arguments, None\)$",
+        "a call's source is read only when the output is final (to turn a call that is not JSON "
+        "into text), and a piece of a final output is complete: it returns before this line",
+    ),
+    (
         "detokenizer",
         "__init__|_advance_window",
         r"self\.prefix_offset = 0$",

@@ -282,6 +282,12 @@ def test_text_that_cannot_begin_a_call_is_shown_at_once(glm4):
     assert ChatOutputParser(glm4).delta("\nget_w", finished=False) is None  # it may
 
 
+def test_a_declared_name_whose_next_line_is_not_json_is_shown_as_text_at_once(glm4):
+    parser = ChatOutputParser(glm4)
+    delta = parser.delta("get_weather\nis a tool I have", finished=False)
+    assert (delta.content, delta.tool_calls) == ("get_weather\nis a tool I have", None)
+
+
 def test_a_call_before_the_next_calls_marker_is_whole_while_the_turn_goes_on(glm4):
     for first in ("get_time", "get_time\n"):
         assert glm4.segments(first + "<|assistant|>get_wea", final=False) == [
