@@ -63,13 +63,15 @@ async function* sseEvents(response) {
 }
 
 async function loadModelName() {
+  const keyless = !$("api-key").value.trim(); // as sent: the field may change before the answer
   try {
     const models = await (await api("v1/models")).json();
     state.model = models.data[0].id;
     $("model-name").textContent = state.model;
     notice("");
-    // answered without a key: this server has none, so the field would only confuse
-    if (!$("api-key").value.trim()) $("key-label").hidden = true;
+    // answered a request sent without a key: this server has none, so the field would only
+    // confuse (a key typed or cleared while an earlier request was out says nothing of that)
+    if (keyless && !$("api-key").value.trim()) $("key-label").hidden = true;
   } catch {
     $("model-name").textContent = "";
   }
