@@ -44,6 +44,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pagedserve"))
 _kernel_builds: list = []
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: a worker per core, at most 4. Each holds its files' models and servers (about
+    1-2 GB), and the tests' processes are single-threaded, so two cores run two workers."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """On a run of the whole suite (no paths given), build the native kernels of each target this
     CPU runs that the cache lacks, one process per target, beside the first tests: a target's
@@ -53,6 +59,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import sys
 
     if session.config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under -n, the controller starts the builds
         return
     from pagedserve.hal import native
 

@@ -90,6 +90,27 @@ def _run_engine_core(*args) -> None:
     run_engine_core(*args)
 
 
+# A Unix socket's path has at most 107 bytes (sockaddr_un's sun_path, less its NUL), and the longest
+# one bound here is <parent>/pagedserve-<16 hex digits>/output.
+SOCKET_PATH_MAX = 107
+_LONGEST_SOCKET = os.path.join("pagedserve-" + "0" * 16, "output")
+
+
+def ipc_parent_dir() -> str:
+    """Where the engine core's socket directory goes: the temporary directory (``TMPDIR``), or
+    ``/tmp`` where that one's path is too long for a socket (a deeply nested ``TMPDIR``, as test
+    runners and macOS make them)."""
+    for parent in dict.fromkeys([tempfile.gettempdir(), "/tmp"]):
+        fits = len(os.path.join(parent, _LONGEST_SOCKET).encode()) <= SOCKET_PATH_MAX
+        if fits and os.access(parent, os.W_OK | os.X_OK):
+            return parent
+    raise RuntimeError(
+        f"the temporary directory {tempfile.gettempdir()!r} is too long for the engine's sockets "
+        f"(a socket path has at most {SOCKET_PATH_MAX} bytes) and /tmp is not writable: set "
+        "TMPDIR to a shorter directory"
+    )
+
+
 class MPCoreClient(CoreClient):
     """The engine core in a process of its own; the constructor returns once it has loaded."""
 
@@ -111,11 +132,11 @@ class MPCoreClient(CoreClient):
 
     def _make_ipc_dir(self) -> None:
         """A directory as ``tempfile.mkdtemp`` makes it, whose name this client holds before the
-        directory exists (a signal's exception from inside mkdtemp would lose it). The name stays
-        short: a socket's path has at most 107 bytes."""
+        directory exists (a signal's exception from inside mkdtemp would lose it)."""
+        parent = ipc_parent_dir()
         while True:
             name = f"pagedserve-{uuid.uuid4().hex[:16]}"
-            self.ipc_dir = os.path.join(tempfile.gettempdir(), name)
+            self.ipc_dir = os.path.join(parent, name)
             try:
                 os.mkdir(self.ipc_dir, 0o700)
                 return
