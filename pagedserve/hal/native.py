@@ -265,7 +265,11 @@ def _announce(choice: KernelChoice) -> KernelChoice:
             choice.reason,
         )
     else:
-        amx = " with AMX tiles for few-row layers and decode attention" if uses_amx(choice.module) else ""
+        amx = (
+            " with AMX tiles for few-row layers and decode attention"
+            if uses_amx(choice.module)
+            else ""
+        )
         passed_over = f" (not {choice.reason})" if choice.reason else ""
         logger.info("CPU kernels: %s%s%s", choice.name, amx, passed_over)
     return choice

@@ -260,9 +260,7 @@ def test_a_query_rows_attention_does_not_depend_on_the_rows_verified_with_it(uni
     # whether it is decoded alone or verified beside draft rows: each row of a verification
     # equals, bit for bit, the same position decoded as the sequence's only row
     rows, seq_len, head_dim = 7, 45, 64
-    q, kc, vc, meta = paged_batch(
-        [seq_len], [rows], 16, 4, 2, head_dim, torch.bfloat16, seed=11
-    )
+    q, kc, vc, meta = paged_batch([seq_len], [rows], 16, 4, 2, head_dim, torch.bfloat16, seed=11)
     together = unit.paged_attention(q, kc, vc, meta, head_dim**-0.5)
     for i in range(rows):
         alone = kernels.AttentionMetadata(
@@ -272,8 +270,9 @@ def test_a_query_rows_attention_does_not_depend_on_the_rows_verified_with_it(uni
             block_tables=meta.block_tables,
             block_size=16,
         )
-        assert torch.equal(unit.paged_attention(q[i : i + 1], kc, vc, alone, head_dim**-0.5),
-                           together[i : i + 1]), f"row {i}"
+        assert torch.equal(
+            unit.paged_attention(q[i : i + 1], kc, vc, alone, head_dim**-0.5), together[i : i + 1]
+        ), f"row {i}"
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
