@@ -496,6 +496,7 @@ def test_a_prompt_opens_the_thinking_when_it_ends_in_think_whitespace_aside(toke
         ("hm</thi", True, ("hm</thi", None)),
         ("hm", True, ("hm", None)),
         ("a</think>b</think>c", True, ("a", "b</think>c")),
+        ("</think>4", True, ("", "4")),  # no thinking at all: the mark opens the output
         ("", False, ("", None)),
     ],
 )
@@ -633,6 +634,18 @@ def test_an_unknown_parser_name_lists_the_parsers():
     with pytest.raises(ValueError) as e:
         ReasoningParserManager.get_reasoning_parser("deepseek_r1")
     assert str(e.value) == "--reasoning-parser deepseek_r1: no such parser; the parsers are glm4"
+
+
+def test_an_unknown_reasoning_parser_name_lists_every_registered_parser():
+    from pagedserve.server.reasoning_parsers import ReasoningParser
+
+    ReasoningParserManager.register_module("think-a")(type("Mine", (ReasoningParser,), {}))
+    try:
+        with pytest.raises(ValueError) as e:
+            ReasoningParserManager.get_reasoning_parser("deepseek_r1")
+    finally:
+        ReasoningParserManager.reasoning_parsers.pop("think-a", None)
+    assert str(e.value).endswith("the parsers are glm4, think-a")
 
 
 def test_the_parsers_are_registered_by_their_names():
