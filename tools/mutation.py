@@ -150,9 +150,18 @@ MODULES = {
         "pagedserve/engine/structured_output/request.py",
         ["tests/engine/test_structured_output.py"],
     ),
-    "structured_guidance": (
+    "structured_guidance": (  # the grammars and checks, without the engines and servers
         "pagedserve/engine/structured_output/backend_guidance.py",
-        ["tests/engine/test_structured_output.py"],
+        _named(
+            "tests/engine/test_structured_output.py",
+            "test_json_whitespace_is_bounded",
+            "test_an_object_that_lists_its_properties_takes_no_others_unless_its_schema_says_so",
+            "test_each_kind_of_constraint_becomes_a_grammar_of_exactly_what_it_allows",
+            "test_a_constraint_that_compiles_passes_the_check",
+            "test_a_constraint_that_cannot_compile_is_refused_naming_its_kind",
+            "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
+            "test_a_replay_the_grammar_refuses_is_logged",
+        ),
     ),
     **{
         f"server_{name}": (f"pagedserve/server/{name}.py", SERVER_TESTS)
