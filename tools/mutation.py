@@ -144,7 +144,14 @@ MODULES = {
     ),
     "structured_manager": (
         "pagedserve/engine/structured_output/manager.py",
-        ["tests/engine/test_structured_output.py"],
+        [
+            "tests/engine/test_structured_output_manager.py",
+            *_named(
+                "tests/engine/test_structured_output.py",
+                "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
+                "test_a_replay_the_grammar_refuses_is_logged",
+            ),
+        ],
     ),
     "structured_request": (
         "pagedserve/engine/structured_output/request.py",
@@ -507,6 +514,36 @@ MATCH_RULES = [
         r"bool\(None\)",
         "a row drawn by both the bounded and the full-sort path keeps the full-sort draw, of the "
         "same distribution",
+    ),
+    (
+        "structured_manager",
+        "__init__",
+        r'thread_name_prefix="grammar"',
+        r"thread_name_prefix=(None|\"XXgrammarXX\"|\"GRAMMAR\")|\(1, \)",
+        "the compiling thread's name is read by nothing: no log format shows %(threadName)s; it "
+        "only labels the thread in a debugger's stack dump",
+    ),
+    (
+        "structured_manager",
+        "accept_token",
+        r"so\.matcher if so\.matcher is not None else",
+        r"so\.matcher if \(so\.matcher is not None\) and False else",
+        "matcher_for returns the live matcher when there is one and replays only when it was "
+        "released: the shortcut only saves copying the output list",
+    ),
+    (
+        "structured_manager",
+        "request",
+        r"popitem\(last=False\)",
+        r"last=None",
+        "None is falsy: popitem pops the head as with False",
+    ),
+    (
+        "structured_manager",
+        "shutdown",
+        r"wait=False",
+        r"wait=None",
+        "the executor reads wait as a truth value: None is False",
     ),
     (
         "messages",
