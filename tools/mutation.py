@@ -133,7 +133,10 @@ MODULES = {
     "memory_plan": ("pagedserve/engine/memory_plan.py", ["tests/entrypoints/test_tune.py"]),
     "messages": ("pagedserve/engine/messages.py", CORE_TESTS),
     "core": ("pagedserve/engine/core.py", CORE_TESTS),
-    "core_client": ("pagedserve/engine/core_client.py", CORE_TESTS),
+    "core_client": (  # its sockets and a stand-in for the core process: no spawn per mutant
+        "pagedserve/engine/core_client.py",
+        ["tests/engine/test_core_client.py"],
+    ),
     "output_processor": (
         "pagedserve/engine/output_processor.py",
         ["tests/engine/test_output_processor.py"],
