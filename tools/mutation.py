@@ -133,7 +133,10 @@ MODULES = {
     "memory_plan": ("pagedserve/engine/memory_plan.py", ["tests/entrypoints/test_tune.py"]),
     "messages": ("pagedserve/engine/messages.py", CORE_TESTS),
     "core": ("pagedserve/engine/core.py", CORE_TESTS),
-    "core_client": ("pagedserve/engine/core_client.py", CORE_TESTS),
+    "core_client": (  # its sockets and a stand-in for the core process: no spawn per mutant
+        "pagedserve/engine/core_client.py",
+        ["tests/engine/test_core_client.py"],
+    ),
     "output_processor": (
         "pagedserve/engine/output_processor.py",
         ["tests/engine/test_output_processor.py"],
@@ -144,15 +147,31 @@ MODULES = {
     ),
     "structured_manager": (
         "pagedserve/engine/structured_output/manager.py",
-        ["tests/engine/test_structured_output.py"],
+        [
+            "tests/engine/test_structured_output_manager.py",
+            *_named(
+                "tests/engine/test_structured_output.py",
+                "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
+                "test_a_replay_the_grammar_refuses_is_logged",
+            ),
+        ],
     ),
     "structured_request": (
         "pagedserve/engine/structured_output/request.py",
         ["tests/engine/test_structured_output.py"],
     ),
-    "structured_guidance": (
+    "structured_guidance": (  # the grammars and checks, without the engines and servers
         "pagedserve/engine/structured_output/backend_guidance.py",
-        ["tests/engine/test_structured_output.py"],
+        _named(
+            "tests/engine/test_structured_output.py",
+            "test_json_whitespace_is_bounded",
+            "test_an_object_that_lists_its_properties_takes_no_others_unless_its_schema_says_so",
+            "test_each_kind_of_constraint_becomes_a_grammar_of_exactly_what_it_allows",
+            "test_a_constraint_that_compiles_passes_the_check",
+            "test_a_constraint_that_cannot_compile_is_refused_naming_its_kind",
+            "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
+            "test_a_replay_the_grammar_refuses_is_logged",
+        ),
     ),
     **{
         f"server_{name}": (f"pagedserve/server/{name}.py", SERVER_TESTS)
@@ -498,6 +517,36 @@ MATCH_RULES = [
         r"bool\(None\)",
         "a row drawn by both the bounded and the full-sort path keeps the full-sort draw, of the "
         "same distribution",
+    ),
+    (
+        "structured_manager",
+        "__init__",
+        r'thread_name_prefix="grammar"',
+        r"thread_name_prefix=(None|\"XXgrammarXX\"|\"GRAMMAR\")|\(1, \)",
+        "the compiling thread's name is read by nothing: no log format shows %(threadName)s; it "
+        "only labels the thread in a debugger's stack dump",
+    ),
+    (
+        "structured_manager",
+        "accept_token",
+        r"so\.matcher if so\.matcher is not None else",
+        r"so\.matcher if \(so\.matcher is not None\) and False else",
+        "matcher_for returns the live matcher when there is one and replays only when it was "
+        "released: the shortcut only saves copying the output list",
+    ),
+    (
+        "structured_manager",
+        "request",
+        r"popitem\(last=False\)",
+        r"last=None",
+        "None is falsy: popitem pops the head as with False",
+    ),
+    (
+        "structured_manager",
+        "shutdown",
+        r"wait=False",
+        r"wait=None",
+        "the executor reads wait as a truth value: None is False",
     ),
     (
         "messages",

@@ -124,25 +124,28 @@ def test_a_constrained_answer_cut_by_max_tokens_says_length(demo_llm):
     assert len(out.outputs[0].token_ids) == 5
 
 
-def test_json_whitespace_is_bounded():
-    """At most one space between JSON tokens: a run of spaces or newlines is not in the grammar."""
-    import llguidance
+@pytest.mark.parametrize(
+    "constraint",
+    [{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json_object": True}],
+    ids=["json", "json_object"],
+)
+def test_json_whitespace_is_bounded(constraint):
+    """At most one space between JSON tokens, in a schema's grammar as in any JSON object's: a run
+    of spaces or newlines is not in the grammar."""
+    from pagedserve.engine.structured_output.backend_guidance import grammar_for
 
-    from pagedserve.engine.structured_output.backend_guidance import JSON_OPTIONS, strict_schema
-
-    schema = strict_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-    tok = llguidance.LLTokenizer(_demo_tokenizer())
+    grammar = grammar_for(*StructuredOutputsParams(**constraint).key)
     for text, ok in [
         ('{"a": 1}', True),
         ('{ "a" : 1 }', True),
         ('{  "a": 1}', False),
+        ('{"a":  1}', False),
         ('{\n\n"a": 1}', False),
-        ('{"a": 1, "b": 2}', False),
+        ('{"a": 1\n}', False),
     ]:
-        m = llguidance.LLMatcher(tok, grammar, log_level=0)
-        accepted = m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
-        assert accepted == ok, text
+        assert _accepts(grammar, text) == ok, text
+    # a schema's object takes no keys it does not list (strict_schema); any JSON object takes them
+    assert _accepts(grammar, '{"a": 1, "b": 2}') == ("json_object" in constraint)
 
 
 def test_an_object_that_lists_its_properties_takes_no_others_unless_its_schema_says_so():
@@ -198,13 +201,32 @@ def test_each_kind_of_constraint_becomes_a_grammar_of_exactly_what_it_allows(
 
 
 @pytest.mark.parametrize(
+    "constraint",
+    [
+        {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        {"json_object": True},
+        {"regex": PHONE},
+        {"choice": CHOICES},
+    ],
+    ids=["json", "json_object", "regex", "choice"],
+)
+def test_a_constraint_that_compiles_passes_the_check(constraint):
+    """Each kind is checked as what it is: a schema, a regex or a choice list is no grammar."""
+    from pagedserve.engine.structured_output.backend_guidance import check_structured_outputs
+
+    assert check_structured_outputs(StructuredOutputsParams(**constraint)) is None
+
+
+@pytest.mark.parametrize(
     "constraint, message",
     [
         ({"json": {"not": {"type": "integer"}}}, "the JSON schema cannot be used for decoding: "),
         ({"regex": "[0-9"}, "the regex cannot be used for decoding: "),
+        # a lone surrogate (a JSON body's \ud800 escape parses to one) has no UTF-8 form
+        ({"choice": ["ok", "\ud800"]}, "the choice list cannot be used for decoding: "),
         ({"grammar": "start: undefined_rule"}, "the grammar cannot be used for decoding: "),
     ],
-    ids=["json", "regex", "grammar"],
+    ids=["json", "regex", "choice", "grammar"],
 )
 def test_a_constraint_that_cannot_compile_is_refused_naming_its_kind(constraint, message):
     from pagedserve.engine.structured_output.backend_guidance import check_structured_outputs

@@ -67,5 +67,6 @@ def check_structured_outputs(params: StructuredOutputsParams) -> None:
     kind, spec = params.key
     error = _check(kind, spec)
     if error:
-        what = {"json": "JSON schema", "json_object": "JSON object", "choice": "choice list"}
+        # the kinds named as users know them (json_object never fails: its grammar is fixed)
+        what = {"json": "JSON schema", "choice": "choice list"}
         raise ValueError(f"the {what.get(kind, kind)} cannot be used for decoding: {error}")

@@ -53,7 +53,6 @@ class StructuredOutputManager:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self.cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
-        self.num_compiled = 0
         if tokenizer_file is not None:  # the vocabulary's byte trie, built once, off the loop
             self.executor.submit(self._llg_tokenizer)
 
@@ -88,7 +87,6 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar_for(*params.key), log_level=0)
         if matcher.is_error():
             raise ValueError(f"the constraint cannot be compiled: {matcher.get_error()}")
-        self.num_compiled += 1
         return matcher
 
     def wait_for_any(self, requests: list[Request], timeout: float) -> None:
