@@ -87,6 +87,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         build.wait()
 
 
+@pytest.fixture
+def short_tmp_path():
+    """A new directory right under /tmp, for Unix sockets (a socket's path has at most 107 bytes):
+    pytest's own tmp_path, deeper still under pytest-xdist, leaves too few of them."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_glm4(tmp_path_factory):
     """(model directory, HF reference model) of a random tiny Glm4ForCausalLM with a tokenizer."""

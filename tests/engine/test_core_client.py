@@ -159,6 +159,23 @@ def test_the_socket_directory_is_new_private_and_short_enough_for_a_socket_path(
         os.rmdir(mp.ipc_dir)
 
 
+def test_the_sockets_go_in_tmpdir_where_their_paths_fit_and_in_tmp_where_not(
+    short_tmp_path, monkeypatch
+):
+    # the longest socket is <parent>/pagedserve-<16 hex>/output: 35 bytes after the parent's
+    room = core_client.SOCKET_PATH_MAX - len("/pagedserve-0123456789abcdef/output")
+    for length, expected in ((room, "tmpdir"), (room + 1, "/tmp")):
+        tmpdir = short_tmp_path / ("d" * (length - len(str(short_tmp_path)) - 1))
+        tmpdir.mkdir()
+        assert len(str(tmpdir)) == length
+        monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+        assert core_client.ipc_parent_dir() == (str(tmpdir) if expected == "tmpdir" else "/tmp")
+    # too long, and /tmp not writable: an error that says what to set
+    monkeypatch.setattr(os, "access", lambda path, mode: path != "/tmp")
+    with pytest.raises(RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR"):
+        core_client.ipc_parent_dir()
+
+
 def test_a_socket_directory_that_exists_is_neither_taken_nor_removed(monkeypatch):
     clash, ours = uuid.uuid4(), uuid.uuid4()
     taken = os.path.join(tempfile.gettempdir(), f"pagedserve-{clash.hex[:16]}")

@@ -367,29 +367,3 @@ def test_an_outputs_message_becomes_named_records():
     (o,) = out.outputs
     assert (o.request_id, o.index, o.new_token_ids, o.finish_reason) == ("r", 0, [5], "length")
     assert o.first == [None, 0, 1.0, 2.0]
-
-
-def test_the_sockets_go_in_tmpdir_where_their_paths_fit_and_in_tmp_where_not(monkeypatch):
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from pagedserve.engine.core_client import SOCKET_PATH_MAX, ipc_parent_dir
-
-    # the longest socket is <parent>/pagedserve-<16 hex>/output: 35 bytes after the parent's
-    room = SOCKET_PATH_MAX - len("/pagedserve-0123456789abcdef/output")
-    base = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))  # short: pytest's own paths are not
-    try:
-        for length, expected in ((room, "tmpdir"), (room + 1, "/tmp")):
-            tmpdir = base / ("d" * (length - len(str(base)) - 1))
-            tmpdir.mkdir()
-            assert len(str(tmpdir)) == length
-            monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
-            assert ipc_parent_dir() == (str(tmpdir) if expected == "tmpdir" else "/tmp")
-    finally:
-        shutil.rmtree(base)
-    # too long, and /tmp not writable: an error that says what to set
-    monkeypatch.setattr(os, "access", lambda path, mode: path != "/tmp")
-    with pytest.raises(RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR"):
-        ipc_parent_dir()

@@ -43,19 +43,6 @@ def engine_process_server(tiny_glm4, tmp_path_factory):
         yield proc, url
 
 
-@pytest.fixture
-def sockets():
-    """A TMPDIR for a server under test, where it makes its ipc socket directory: made under
-    /tmp, since pytest's own temporary paths (deeper still under pytest-xdist) leave too few of a
-    socket path's 107 bytes, and the server would put its sockets in /tmp instead."""
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="ps-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def offline(tiny_glm4):
     return LLM(model=str(tiny_glm4[0]), **ENGINE)
@@ -257,13 +244,14 @@ def _finish_reason(lines) -> str | None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group", "SIGKILL"])
 def test_serve_at_tp_2_stops_on_a_signal_leaving_no_process_and_no_socket_file(
-    tiny_glm4, sockets, how
+    tiny_glm4, short_tmp_path, how
 ):
     """SIGTERM (a supervisor's stop) or Ctrl-C (SIGINT to the whole foreground process group):
     the request in flight finishes, the server exits 0. SIGKILL of the server: its engine core
     and ranks notice and end. Either way no process and no ipc socket file is left."""
     from pagedserve.testing import serve
 
+    sockets = short_tmp_path  # the server's TMPDIR: where it makes its ipc socket directory
     env, tag = tagged_env(TMPDIR=str(sockets))
     flags = serve_flags(tiny_glm4[0], "--tp-size", "2", "--log-level", "warning")
     with serve(*flags, env=env, start_new_session=True) as (proc, url):
@@ -300,7 +288,7 @@ def _wait_for(found, what: str, timeout: float = 120.0):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the group"])
 def test_serve_at_tp_2_stopped_while_its_engine_starts_ends_leaving_nothing(
-    tiny_glm4, sockets, how
+    tiny_glm4, short_tmp_path, how
 ):
     """A supervisor's stop or a Ctrl-C while the engine core and its rank are still starting:
     the server says so and exits 128 + the signal's number, as a shell reports it (0, had it
@@ -308,6 +296,7 @@ def test_serve_at_tp_2_stopped_while_its_engine_starts_ends_leaving_nothing(
     directory is left."""
     from pagedserve.testing import free_port
 
+    sockets = short_tmp_path  # the server's TMPDIR: where it makes its ipc socket directory
     env, tag = tagged_env(TMPDIR=str(sockets))
     flags = serve_flags(tiny_glm4[0], "--tp-size", "2", "--port", str(free_port()))
     cmd = [sys.executable, "-m", "pagedserve", "serve", *flags, "--log-level", "warning"]
@@ -349,10 +338,11 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(300)
 def test_an_engine_core_never_shut_down_does_not_block_the_programs_end(
-    tiny_glm4, tmp_path, sockets
+    tiny_glm4, tmp_path, short_tmp_path
 ):
     script = tmp_path / "core.py"
     script.write_text(ENGINE_CORE_SCRIPT)
+    sockets = short_tmp_path  # the server's TMPDIR: where it makes its ipc socket directory
     env, tag = tagged_env(TMPDIR=str(sockets))
     run = subprocess.run(
         [sys.executable, str(script), str(tiny_glm4[0])],
