@@ -213,17 +213,20 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_weighted_values(
 #endif
 
 inline void softmax_inplace(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  Vec mv = vec::set1(-INFINITY);  // whole vectors, then the tail: a scalar chain of max is
+  int64_t t = 0;                  // as slow as the exponentials
+  for (; t + kLanes <= n; t += kLanes) mv = vec::max(mv, vec::load(s + t));
+  float mx = vec::reduce_max(mv);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
   Vec sum = vec::zero();
-  for (int64_t t = 0; t < n; t += kLanes) {
+  for (t = 0; t < n; t += kLanes) {
     const int left = int(std::min<int64_t>(kLanes, n - t));
     const Vec e = vec::exp(vec::sub(vec::load_first(s + t, left), vec::set1(mx)));
     vec::store_first(s + t, e, left);
     sum = vec::add(sum, vec::keep_first(e, left));
   }
   const Vec inv = vec::set1(1.f / vec::reduce_add(sum));
-  for (int64_t t = 0; t < n; t += kLanes) {
+  for (t = 0; t < n; t += kLanes) {
     const int left = int(std::min<int64_t>(kLanes, n - t));
     vec::store_first(s + t, vec::mul(vec::load_first(s + t, left), inv), left);
   }
