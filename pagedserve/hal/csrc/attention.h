@@ -213,8 +213,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_weighted_values(
 #endif
 
 inline void softmax_inplace(float* s, int64_t n) {
-  Vec mv = vec::set1(-INFINITY);  // whole vectors, then the tail: a scalar chain of max is
-  int64_t t = 0;                  // as slow as the exponentials
+  // the maximum over whole vectors, then the tail (a scalar chain of max over every score cost
+  // as much as the exponentials)
+  Vec mv = vec::set1(-INFINITY);
+  int64_t t = 0;
   for (; t + kLanes <= n; t += kLanes) mv = vec::max(mv, vec::load(s + t));
   float mx = vec::reduce_max(mv);
   for (; t < n; ++t) mx = std::max(mx, s[t]);
