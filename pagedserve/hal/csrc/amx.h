@@ -75,9 +75,12 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void bf16_rows(
   // a read of a tile just stored waits for the store: a block's sums are copied out after the
   // next block's products are issued (two buffers)
   alignas(64) float c[2][16 * kMaxRows];
+  // row m's 16 sums are column m of the stored tile (a stride of M floats): one gather each
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(M));
   const auto copy_out = [&](int64_t n, const float* sums) {
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t m = 0; m < M; ++m) acc[m * N + n + r] = sums[r * M + m];
+    for (int64_t m = 0; m < M; ++m)
+      _mm512_storeu_ps(acc + m * N + n, _mm512_i32gather_ps(column, sums + m, 4));
   };
   for (int64_t n = n0, i = 0; n < n1; n += 16, ++i) {
     _tile_zero(0);
