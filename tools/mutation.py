@@ -482,8 +482,8 @@ MATCH_RULES = [
     (
         "sampler",
         "apply_min_p",
-        r"if not bool\(\(min_p > 0\)",
-        r".",
+        r"if not any\(p\.min_p > 0 ",
+        r"p\.min_p >= 0 ",
         "an early return that skips work: min_p = 0 masks nothing",
     ),
     (

@@ -175,10 +175,9 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     """Repetition over prompt + output (positive logits divided, negative multiplied);
     frequency and presence over output only, subtracted (OpenAI's formula)."""
     params = meta.params
-    rep = _row_values(params, "repetition_penalty", logits)
-    freq = _row_values(params, "frequency_penalty", logits)
-    pres = _row_values(params, "presence_penalty", logits)
-    use_rep, use_freq_pres = bool((rep != 1.0).any()), bool((freq != 0).any() | (pres != 0).any())
+    # decided in Python, so that a step without penalties (most) builds no tensor for them
+    use_rep = any(p.repetition_penalty != 1.0 for p in params)
+    use_freq_pres = any(p.frequency_penalty or p.presence_penalty for p in params)
     if not (use_rep or use_freq_pres):
         return
     vocab_size = logits.shape[1]
@@ -186,12 +185,14 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     if use_rep:
         prompt_counts = token_counts(meta.prompt_token_ids, vocab_size, logits.device)
         seen = (prompt_counts + output_counts) > 0
-        rep = rep.unsqueeze(1)
+        rep = _row_values(params, "repetition_penalty", logits).unsqueeze(1)
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalized, logits))
     if use_freq_pres:
-        logits -= freq.unsqueeze(1) * output_counts
-        logits -= pres.unsqueeze(1) * (output_counts > 0).float()
+        freq = _row_values(params, "frequency_penalty", logits).unsqueeze(1)
+        pres = _row_values(params, "presence_penalty", logits).unsqueeze(1)
+        logits -= freq * output_counts
+        logits -= pres * (output_counts > 0).float()
 
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -388,9 +389,9 @@ def apply_top_k_top_p(sorted_logits: torch.Tensor, params: list[SamplingParams])
 
 def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
-    min_p = _row_values(params, "min_p", logits)
-    if not bool((min_p > 0).any()):
+    if not any(p.min_p > 0 for p in params):
         return logits
+    min_p = _row_values(params, "min_p", logits)
     probs = torch.softmax(logits, dim=-1)
     threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < threshold, -torch.inf)
@@ -405,7 +406,7 @@ def draw(
     u = torch.rand(len(params), 1, device=probs.device)
     for i, g in enumerate(generators):
         if g is not None:
-            u[i] = torch.rand(1, generator=g, device=probs.device)
+            torch.rand(1, generator=g, out=u[i])  # into the row (an assignment costs a copy)
     # the first index whose cumulative mass exceeds u has probability > 0; in the rare row where
     # rounding at the very top of the range lands past it, take the row's most likely candidate
     index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[1] - 1)
