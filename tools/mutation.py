@@ -184,11 +184,16 @@ MODULES = {
         f"server_{name}": (f"pagedserve/server/{name}.py", ["tests/server/test_app.py"])
         for name in ("app", "device", "info", "tokenization", "web_ui")
     },
+    # with test_app.py, which builds an app per test: the API tests share one app per file, so
+    # mutmut maps the router (made when the app is built) to a file's first test only
     "server_completions": (
         "pagedserve/server/completions.py",
-        ["tests/server/test_completions_api.py"],
+        ["tests/server/test_completions_api.py", "tests/server/test_app.py"],
     ),
-    "server_chat": ("pagedserve/server/chat.py", ["tests/server/test_chat_api.py"]),
+    "server_chat": (
+        "pagedserve/server/chat.py",
+        ["tests/server/test_chat_api.py", "tests/server/test_app.py"],
+    ),
     "server_metrics": ("pagedserve/server/metrics.py", ["tests/server/test_metrics.py"]),
     "server_protocol": (  # its validators: the schema's limits as the server reports them
         "pagedserve/server/protocol.py",

@@ -172,10 +172,14 @@ async def _chat_stream(
 
 
 def chat_router(serving: OpenAIServing) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(serving, body, raw)
 
+    router = APIRouter()  # a plain function registered: a decorated one is out of mutmut's reach
+    router.add_api_route(
+        "/v1/chat/completions",
+        chat_completions,
+        methods=["POST"],
+        response_model=ChatCompletionResponse,
+    )
     return router

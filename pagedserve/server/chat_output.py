@@ -34,12 +34,6 @@ class ParsedOutput:
     reasoning: str | None = None
 
 
-@dataclass(slots=True)
-class _SentCall:
-    id: str
-    arguments: str
-
-
 class ChatOutputParser:
     """One choice's parser. ``specials``: special-token texts to drop from what the client sees
     (the parsers had special tokens kept in the text; the client asked for them skipped)."""
@@ -59,7 +53,7 @@ class ChatOutputParser:
         self.include_reasoning = include_reasoning
         self._reasoning = ""
         self._content = ""
-        self._calls: list[_SentCall] = []
+        self._calls: list[str] = []  # each streamed call's arguments, as sent
 
     # ---- the whole text ------------------------------------------------------------------------
     def parse(self, text: str) -> ParsedOutput:
@@ -122,16 +116,15 @@ class ChatOutputParser:
         for index, seg in enumerate(calls):
             if index == len(self._calls):
                 call = ToolCall(function=FunctionCall(name=seg.name))
-                self._calls.append(_SentCall(call.id, seg.arguments))
+                self._calls.append(seg.arguments)
                 function = DeltaFunctionCall(name=seg.name, arguments=seg.arguments)
                 deltas.append(
                     DeltaToolCall(index=index, id=call.id, type="function", function=function)
                 )
                 continue
-            sent = self._calls[index]
-            piece = _growth(sent.arguments, seg.arguments)
+            piece = _growth(self._calls[index], seg.arguments)
             if piece:
-                sent.arguments += piece
+                self._calls[index] += piece
                 deltas.append(
                     DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=piece))
                 )

@@ -146,10 +146,11 @@ async def _completion_stream(
 
 
 def completions_router(serving: OpenAIServing) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(serving, body, raw)
 
+    router = APIRouter()  # a plain function registered: a decorated one is out of mutmut's reach
+    router.add_api_route(
+        "/v1/completions", completions, methods=["POST"], response_model=CompletionResponse
+    )
     return router

@@ -19,7 +19,6 @@ from pagedserve.server.serving import OpenAIServing
 def device_router(serving: OpenAIServing, enable_fault_injection: bool) -> APIRouter:
     """The operator's routes under /device (behind the API key): the weight tier's scrub on
     demand, the KV pool's consistency check, and fault injection when the server allows it."""
-    router = APIRouter()
 
     async def call(name: str, *args: Any) -> Any:
         try:
@@ -27,18 +26,15 @@ def device_router(serving: OpenAIServing, enable_fault_injection: bool) -> APIRo
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
 
-    @router.post("/device/scrub")
     async def scrub() -> dict:
         """Verify every weight page's checksum now; corrupted pages are restored."""
         return await call("scrub_weights")
 
-    @router.get("/device/invariants")
     async def invariants() -> dict:
         """The KV pool's own consistency check (``problems`` empty when all is well) and what
         is in flight: after a soak, nothing running, nothing waiting, no page in use."""
         return await call("check_invariants")
 
-    @router.post("/device/faults")
     async def inject_fault(body: FaultRequest) -> dict:
         """Inject a device fault (kunlun-emu, with --enable-fault-injection)."""
         if not enable_fault_injection:
@@ -52,7 +48,6 @@ def device_router(serving: OpenAIServing, enable_fault_injection: bool) -> APIRo
         except RuntimeError as e:  # the engine's ValueError: no such page or tag, not kunlun-emu
             raise bad_request(str(e)) from e
 
-    @router.get("/device")
     async def device() -> dict | list[dict]:
         try:
             stats = await serving.engine.get_device_stats()
@@ -69,7 +64,6 @@ def device_router(serving: OpenAIServing, enable_fault_injection: bool) -> APIRo
             return [{**card, **shared} for card in stats]
         return {**stats, **shared}
 
-    @router.get("/device/pages")
     async def device_pages() -> dict:
         """The KV page pool frame by frame: a digit per page (the console's page map)."""
         try:
@@ -77,4 +71,10 @@ def device_router(serving: OpenAIServing, enable_fault_injection: bool) -> APIRo
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
 
+    router = APIRouter()  # plain functions registered: a decorated one is out of mutmut's reach
+    router.add_api_route("/device/scrub", scrub, methods=["POST"])
+    router.add_api_route("/device/invariants", invariants, methods=["GET"])
+    router.add_api_route("/device/faults", inject_fault, methods=["POST"])
+    router.add_api_route("/device", device, methods=["GET"])
+    router.add_api_route("/device/pages", device_pages, methods=["GET"])
     return router

@@ -17,9 +17,9 @@ from pagedserve.server.serving import OpenAIServing
 
 
 def tokenization_router(serving: OpenAIServing) -> APIRouter:
-    router = APIRouter()
+    """The routes, as plain functions registered on the router (a decorated one is out of
+    mutmut's reach); each one's response model is its return annotation."""
 
-    @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         text = None
@@ -33,7 +33,6 @@ def tokenization_router(serving: OpenAIServing) -> APIRouter:
             count=len(ids), max_model_len=serving.max_model_len, tokens=ids, prompt=text
         )
 
-    @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < serving.vocab_size]
@@ -43,4 +42,7 @@ def tokenization_router(serving: OpenAIServing) -> APIRouter:
             )
         return DetokenizeResponse(prompt=serving.require_tokenizer().decode(body.tokens))
 
+    router = APIRouter()
+    router.add_api_route("/tokenize", tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", detokenize, methods=["POST"])
     return router

@@ -165,6 +165,40 @@ def test_every_endpoint_family_is_routed(client):
     assert r.status_code == 200, r.text
 
 
+# each route of the families above by its method: the request and response models its schema names
+ROUTES = {
+    ("/v1/completions", "post"): ("CompletionRequest", "CompletionResponse"),
+    ("/v1/chat/completions", "post"): ("ChatCompletionRequest", "ChatCompletionResponse"),
+    ("/tokenize", "post"): ("TokenizeRequest", "TokenizeResponse"),
+    ("/detokenize", "post"): ("DetokenizeRequest", "DetokenizeResponse"),
+    ("/v1/models", "get"): (None, "ModelList"),
+    ("/version", "get"): (None, "VersionResponse"),
+    ("/health", "get"): (None, None),
+    ("/metrics", "get"): (None, None),
+    ("/device", "get"): (None, None),
+    ("/device/pages", "get"): (None, None),
+    ("/device/invariants", "get"): (None, None),
+    ("/device/scrub", "post"): (None, None),
+    ("/device/faults", "post"): ("FaultRequest", None),
+}
+
+
+def _ref(schema: dict | None) -> str | None:
+    ref = (schema or {}).get("$ref")
+    return ref.removeprefix("#/components/schemas/") if ref else None
+
+
+def test_each_route_takes_its_method_and_its_schema_names_its_models(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in {path for path, _ in ROUTES}:
+        assert set(paths[path]) == {m for p, m in ROUTES if p == path}, path
+    for (path, method), models in ROUTES.items():
+        operation = paths[path][method]
+        body = operation.get("requestBody", {}).get("content", {}).get("application/json")
+        answer = operation["responses"]["200"].get("content", {}).get("application/json")
+        assert (_ref((body or {}).get("schema")), _ref((answer or {}).get("schema"))) == models
+
+
 def test_a_bad_body_is_a_400_in_openais_shape(client):
     r = client.post("/v1/completions", json={"prompt": "Hi", "n": 0}, headers=AUTH)
     assert error_of(r, 400) == {

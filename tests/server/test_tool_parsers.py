@@ -24,7 +24,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionToolsParam, DeltaMessage
 from pagedserve.server.reasoning_parsers import ReasoningParserManager
-from pagedserve.server.tool_parsers import CallSegment, ToolParser, ToolParserManager
+from pagedserve.server.tool_parsers import CallSegment, TextSegment, ToolParser, ToolParserManager
 from pagedserve.server.tool_parsers.abstract_tool_parser import (
     JSON_OPTIONS,
     is_special_token,
@@ -95,8 +95,11 @@ def _reassemble(deltas: list[DeltaMessage]) -> tuple[str | None, list[dict], str
 
 
 def _every_cut(make_parser, output: str):
-    """Deltas of every way of cutting the output in two, and of it piece by piece."""
+    """Deltas of every way of cutting the output: not at all (the whole output in one finished
+    delta, as a request that ends in the step that starts it sends it), in two, and piece by
+    piece."""
     pieces = _pieces(output)
+    yield _stream(make_parser(), [output])
     yield _stream(make_parser(), pieces)
     for cut in range(1, len(pieces)):
         yield _stream(make_parser(), ["".join(pieces[:cut]), "".join(pieces[cut:])])
@@ -222,6 +225,26 @@ def test_arguments_that_are_not_json_are_text_and_the_reason_is_logged(glm4, cap
     assert "a streamed tool call of get_weather is not valid" in caplog.text
 
 
+def test_a_valid_streamed_call_logs_nothing(glm4, caplog):
+    output = 'get_weather\n{"location": "Paris"}<|observation|>'
+    with caplog.at_level(logging.WARNING):
+        _, streamed, _ = _reassemble(_stream(ChatOutputParser(glm4), _pieces(output)))
+    assert [c["arguments"] for c in streamed] == ['{"location": "Paris"}']
+    assert caplog.records == []
+
+
+def test_a_call_not_json_is_text_and_the_calls_after_it_stay_in_an_output_sent_at_once(glm4):
+    output = 'get_weather\n{"location": Paris}<|assistant|>get_time\n{}<|observation|>'
+    content, calls = _whole(glm4, output)
+    assert (content, calls) == (
+        'get_weather\n{"location": Paris}',
+        [{"name": "get_time", "arguments": "{}"}],
+    )
+    s_content, s_calls, _ = _reassemble(_stream(ChatOutputParser(glm4), [output]))
+    assert s_content == content
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in s_calls] == calls
+
+
 def test_a_call_is_not_shown_before_its_name_and_its_first_brace(glm4):
     parser = ChatOutputParser(glm4)
     for partial in ("get_wea", "get_weather", "get_weather\n"):
@@ -309,6 +332,35 @@ def test_special_tokens_the_client_skips_are_dropped_from_content(glm4):
 def test_special_tokens_the_client_skips_are_dropped_from_streamed_content_too(glm4):
     parser = ChatOutputParser(glm4, specials=("[gMASK]",))
     assert parser.delta("\nHi[gMASK] there<|user|>", finished=True).content == "\nHi there"
+
+
+def test_an_answer_of_calls_only_has_no_content_when_special_tokens_are_dropped(glm4):
+    parsed = ChatOutputParser(glm4, specials=("[gMASK]",)).parse("get_time\n{}<|observation|>")
+    assert parsed.content is None and [c.function.name for c in parsed.tool_calls] == ["get_time"]
+
+
+def test_without_a_tool_parser_the_answer_is_all_content_and_no_calls():
+    parsed = ChatOutputParser(None).parse("get_time\n{}<|observation|>")
+    assert (parsed.content, parsed.tool_calls) == ("get_time\n{}<|observation|>", [])
+
+
+def test_whitespace_before_the_marker_of_a_call_is_no_content_whole_or_streamed(glm4):
+    content, calls = _assert_streams_add_up(glm4, "  <|assistant|>get_time\n{}<|observation|>")
+    assert content is None and calls == [{"name": "get_time", "arguments": "{}"}]
+
+
+class _RevisingParser(ToolParser):
+    """A plugin's parser that breaks the contract: its final text rewrites what it reported."""
+
+    def segments(self, text, final):
+        return [TextSegment("Sunny, 31 degrees" if final else text)]
+
+
+def test_a_delta_never_rewrites_what_was_sent(tokenizer):
+    """What the client has stands: text that no longer extends it adds nothing to it."""
+    parser = ChatOutputParser(_RevisingParser(tokenizer, []))
+    assert parser.delta("Sunny, 30", finished=False).content == "Sunny, 30"
+    assert parser.delta("Sunny, 30 degrees", finished=True) is None
 
 
 def test_an_answer_of_only_whitespace_waits_while_a_call_may_follow(glm4):
@@ -438,6 +490,19 @@ def test_thinking_cut_by_max_tokens_is_all_reasoning(tokenizer):
     reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
     parsed = ChatOutputParser(None, reasoning).parse("Two and")
     assert (parsed.reasoning, parsed.content) == ("Two and", None)
+
+
+def test_a_whole_output_keeps_an_end_that_could_have_begun_a_thinking_mark(tokenizer):
+    """Cut short in what might have become ``</think>`` or ``<think>``: the whole output, parsed
+    or in its last delta, holds nothing back."""
+    reasoning = _z1(tokenizer, [{"role": "user", "content": "2+2?"}])
+    assert ChatOutputParser(None, reasoning).parse("Two and </thi").reasoning == "Two and </thi"
+    last = ChatOutputParser(None, reasoning).delta("Two and </thi", finished=True)
+    assert (last.reasoning, last.content) == ("Two and </thi", None)
+    prompt = render_published("GLM-4-9B-0414", [{"role": "user", "content": "2+2?"}])
+    no_thinking = ReasoningParserManager.get_reasoning_parser("glm4")(tokenizer, prompt)
+    assert ChatOutputParser(None, no_thinking).parse("<thi").content == "<thi"
+    assert ChatOutputParser(None, no_thinking).delta("<thi", finished=True).content == "<thi"
 
 
 def test_a_prompt_that_opens_no_thinking_starts_with_the_answer(tokenizer):
