@@ -542,7 +542,7 @@ MATCH_RULES = [
     ),
     (
         "core_client",
-        "__init__",
+        "__init__|_make_ipc_dir",
         r'self\.ipc_dir = ""$',
         r"self\.ipc_dir = None$",
         "no directory yet: read only as a truth value (shutdown removes it if set), and None is "
@@ -563,6 +563,13 @@ MATCH_RULES = [
         r"poller\.register\(self\.proc\.sentinel, \)",
         "the default flags add POLLOUT, and a process's sentinel is the read end of a pipe, which "
         "poll never reports writable: the same events",
+    ),
+    (
+        "core_client",
+        "send",
+        r"copy=False\)",
+        r"copy=None\)",
+        "pyzmq reads copy as a truth value: None is falsy, as False is",
     ),
     (
         "core_client",

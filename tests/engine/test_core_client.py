@@ -132,6 +132,17 @@ def test_a_burst_either_way_is_queued_whole_not_dropped(client, core_end):
     assert [decode(client.output_socket.recv())[0] for _ in range(BURST)] == list(range(BURST))
 
 
+def test_a_message_sent_before_the_core_connects_waits_for_it(client):
+    sending = _in_background(lambda: client.send([SHUTDOWN]))
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.connect(client.input_address)
+    try:
+        assert pull.poll(10_000) and decode(pull.recv()) == [SHUTDOWN]
+        sending.join(10)
+    finally:
+        pull.close(linger=0)
+
+
 def test_a_send_without_a_core_to_read_it_neither_blocks_nor_raises_unless_asked_to_block(client):
     sending = _in_background(lambda: client.send([SHUTDOWN], block=False))
     sending.join(10)
@@ -191,8 +202,24 @@ def test_the_sockets_go_in_tmpdir_where_their_paths_fit_and_in_tmp_where_not(
         assert core_client.ipc_parent_dir() == (str(tmpdir) if expected == "tmpdir" else "/tmp")
     # too long, and /tmp not writable: an error that says what to set
     monkeypatch.setattr(os, "access", lambda path, mode: path != "/tmp")
-    with pytest.raises(RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR"):
+    with pytest.raises(
+        RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR to a shorter directory$"
+    ):
         core_client.ipc_parent_dir()
+
+
+def test_a_tmpdir_the_client_cannot_write_to_sends_the_sockets_to_tmp(short_tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp_path))
+    writable = os.access
+    # as root every directory is writable: the check is asked of a stand-in that says no to it
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode: (
+            writable(path, mode) and not (path == str(short_tmp_path) and mode & os.W_OK)
+        ),
+    )
+    assert core_client.ipc_parent_dir() == "/tmp"
 
 
 def test_a_socket_directory_that_exists_is_neither_taken_nor_removed(monkeypatch):
@@ -381,6 +408,37 @@ def test_shutdown_of_a_core_already_gone_sends_nothing():
     pull.close(linger=0)
 
 
+def test_a_start_stopped_after_a_name_clash_removes_nothing(monkeypatch):
+    clash = uuid.uuid4()
+    taken = os.path.join(tempfile.gettempdir(), f"pagedserve-{clash.hex[:16]}")
+    os.mkdir(taken)
+    names = iter([clash])
+
+    def uuid4():
+        try:
+            return next(names)
+        except StopIteration:
+            raise KeyboardInterrupt from None  # a signal before the second try
+
+    removed = []
+    monkeypatch.setattr(core_client.uuid, "uuid4", uuid4)
+    monkeypatch.setattr(core_client.shutil, "rmtree", lambda path, **kw: removed.append(path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            MPCoreClient(types.SimpleNamespace(), "info")
+        assert removed == [] and os.path.isdir(taken)
+    finally:
+        os.rmdir(taken)
+
+
+def test_shutdown_of_a_client_whose_socket_directory_is_gone_raises_nothing():
+    """The core removes the directory itself when it outlives the HTTP process's last word."""
+    mp = _mp_client(None)
+    os.rmdir(mp.ipc_dir)
+    mp.shutdown()
+    assert mp.closed
+
+
 def test_shutdown_of_a_start_stopped_before_its_sockets_removes_the_directory():
     mp = MPCoreClient.__new__(MPCoreClient)
     mp.proc = None
@@ -434,7 +492,9 @@ def test_the_inproc_core_answers_over_the_clients_sockets(engine):
     inproc = InprocCoreClient(engine)
     inproc.start()
     try:
-        inproc.send([UTILITY, 1, "get_stats", []])
+        sending = _in_background(lambda: inproc.send([UTILITY, 1, "get_stats", []]))
+        sending.join(30)
+        assert not sending.is_alive(), "the in-process core did not connect in 30 s"
         replies = []
         while not replies:
             assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
