@@ -166,7 +166,7 @@ class AsyncLLMEngine:
         return {
             "engine": "alive" if self.is_alive else "dead",
             "pid": getattr(self.client, "pid", None),  # None: a thread of this process
-            "tp_worker_pids": self.client.info.get("worker_pids", []),
+            "tp_worker_pids": self.client.info["worker_pids"],
             "num_steps": self.num_steps,
             "seconds_since_last_message": round(age, 3) if age is not None else None,
             "num_requests_running": self.stats.get("num_requests_running", 0),
