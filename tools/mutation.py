@@ -141,9 +141,15 @@ MODULES = {
         "pagedserve/engine/output_processor.py",
         ["tests/engine/test_output_processor.py"],
     ),
-    "async_engine": (
+    "async_engine": (  # against a stand-in core: no engine per mutant
         "pagedserve/engine/async_engine.py",
-        [*CORE_TESTS, "tests/engine/test_async_engine.py"],
+        [
+            "tests/engine/test_async_engine_protocol.py",
+            *_named(
+                "tests/engine/test_async_engine.py",
+                "test_the_token_history_counts_each_second_and_forgets_the_old",
+            ),
+        ],
     ),
     "structured_manager": (
         "pagedserve/engine/structured_output/manager.py",
@@ -530,6 +536,60 @@ MATCH_RULES = [
         r"thread_name_prefix=(None|\"XXgrammarXX\"|\"GRAMMAR\")|\(1, \)",
         "the compiling thread's name is read by nothing: no log format shows %(threadName)s; it "
         "only labels the thread in a debugger's stack dump",
+    ),
+    (
+        "core_client",
+        "__init__",
+        r'name="engine-core", daemon=True\)',
+        r'name=(None|"XXengine-coreXX"|"ENGINE-CORE"), daemon|target=self\._run, daemon=True\)',
+        "the in-process core thread's name is read by nothing: no log format shows "
+        "%(threadName)s; it only labels the thread in a debugger's stack dump",
+    ),
+    (
+        "core_client",
+        "__init__|_make_ipc_dir",
+        r'self\.ipc_dir = ""$',
+        r"self\.ipc_dir = None$",
+        "no directory yet: read only as a truth value (shutdown removes it if set), and None is "
+        "falsy, as the empty string is",
+    ),
+    (
+        "core_client",
+        "_wait_ready",
+        r"poller\.register\(self\.output_socket, zmq\.POLLIN\)",
+        r"poller\.register\(self\.output_socket, \)",
+        "the default flags add POLLOUT, which a PULL socket never signals (it cannot send): "
+        "the same events",
+    ),
+    (
+        "core_client",
+        "_wait_ready",
+        r"poller\.register\(self\.proc\.sentinel, zmq\.POLLIN\)",
+        r"poller\.register\(self\.proc\.sentinel, \)",
+        "the default flags add POLLOUT, and a process's sentinel is the read end of a pipe, which "
+        "poll never reports writable: the same events",
+    ),
+    (
+        "core_client",
+        "send",
+        r"copy=False\)",
+        r"copy=None\)",
+        "pyzmq reads copy as a truth value: None is falsy, as False is",
+    ),
+    (
+        "core_client",
+        "shutdown",
+        r"self\.send\(\[SHUTDOWN\], block=False\)",
+        r"block=None\)",
+        "send reads block as a truth value: None is falsy, as False is",
+    ),
+    (
+        "core_client",
+        "_run",
+        r"input_socket\.close\(linger=0\)",
+        r"linger=(None|1)\)",
+        "the core's input socket is a PULL socket, which sends nothing: its linger (how long "
+        "unsent messages are kept after close) has nothing to keep",
     ),
     (
         "structured_manager",

@@ -20,7 +20,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
+from pagedserve.engine.core_client import (
+    SHUTDOWN_TIMEOUT_S,
+    CoreClient,
+    InprocCoreClient,
+    MPCoreClient,
+)
 from pagedserve.engine.limits import EngineLimits
 from pagedserve.engine.messages import (
     ABORT,
@@ -139,7 +144,7 @@ class AsyncLLMEngine:
             self._output_handler(self.client.async_output_socket())
         )
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the engine core (SHUTDOWN, then a kill after ``timeout``); idempotent."""
         self._stopping = True
         if self._output_task is not None:
@@ -161,7 +166,7 @@ class AsyncLLMEngine:
         return {
             "engine": "alive" if self.is_alive else "dead",
             "pid": getattr(self.client, "pid", None),  # None: a thread of this process
-            "tp_worker_pids": self.client.info.get("worker_pids", []),
+            "tp_worker_pids": self.client.info["worker_pids"],
             "num_steps": self.num_steps,
             "seconds_since_last_message": round(age, 3) if age is not None else None,
             "num_requests_running": self.stats.get("num_requests_running", 0),

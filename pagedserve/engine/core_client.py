@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_TIMEOUT_S = 10.0  # how long a shutdown waits for the core to stop (then kills a process)
+
 
 class CoreClient:
     """The HTTP side of the channel to an engine core. Every client shares the process's one
@@ -73,7 +75,7 @@ class CoreClient:
     def is_running(self) -> bool:
         raise NotImplementedError
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float) -> None:
         raise NotImplementedError
 
     def _close_sockets(self) -> None:
@@ -112,9 +114,10 @@ def ipc_parent_dir() -> str:
 
 
 class MPCoreClient(CoreClient):
-    """The engine core in a process of its own; the constructor returns once it has loaded."""
+    """The engine core in a process of its own; the constructor returns once it has loaded. A
+    start that fails stops the core it started (5 s for it to stop, then a kill)."""
 
-    def __init__(self, config, log_level: str = "info"):
+    def __init__(self, config, log_level: str):
         self.ipc_dir = ""
         self.proc: multiprocessing.process.BaseProcess | None = None
         try:  # whatever stops the start (an error, serve's StartInterrupted) removes what it made
@@ -193,7 +196,7 @@ class MPCoreClient(CoreClient):
     def pid(self) -> int | None:
         return self.proc.pid
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the engine core (SHUTDOWN, a bounded wait, then a kill), close the sockets and
         remove their directory; also of a start stopped part way."""
         atexit.unregister(self.shutdown)
@@ -249,7 +252,7 @@ class InprocCoreClient(CoreClient):
     def is_running(self) -> bool:
         return self.thread.is_alive()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         if self.thread.is_alive():
             self.send([SHUTDOWN])
             self.thread.join(timeout)

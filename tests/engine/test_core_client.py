@@ -7,6 +7,7 @@ does not stop) against a stand-in for the process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import stat
 import tempfile
@@ -19,7 +20,7 @@ import zmq
 
 from pagedserve.engine import core_client
 from pagedserve.engine.core_client import CoreClient, InprocCoreClient, MPCoreClient
-from pagedserve.engine.messages import FAILED, OUTPUTS, READY, SHUTDOWN, decode, encode
+from pagedserve.engine.messages import FAILED, OUTPUTS, READY, SHUTDOWN, UTILITY, decode, encode
 
 BURST = 3000  # more than zmq's default high-water mark of 1000 messages
 
@@ -90,6 +91,24 @@ def _in_background(fn) -> threading.Thread:
     return thread
 
 
+def _wait_ready(mp: MPCoreClient, seconds: float = 10) -> dict:
+    """``mp._wait_ready()``, failing the test if it has not returned or raised in ``seconds``."""
+    result: dict = {}
+
+    def wait() -> None:
+        try:
+            result["info"] = mp._wait_ready()
+        except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
+            result["error"] = e
+
+    waiting = _in_background(wait)
+    waiting.join(seconds)
+    assert not waiting.is_alive(), f"the start waited over {seconds} s for a core that had answered"
+    if "error" in result:
+        raise result["error"]
+    return result["info"]
+
+
 # ---- the sockets --------------------------------------------------------------------------------
 def test_what_the_client_sends_reaches_the_core_and_what_the_core_sends_reaches_the_client(
     client, core_end
@@ -111,6 +130,17 @@ def test_a_burst_either_way_is_queued_whole_not_dropped(client, core_end):
     for i in range(BURST):
         push.send(encode([i]), zmq.NOBLOCK)
     assert [decode(client.output_socket.recv())[0] for _ in range(BURST)] == list(range(BURST))
+
+
+def test_a_message_sent_before_the_core_connects_waits_for_it(client):
+    sending = _in_background(lambda: client.send([SHUTDOWN]))
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.connect(client.input_address)
+    try:
+        assert pull.poll(10_000) and decode(pull.recv()) == [SHUTDOWN]
+        sending.join(10)
+    finally:
+        pull.close(linger=0)
 
 
 def test_a_send_without_a_core_to_read_it_neither_blocks_nor_raises_unless_asked_to_block(client):
@@ -143,7 +173,7 @@ def test_a_client_that_runs_no_core_has_nothing_to_start_or_watch_and_no_lifetim
     with pytest.raises(NotImplementedError):
         client.is_running()
     with pytest.raises(NotImplementedError):
-        client.shutdown()
+        client.shutdown(10.0)
 
 
 # ---- the engine core process ----------------------------------------------------------------
@@ -172,8 +202,24 @@ def test_the_sockets_go_in_tmpdir_where_their_paths_fit_and_in_tmp_where_not(
         assert core_client.ipc_parent_dir() == (str(tmpdir) if expected == "tmpdir" else "/tmp")
     # too long, and /tmp not writable: an error that says what to set
     monkeypatch.setattr(os, "access", lambda path, mode: path != "/tmp")
-    with pytest.raises(RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR"):
+    with pytest.raises(
+        RuntimeError, match=r"too long for the engine's sockets.*set TMPDIR to a shorter directory$"
+    ):
         core_client.ipc_parent_dir()
+
+
+def test_a_tmpdir_the_client_cannot_write_to_sends_the_sockets_to_tmp(short_tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp_path))
+    writable = os.access
+    # as root every directory is writable: the check is asked of a stand-in that says no to it
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode: (
+            writable(path, mode) and not (path == str(short_tmp_path) and mode & os.W_OK)
+        ),
+    )
+    assert core_client.ipc_parent_dir() == "/tmp"
 
 
 def test_a_socket_directory_that_exists_is_neither_taken_nor_removed(monkeypatch):
@@ -235,7 +281,7 @@ def test_the_start_waits_for_ready_and_returns_the_info(monkeypatch):
     push.connect(mp.output_address)
     push.send(encode([OUTPUTS, [0, [], {}, [], []]]))  # not what it waits for
     push.send(encode([READY, {"model": "demo"}]))
-    assert mp._wait_ready() == {"model": "demo"}
+    assert _wait_ready(mp) == {"model": "demo"}
     push.close(linger=0)
     mp.shutdown()
 
@@ -250,7 +296,7 @@ def test_a_core_that_cannot_start_raises_its_reason(user_error, raised):
     push.connect(mp.output_address)
     push.send(encode([FAILED, "no model at /nowhere", user_error]))
     with pytest.raises(raised, match="^no model at /nowhere$"):
-        mp._wait_ready()
+        _wait_ready(mp)
     push.close(linger=0)
     mp.shutdown()
 
@@ -261,7 +307,7 @@ def test_a_core_that_exits_while_loading_raises_naming_its_exit_code():
     mp = _mp_client(process)
     message = "the engine core process exited with code 3 while loading; see the log above"
     with pytest.raises(RuntimeError, match=f"^{message}$"):
-        mp._wait_ready()
+        _wait_ready(mp)
     assert process.joins == [5]
     mp.shutdown()
 
@@ -275,8 +321,57 @@ def test_a_start_stopped_part_way_removes_what_it_made(monkeypatch):
 
     monkeypatch.setattr(MPCoreClient, "_start_core", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        MPCoreClient(types.SimpleNamespace())
+        MPCoreClient(types.SimpleNamespace(), "info")
     assert made and not os.path.exists(made[0])
+
+
+def test_the_start_hands_the_core_its_config_and_log_level_and_keeps_the_info_it_sends(
+    monkeypatch,
+):
+    config, started = types.SimpleNamespace(), []
+
+    def start_core(self, config, log_level):
+        started.append((config, log_level))
+        self.proc = FakeProcess()
+
+    monkeypatch.setattr(MPCoreClient, "_start_core", start_core)
+    monkeypatch.setattr(MPCoreClient, "_wait_ready", lambda self: {"model": "demo"})
+    mp = MPCoreClient(config, "debug")
+    assert started == [(config, "debug")] and mp.info == {"model": "demo"}
+    mp.shutdown()
+
+
+def test_a_start_that_fails_after_the_core_started_stops_it_within_a_bounded_wait(monkeypatch):
+    """A core that does not stop when told (one stuck loading) is killed after 5 s, not waited
+    for without end."""
+    processes = []
+
+    def start_core(self, config, log_level):
+        self.proc = FakeProcess(stops_when_told=False)
+        processes.append(self.proc)
+
+    def wait_ready(self):
+        raise RuntimeError("no model at /nowhere")
+
+    monkeypatch.setattr(MPCoreClient, "_start_core", start_core)
+    monkeypatch.setattr(MPCoreClient, "_wait_ready", wait_ready)
+    with pytest.raises(RuntimeError, match="^no model at /nowhere$"):
+        MPCoreClient(types.SimpleNamespace(), "info")
+    (process,) = processes
+    assert process.killed and process.joins == [5, 5]
+
+
+def test_a_start_that_fails_before_making_its_socket_directory_removes_nothing(monkeypatch):
+    removed = []
+
+    def no_room():
+        raise RuntimeError("the temporary directory is too long for the engine's sockets")
+
+    monkeypatch.setattr(core_client, "ipc_parent_dir", no_room)
+    monkeypatch.setattr(core_client.shutil, "rmtree", lambda path, **kw: removed.append(path))
+    with pytest.raises(RuntimeError, match="too long for the engine's sockets"):
+        MPCoreClient(types.SimpleNamespace(), "info")
+    assert removed == []
 
 
 def test_shutdown_tells_the_core_to_stop_waits_then_closes_and_removes_the_sockets():
@@ -288,6 +383,12 @@ def test_shutdown_tells_the_core_to_stop_waits_then_closes_and_removes_the_socke
     assert mp.proc.joins == [7] and not mp.proc.killed and not mp.is_running()
     assert mp.closed and not os.path.exists(mp.ipc_dir)
     pull.close(linger=0)
+
+
+def test_a_shutdown_without_a_timeout_waits_the_shutdown_bound():
+    mp = _mp_client(FakeProcess(stops_when_told=False))
+    mp.shutdown()
+    assert mp.proc.joins == [core_client.SHUTDOWN_TIMEOUT_S, 5] and mp.proc.killed
 
 
 def test_a_core_that_does_not_stop_in_time_is_killed():
@@ -305,6 +406,37 @@ def test_shutdown_of_a_core_already_gone_sends_nothing():
     mp.shutdown()
     assert not pull.poll(100) and process.joins == [] and mp.closed
     pull.close(linger=0)
+
+
+def test_a_start_stopped_after_a_name_clash_removes_nothing(monkeypatch):
+    clash = uuid.uuid4()
+    taken = os.path.join(tempfile.gettempdir(), f"pagedserve-{clash.hex[:16]}")
+    os.mkdir(taken)
+    names = iter([clash])
+
+    def uuid4():
+        try:
+            return next(names)
+        except StopIteration:
+            raise KeyboardInterrupt from None  # a signal before the second try
+
+    removed = []
+    monkeypatch.setattr(core_client.uuid, "uuid4", uuid4)
+    monkeypatch.setattr(core_client.shutil, "rmtree", lambda path, **kw: removed.append(path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            MPCoreClient(types.SimpleNamespace(), "info")
+        assert removed == [] and os.path.isdir(taken)
+    finally:
+        os.rmdir(taken)
+
+
+def test_shutdown_of_a_client_whose_socket_directory_is_gone_raises_nothing():
+    """The core removes the directory itself when it outlives the HTTP process's last word."""
+    mp = _mp_client(None)
+    os.rmdir(mp.ipc_dir)
+    mp.shutdown()
+    assert mp.closed
 
 
 def test_shutdown_of_a_start_stopped_before_its_sockets_removes_the_directory():
@@ -345,10 +477,71 @@ def engine():
 
 def test_the_inproc_core_starts_once_and_stops_on_shutdown(engine):
     inproc = InprocCoreClient(engine)
-    assert inproc.info["model"] == engine.config.model.model and not inproc.is_running()
-    inproc.start()
-    inproc.start()  # already running: nothing to do
-    assert inproc.is_running()
-    inproc.shutdown(timeout=30)
+    try:
+        assert inproc.info["model"] == engine.config.model.model and not inproc.is_running()
+        inproc.start()
+        inproc.start()  # already running: nothing to do
+        assert inproc.is_running()
+    finally:
+        inproc.shutdown(timeout=30)
     assert not inproc.is_running() and inproc.closed
     inproc.shutdown()  # again: nothing left to stop
+
+
+def test_the_inproc_core_answers_over_the_clients_sockets(engine):
+    inproc = InprocCoreClient(engine)
+    inproc.start()
+    try:
+        # its loop's first message (a heartbeat at the latest) says its input is connected:
+        # a send now cannot wait on a core that is not there
+        assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
+        inproc.send([UTILITY, 1, "get_stats", []])
+        replies = []
+        while not replies:
+            assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
+            kind, payload = decode(inproc.output_socket.recv())
+            assert kind == OUTPUTS
+            replies = payload[3]
+        ((call_id, ok, stats),) = replies
+        assert call_id == 1 and ok and stats["num_requests_running"] == 0
+    finally:
+        inproc.shutdown(timeout=30)
+
+
+def test_shutdown_stops_the_inproc_core_without_its_loop_dying(engine, caplog):
+    inproc = InprocCoreClient(engine)
+    inproc.start()
+    with caplog.at_level(logging.ERROR, logger="pagedserve.engine.core"):
+        inproc.shutdown(timeout=30)
+    assert not inproc.is_running() and caplog.records == []
+
+
+def test_shutdown_gives_up_on_an_inproc_core_that_does_not_stop_after_its_timeout(engine):
+    inproc = InprocCoreClient(engine)
+    core_input = zmq.Context.instance().socket(zmq.PULL)  # a core stuck in a step: reads nothing
+    core_input.connect(inproc.input_address)
+    release = threading.Event()
+    inproc.thread = _in_background(release.wait)
+    stopping = _in_background(lambda: inproc.shutdown(timeout=0.1))
+    stopping.join(10)
+    try:
+        assert not stopping.is_alive() and inproc.thread.is_alive() and inproc.closed
+    finally:
+        release.set()
+        core_input.close(linger=0)
+
+
+def test_the_inproc_core_thread_does_not_keep_the_process_from_exiting(engine):
+    inproc = InprocCoreClient(engine)
+    assert inproc.thread.daemon
+    inproc.shutdown()
+
+
+def test_in_process_cores_side_by_side_each_bind_sockets_of_their_own(engine):
+    first = InprocCoreClient(engine)
+    second = InprocCoreClient(engine)  # would fail to bind an address the first one holds
+    assert {first.input_address, first.output_address}.isdisjoint(
+        {second.input_address, second.output_address}
+    )
+    first.shutdown()
+    second.shutdown()
