@@ -5,8 +5,8 @@ model: streams that end, abort or never start, admission counting, the figures /
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
-import time
 
 import pytest
 
@@ -14,8 +14,11 @@ from pagedserve.engine.async_engine import AsyncLLMEngine, TokenRateHistory
 from pagedserve.engine.core_client import InprocCoreClient
 from pagedserve.presets import demo_model_dir
 from pagedserve.sampling_params import SamplingParams
+from tests.helpers import aio
+from tests.helpers.aio import collect
 from tests.helpers.models import tiny_engine
 
+until = functools.partial(aio.until, timeout=60)  # a real engine's steps
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -39,17 +42,6 @@ def run(engine, body, **kwargs):
     result = asyncio.run(main())
     assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
     return result
-
-
-async def collect(stream) -> list:
-    return [out async for out in stream]
-
-
-async def until(condition, what: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} took over {timeout} s"
-        await asyncio.sleep(0.01)
 
 
 def test_a_stream_yields_until_finished_with_the_text_decoded(engine):

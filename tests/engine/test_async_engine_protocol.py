@@ -6,6 +6,7 @@ messages (outputs, statistics, replies, errors, DEAD, a message it cannot read),
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import types
@@ -30,7 +31,10 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.presets import demo_model_dir
 from pagedserve.sampling_params import SamplingParams
+from tests.helpers import aio
+from tests.helpers.aio import collect
 
+until = functools.partial(aio.until, timeout=10)  # a stand-in core answers at once
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 LIMITS = EngineLimits(
@@ -123,22 +127,10 @@ def run(body, info=None, tokenizer=None, **kwargs):
     return asyncio.run(main())
 
 
-async def until(condition, what: str, timeout: float = 10):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"{what} took over {timeout} s"
-        await asyncio.sleep(0.005)
-
-
 async def stepped(engine, core, step: int, **message) -> None:
     """The core's message of step ``step``, once the client has read it."""
     core.step(step=step, **message)
     await until(lambda: engine.num_steps == step, f"step {step}")
-
-
-async def collect(stream) -> list:
-    return [out async for out in stream]
 
 
 async def added(engine, core, request_id="a", prompt=PROMPT, params=GREEDY):
