@@ -366,7 +366,8 @@ def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
 def test_bf16_dense_linear_equals_reference(kernel_set, rows):
     # up to few_rows_max() rows (8 on avx512, 16 with AMX, 64 on avx2) the native backend streams
     # the weight with its own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100
-    # leaves a tail of single outputs; AMX takes whole blocks of 16); more rows go to oneDNN
+    # leaves a tail of single outputs; AMX takes whole blocks of 16); more rows go to oneDNN (AMX's
+    # GEMM takes whole blocks of 16 outputs only: the next tests)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(100, 96, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
@@ -384,6 +385,35 @@ def test_the_few_rows_gemv_equals_reference_with_vectors_and_with_amx(unit, rows
     x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
     b = torch.randn(200, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(unit.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
+@pytest.mark.parametrize("rows", [17, 40, 180])
+def test_a_prompts_rows_through_a_bf16_layer_equal_reference_with_vectors_and_with_amx(unit, rows):
+    # past 16 rows AMX runs a GEMM of 2 x 2 tiles (csrc/amx.h: bf16_gemm), elsewhere oneDNN does.
+    # N = 208: thirteen blocks of 16 outputs, an odd one left over; 17 and 40 rows leave a
+    # partial block of rows; 180 crosses a panel of 128 rows; K = 352: eleven steps of 32
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(208, 352, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
+    b = torch.randn(208, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(unit.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
+    torch.testing.assert_close(unit.linear(x, w), F.linear(x, w), **_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("unit", AVX512_UNITS[:1], indirect=True)
+def test_a_prompts_row_on_amx_gets_the_bits_of_a_decode_step(unit):
+    """The GEMM of a prompt's rows and the GEMV of a decode step run the same tile products in
+    the same order, so a position computed in a prefill and recomputed alone (after preemption,
+    or beside drafts) give the same bits."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(1408, 256, generator=g).to(torch.bfloat16)
+    b = torch.randn(1408, generator=g).to(torch.bfloat16)
+    x = torch.randn(150, 256, generator=g).to(torch.bfloat16)
+    together = unit.linear(x, w, b)
+    for m in (0, 15, 16, 31, 100, 149):
+        assert torch.equal(unit.linear(x[m : m + 1], w, b), together[m : m + 1]), f"row {m}"
+        assert torch.equal(unit.linear(x[m : m + 6], w, b)[:1], together[m : m + 1]), f"row {m}"
 
 
 @pytest.mark.parametrize("unit", UNITS, indirect=True)

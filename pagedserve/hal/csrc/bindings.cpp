@@ -5,7 +5,8 @@
 //   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
 //   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax
 //   attention.h             paged attention for decoding rows, straight from the pages
-//   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit)
+//   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit, and
+//                           there a GEMM for a prompt's rows)
 //     (these are written once against the vector API)
 //   int4_avx512.h           INT4 GEMMs per target, each with its own packed layout (int4.py)
 //   int4_avx2.h

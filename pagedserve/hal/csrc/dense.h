@@ -146,4 +146,24 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
   return out;
 }
 
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+// A prompt's rows through a bf16 layer on the tile unit (amx::bf16_gemm), where amx::gemm_usable.
+inline at::Tensor bf16_linear_many_rows(const at::Tensor& x, const at::Tensor& weight,
+                                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
+                  x.scalar_type() == at::kBFloat16,
+              "bf16_linear_many_rows: bf16 x and a contiguous bf16 weight");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(amx::gemm_usable(M, N, K), "bf16_linear_many_rows: not a shape amx::gemm_usable takes");
+  const at::Tensor xb = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  const auto* b = bias.has_value() ? reinterpret_cast<const BFloat16*>(bias->data_ptr<at::BFloat16>())
+                                   : nullptr;
+  amx::bf16_gemm(reinterpret_cast<const BFloat16*>(weight.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const BFloat16*>(xb.data_ptr<at::BFloat16>()), M, K, N, b,
+                 reinterpret_cast<BFloat16*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+#endif
+
 }  // namespace pagedserve

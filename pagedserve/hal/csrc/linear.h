@@ -35,7 +35,9 @@ inline at::Tensor quantize_activations_int8(const at::Tensor& x) {
 }
 
 // A dense layer, by the one rule the fused decoder layer and CpuDevice.linear share: bf16 rows
-// through the few-rows GEMV where it beats oneDNN (dense.h: few_rows), more of them on avx2
+// through the few-rows GEMV where it beats oneDNN (dense.h: few_rows), a prompt's rows through
+// the tile unit's GEMM where the CPU has one (amx.h: gemm_usable; oneDNN re-lays the weights out
+// at every call, and adds a bias in a pass of its own), more of them on avx2
 // through oneDNN's fp32 GEMM on the widened (exact) values, since these CPUs have no bf16
 // arithmetic and oneDNN's bf16 GEMM is emulated there (3 to 5 times slower from 64 rows on);
 // anything else through at::linear.
@@ -45,6 +47,10 @@ inline at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   if (bf16 && kHasFewRowsGemv && few_rows(x.size(0), weight.size(0), x.size(1)) &&
       x.size(1) % 32 == 0)
     return bf16_linear_few_rows(x, weight, bias);
+#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
+  if (bf16 && amx::gemm_usable(x.size(0), weight.size(0), x.size(1)))
+    return bf16_linear_many_rows(x, weight, bias);
+#endif
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
   if (bf16) {
     c10::optional<at::Tensor> fp32_bias;
