@@ -119,14 +119,29 @@ inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
     // (for an INT8 cache, these are its rows as bytes: only the write below differs)
     auto* kc = reinterpret_cast<scalar_t*>(k_cache.data_ptr());
     auto* vc = reinterpret_cast<scalar_t*>(v_cache.data_ptr());
+    const int64_t vectorised = rot / kLanes * kLanes;
     at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+      // a row's factors by lane: pair i's cos in lanes 2i and 2i + 1, its sin negated in lane 2i
+      thread_local std::vector<float> cos2, sin2;
+      cos2.resize(rot), sin2.resize(rot);
       for (int64_t t = t0; t < t1; ++t) {
         const float* cos = cs + pos[t] * rot;
         const float* sin = cos + half;
+        for (int64_t i = 0; i < half; ++i) {
+          cos2[2 * i] = cos2[2 * i + 1] = cos[i];
+          sin2[2 * i] = -sin[i], sin2[2 * i + 1] = sin[i];
+        }
         scalar_t* xt = x + t * row;
         for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
           scalar_t* head = xt + h * head_dim;
-          for (int64_t i = 0; i < half; ++i) {
+          // (a, b) -> (a cos - b sin, b cos + a sin), rounded as the scalar products are: two
+          // products and a sum, no fused multiply-add
+          for (int64_t j = 0; j < vectorised; j += kLanes) {
+            const Vec v = vec::load(head + j);
+            vec::store(head + j, vec::add(vec::mul(v, vec::load(cos2.data() + j)),
+                                          vec::mul(vec::swap_pairs(v), vec::load(sin2.data() + j))));
+          }
+          for (int64_t i = vectorised / 2; i < half; ++i) {
             const float a = float(head[2 * i]), b = float(head[2 * i + 1]);
             head[2 * i] = scalar_t(a * cos[i] - b * sin[i]);
             head[2 * i + 1] = scalar_t(b * cos[i] + a * sin[i]);

@@ -61,6 +61,8 @@ inline Vec sub(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+// Each even lane and the odd one after it swapped (lanes 1, 0, 3, 2, ...).
+inline Vec swap_pairs(Vec v) { return {_mm256_permute_ps(v.v, 0xB1)}; }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
 inline float reduce_add(Vec v) {

@@ -42,6 +42,8 @@ inline Vec sub(Vec a, Vec b) { PAGEDSERVE_LANES(a.v[i] - b.v[i]); }
 inline Vec mul(Vec a, Vec b) { PAGEDSERVE_LANES(a.v[i] * b.v[i]); }
 inline Vec div(Vec a, Vec b) { PAGEDSERVE_LANES(a.v[i] / b.v[i]); }
 inline Vec max(Vec a, Vec b) { PAGEDSERVE_LANES(std::max(a.v[i], b.v[i])); }
+// Each even lane and the odd one after it swapped (lanes 1, 0, 3, 2, ...).
+inline Vec swap_pairs(Vec v) { PAGEDSERVE_LANES(v.v[i ^ 1]); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { PAGEDSERVE_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
 inline Vec fnmadd(Vec a, Vec b, Vec c) { PAGEDSERVE_LANES(std::fma(-a.v[i], b.v[i], c.v[i])); }
 inline float reduce_add(Vec v) {
