@@ -325,18 +325,33 @@ def test_int4_few_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(
     torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("unit", AVX512_UNITS, indirect=True)
+@pytest.mark.parametrize("rows", [17, 40, 180])
+def test_int4_prompt_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(unit, rows):
+    # past 16 rows AMX takes them 16 at a time, over panels of 128 rows and 4 output tiles at a
+    # time (N = 96: six tiles, three a thread); 17 and 40 rows end in a partial block
+    g = torch.Generator().manual_seed(rows)
+    q, s, z = quantize_rtn(torch.randn(96, 192, generator=g), 32)
+    x = torch.randn(rows, 192, generator=g)
+    layer = unit.prepare_int4(q, s, z, 32, f"w-prompt-{rows}")
+    reference = Int4Linear(96, 192, 32, qcodes=q, scales=s, zeros=z)
+    expected = x.to(torch.bfloat16).float() @ dequantize(reference).T
+    torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("unit", AVX512_UNITS[:1], indirect=True)
 def test_an_int4_rows_result_on_amx_does_not_depend_on_the_rows_beside_it(unit):
     # the tile unit's W4A16 sums each row alike for any count of rows (the vector passes do not:
     # their summation chains depend on it), so that drafts leave greedy INT4 output as it was
     g = torch.Generator().manual_seed(5)
     q, s, z = quantize_rtn(torch.randn(64, 256, generator=g), 32)
-    x = torch.randn(16, 256, generator=g).to(torch.bfloat16)
+    x = torch.randn(150, 256, generator=g).to(torch.bfloat16)  # a prompt's rows among them
     layer = unit.prepare_int4(q, s, z, 32, "w-rows")
     together = unit.linear(x, layer)
-    for m in (0, 5, 15):
+    for m in (0, 5, 15, 16, 100, 149):
         assert torch.equal(unit.linear(x[m : m + 1], layer), together[m : m + 1]), f"row {m}"
         assert torch.equal(unit.linear(x[m : m + 6], layer)[:1], together[m : m + 1])
+        assert torch.equal(unit.linear(x[: m + 1], layer), together[: m + 1]), f"rows to {m}"
 
 
 @pytest.mark.parametrize("kernel_set", INT4_TARGETS)

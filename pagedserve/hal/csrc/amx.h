@@ -8,7 +8,9 @@
 // pairs along K (the unit's VNNI layout), are tile B, and tile C holds 16 outputs x M rows in
 // fp32. No weight is repacked. A row's sums do not depend on the other rows, so one row and a
 // verification of drafts give it the same bits, as the vector GEMV does. A prompt's rows take
-// the same tiles in a GEMM (bf16_gemm, below), so a prefilled row gets those bits too.
+// the same tiles in a GEMM (bf16_gemm, below), so a prefilled row gets those bits too; so do
+// INT4's, which int4_avx512.h runs through its W4A16 tile kernel 16 at a time (on the panels of
+// kPanelRows below).
 //
 // Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM), and each
 // thread loads its tile configuration before use: enable() asks once; native.py calls it where

@@ -213,6 +213,23 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
       });
       return;
     }
+    // A prompt's rows take the same kernel 16 rows at a time (so a row's bits are still those of
+    // a decode step), where a pass of int4_tile takes 8 and its products cost 16 times as many
+    // instructions. Each thread walks its output tiles kTilesAtOnce at a time, their codes in L1,
+    // over a panel of rows that stays in L2.
+    if (amx::usable(amx::kMaxRows, K) && group_size % 32 == 0) {
+      constexpr int64_t kTilesAtOnce = 4;
+      const BFloat16* xrows = xb.data();
+      at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t p0 = 0; p0 < M; p0 += amx::kPanelRows)
+          for (int64_t c0 = t0; c0 < t1; c0 += kTilesAtOnce)
+            for (int64_t m0 = p0; m0 < std::min(M, p0 + amx::kPanelRows); m0 += amx::kMaxRows)
+              int4_tiles_amx(w, sz, xrows + m0 * K, K, xs + m0 * num_groups, num_groups,
+                             group_size, std::min(amx::kMaxRows, M - m0), c0,
+                             std::min(t1, c0 + kTilesAtOnce), b, o + m0 * N, N);
+      });
+      return;
+    }
     for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
       Int4Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
                                          xp + m * K / 2, K / 2, xs + m * num_groups, num_groups,
