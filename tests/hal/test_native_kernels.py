@@ -396,26 +396,20 @@ def test_bf16_dense_linear_equals_reference(kernel_set, rows):
 
 
 @pytest.mark.parametrize("unit", UNITS, indirect=True)
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 16])
-def test_the_few_rows_gemv_equals_reference_with_vectors_and_with_amx(unit, rows):
-    # K = 352: eleven tiles of 32 along K; N = 200: twelve blocks of 16 and a tail of 8
+@pytest.mark.parametrize(
+    "rows,outputs", [(1, 200), (3, 200), (6, 200), (8, 200), (16, 200), (17, 208), (40, 208), (180, 208)]
+)
+def test_bf16_rows_through_the_gemv_and_the_gemm_equal_reference_with_vectors_and_with_amx(
+    unit, rows, outputs
+):
+    # 1 to 16 rows: the few-rows GEMV (N = 200: twelve blocks of 16 and a tail of 8). Past 16
+    # rows AMX runs a GEMM of 2 x 2 tiles (csrc/amx.h: bf16_gemm; N = 208: thirteen blocks of 16,
+    # an odd one left over; 17 and 40 rows leave a partial block of rows, 180 crosses a panel of
+    # 128), elsewhere oneDNN does. K = 352: eleven steps of 32 along K
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 352, generator=g).to(torch.bfloat16)
+    w = torch.randn(outputs, 352, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
-    b = torch.randn(200, generator=g).to(torch.bfloat16)
-    torch.testing.assert_close(unit.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
-
-
-@pytest.mark.parametrize("unit", UNITS, indirect=True)
-@pytest.mark.parametrize("rows", [17, 40, 180])
-def test_a_prompts_rows_through_a_bf16_layer_equal_reference_with_vectors_and_with_amx(unit, rows):
-    # past 16 rows AMX runs a GEMM of 2 x 2 tiles (csrc/amx.h: bf16_gemm), elsewhere oneDNN does.
-    # N = 208: thirteen blocks of 16 outputs, an odd one left over; 17 and 40 rows leave a
-    # partial block of rows; 180 crosses a panel of 128 rows; K = 352: eleven steps of 32
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(208, 352, generator=g).to(torch.bfloat16)
-    x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
-    b = torch.randn(208, generator=g).to(torch.bfloat16)
+    b = torch.randn(outputs, generator=g).to(torch.bfloat16)
     torch.testing.assert_close(unit.linear(x, w, b), F.linear(x, w, b), **_tol(torch.bfloat16))
     torch.testing.assert_close(unit.linear(x, w), F.linear(x, w), **_tol(torch.bfloat16))
 
