@@ -397,7 +397,8 @@ def test_bf16_dense_linear_equals_reference(kernel_set, rows):
 
 @pytest.mark.parametrize("unit", UNITS, indirect=True)
 @pytest.mark.parametrize(
-    "rows,outputs", [(1, 200), (3, 200), (6, 200), (8, 200), (16, 200), (17, 208), (40, 208), (180, 208)]
+    "rows,outputs",
+    [(1, 200), (3, 200), (6, 200), (8, 200), (16, 200), (17, 208), (40, 208), (180, 208)],
 )
 def test_bf16_rows_through_the_gemv_and_the_gemm_equal_reference_with_vectors_and_with_amx(
     unit, rows, outputs
