@@ -331,6 +331,21 @@ MATCH_RULES = [
         "Starlette's Route upper-cases the methods it is given: the same route",
     ),
     (
+        "server_(tokenization|info|device|completions|chat|app|sglang_api|serving)",
+        ".*",
+        r'methods=\["GET"\]\)$',
+        r"(methods=None|, )\)$",
+        "FastAPI's APIRoute takes methods None (its default) as GET: the same route",
+    ),
+    (
+        "server_info",
+        "info_router",
+        r"error_body\(503, ",
+        r"error_body\(504, ",
+        "error_body's status only picks the error's type, server_error for any status from 500 "
+        "on; the response's own status is the JSONResponse's 503",
+    ),
+    (
         "server_metrics",
         "__init__",
         r"self\.latest_stats: dict = \{\}$",
