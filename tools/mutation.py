@@ -213,11 +213,13 @@ MODULES = {
             "test_scrub_and_invariants_are_the_engine_cores_answers",
             "test_fault_injection_is_403_unless_the_server_allows_it",
             "test_a_fault_the_engine_cannot_inject_is_a_400",
+            "test_a_fault_the_engine_cannot_inject_is_a_400_saying_why",
+            "test_a_fault_injected_is_the_one_asked_for",
             "test_device_routes_are_503_once_the_engine_is_dead",
             "test_fault_injection_on_a_dead_engine_is_503",
         ),
     ),
-    "server_tokenization": (  # its routes on an app per test without the engine loop
+    "server_tokenization": (  # its routes, on an app per test
         "pagedserve/server/tokenization.py",
         [
             "tests/server/test_tokenization_api.py",
