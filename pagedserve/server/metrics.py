@@ -73,8 +73,8 @@ class _EngineStatsCollector(Collector):
         for name, doc in GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=float(stats.get(name, 0)))
         for name, doc in COUNTERS.items():
-            family = PREFIX + name.removesuffix("_total")
-            yield CounterMetricFamily(family, doc, value=float(stats.get(name, 0)))
+            # CounterMetricFamily drops the name's _total; its sample gets it back
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(name, 0)))
         faults = CounterMetricFamily(
             PREFIX + "device_faults",
             "Device faults detected, by kind (kv_page, weight_page, step).",

@@ -404,6 +404,26 @@ def test_a_fault_the_engine_cannot_inject_is_a_400(engine):
         assert r.status_code == 400, r.text
 
 
+def test_a_fault_the_engine_cannot_inject_is_a_400_saying_why(engine):
+    with served(engine, enable_fault_injection=True) as c:
+        r = c.post("/device/faults", json={"kind": "step"}, headers=AUTH)
+    assert "fault injection needs --device kunlun-emu, not cpu" in error_of(r, 400)["message"]
+
+
+def test_a_fault_injected_is_the_one_asked_for():
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.llm_engine import LLMEngine
+
+    emu = LLMEngine(EngineConfig.from_kwargs(model="demo", device="kunlun-emu", **LIMITS))
+    tag = sorted(emu.device.weight_tensors)[-1]
+    with served(emu, enable_fault_injection=True) as c:
+        r = c.post("/device/faults", json={"kind": "kv_page", "page": 3}, headers=AUTH)
+        assert r.json() == {"kind": "kv_page", "page": 3}, r.text
+        body = {"kind": "weight_page", "tag": tag, "page": 0}
+        r = c.post("/device/faults", json=body, headers=AUTH)
+        assert r.json() == body, r.text
+
+
 @pytest.mark.parametrize(
     "method, path",
     [
