@@ -92,7 +92,11 @@ def test_the_limits_given_reach_the_serving_layer(engine):
     assert (serving.max_logprobs, serving.engine.max_queue_len) == (5, 3)
 
 
-def test_a_chat_template_given_replaces_the_models(engine):
+def test_a_chat_template_given_replaces_the_models(engine, monkeypatch):
+    # the app sets the template on the engine's tokenizer, which this file's other apps share:
+    # monkeypatch puts the model's own back afterwards
+    tokenizer = engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", tokenizer.chat_template)
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     with served(engine, chat_template=template) as c:
         r = c.post("/tokenize", json={"messages": CHAT}, headers=AUTH)
