@@ -666,6 +666,35 @@ MATCH_RULES = [
         "unsent messages are kept after close) has nothing to keep",
     ),
     (
+        "core_client",
+        "_run",
+        r"output_socket\.close\(linger=1000\)",
+        r"linger=(None|1001)\)",
+        "the in-process core's sockets are inproc ones, whose messages libzmq writes straight "
+        "into the peer's pipe: the peer reads them after the writer closed whatever its linger "
+        "(pyzmq 27.3 / libzmq 4.3.5: 100 messages, then close with linger 0, 1000 or None, all "
+        "100 read 1.5 s later), and close returns at once; a linger bounds only the context's "
+        "term(), and the process's shared context is never terminated",
+    ),
+    (
+        "core_client",
+        "send",
+        r"NOBLOCK, copy=False\)",
+        r"NOBLOCK, (copy=True)?\)",
+        "copy only picks whether pyzmq copies the message into its frame or lends it the "
+        "buffer: encode returns bytes, which nothing can change, so the same frame is sent; "
+        "only the cost of copying a message over 64 KiB differs (pyzmq copies a smaller one "
+        "either way)",
+    ),
+    (
+        "core_client",
+        "__init__",
+        r"self\.closed = False$",
+        r"self\.closed = None$",
+        "read only as a truth value (send, the engine client's shutdown): None is falsy, as "
+        "False is",
+    ),
+    (
         "structured_manager",
         "accept_token",
         r"so\.matcher if so\.matcher is not None else",

@@ -39,11 +39,12 @@ class CoreClient:
     terminated by the garbage collector, which blocks for as long as any of its sockets is open
     in another thread (an engine thread that has not stopped yet)."""
 
+    info: dict  # what the core says of itself once it has loaded: each client sets it
+
     def __init__(self, ctx: zmq.Context, input_address: str, output_address: str):
         self.ctx = ctx
         self.input_address, self.output_address = input_address, output_address
         self._send_lock = threading.Lock()  # the event loop and a test thread may both send
-        self.info: dict = {}
         self.closed = False
         self.input_socket = ctx.socket(zmq.PUSH)
         self.input_socket.setsockopt(zmq.SNDHWM, 0)

@@ -134,11 +134,14 @@ def test_a_burst_either_way_is_queued_whole_not_dropped(client, core_end):
 
 def test_a_message_sent_before_the_core_connects_waits_for_it(client):
     sending = _in_background(lambda: client.send([SHUTDOWN]))
+    sending.join(1)  # the core connects late (still loading): the send waits, dropping nothing
+    assert sending.is_alive(), "the send returned with no core connected to take its message"
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.connect(client.input_address)
     try:
         assert pull.poll(10_000) and decode(pull.recv()) == [SHUTDOWN]
         sending.join(10)
+        assert not sending.is_alive()
     finally:
         pull.close(linger=0)
 
