@@ -205,28 +205,21 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
     // get the same bits. One row costs more there than in int4_tile, where the codes' unpacking
     // is the work and tile B's round trip through memory only adds to it (1408 x 256 in cache:
     // 31 us against 18 us, 2 threads; a whole demo-model step streams its weights from L3, and
-    // loses less)
-    if (amx::usable(M, K) && group_size % 32 == 0) {
-      const BFloat16* xrows = xb.data();
-      at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-        int4_tiles_amx(w, sz, xrows, K, xs, num_groups, group_size, M, t0, t1, b, o, N);
-      });
-      return;
-    }
+    // loses less).
     // A prompt's rows take the same kernel 16 rows at a time (so a row's bits are still those of
     // a decode step), where a pass of int4_tile takes 8 and its products cost 16 times as many
-    // instructions. Each thread walks its output tiles kTilesAtOnce at a time, their codes in L1,
-    // over a panel of rows that stays in L2.
-    if (amx::usable(amx::kMaxRows, K) && group_size % 32 == 0) {
-      constexpr int64_t kTilesAtOnce = 4;
+    // instructions: each thread walks its output tiles four at a time, their codes in L1, over a
+    // panel of rows that stays in L2. Up to 16 rows, one call takes all of the thread's tiles.
+    if (amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0) {
+      const int64_t tiles_at_once = M <= amx::kMaxRows ? N / 16 : 4;
       const BFloat16* xrows = xb.data();
       at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t p0 = 0; p0 < M; p0 += amx::kPanelRows)
-          for (int64_t c0 = t0; c0 < t1; c0 += kTilesAtOnce)
+          for (int64_t c0 = t0; c0 < t1; c0 += tiles_at_once)
             for (int64_t m0 = p0; m0 < std::min(M, p0 + amx::kPanelRows); m0 += amx::kMaxRows)
               int4_tiles_amx(w, sz, xrows + m0 * K, K, xs + m0 * num_groups, num_groups,
                              group_size, std::min(amx::kMaxRows, M - m0), c0,
-                             std::min(t1, c0 + kTilesAtOnce), b, o + m0 * N, N);
+                             std::min(t1, c0 + tiles_at_once), b, o + m0 * N, N);
       });
       return;
     }
