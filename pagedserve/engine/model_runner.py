@@ -94,7 +94,7 @@ class ModelRunner:
         self.device = device
         self.kv_cache = kv_cache
         self.block_size = block_size
-        self.sampler = Sampler(argmax=device.argmax)
+        self.sampler = Sampler(argmax=device.argmax, categorical=device.categorical())
         self.generators: dict[str, torch.Generator] = {}
         self.structured_output_manager = None  # the engine's, when it serves constraints
         # the engine's weight patrol (tp 1 only): True when it restored a corrupted page, so

@@ -265,6 +265,20 @@ class CpuDevice(Device):
             return self.native.argmax_rows(logits if logits.stride(1) == 1 else logits.contiguous())
         return super().argmax(logits)
 
+    def categorical(self) -> Callable[..., torch.Tensor] | None:
+        """Native: sampler.draw's inverse CDF for a row without top-k, top-p or min-p in one
+        call, three vectorised passes over the row (PyTorch's draw: a dozen ops, about 0.4 ms)."""
+        return None if self.native is None else self._native_categorical
+
+    def _native_categorical(
+        self, logits: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor
+    ) -> torch.Tensor:
+        return self.native.categorical_rows(
+            logits.float().contiguous(),
+            inv_temperature.float().contiguous(),
+            u.float().contiguous(),
+        )
+
     # ---- attention ----------------------------------------------------------------------------
     def paged_attention(
         self,

@@ -377,6 +377,11 @@ class Device:
         """Per row, the index of the first largest value (greedy sampling)."""
         return logits.argmax(dim=-1)
 
+    def categorical(self) -> Callable[..., torch.Tensor] | None:
+        """The backend's draw of a whole row in one call, (logits, 1 / temperature, u) -> token
+        ids (sampler.Categorical); None: the sampler's PyTorch draw."""
+        return None
+
     # ---- collectives (tensor parallelism over torch.distributed) ------------------------------
     distributed_backend = "gloo"  # the collective library this backend's cards talk through
 

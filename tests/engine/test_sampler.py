@@ -77,6 +77,25 @@ def test_temperature_sampling_matches_softmax_over_temperature(logits):
     assert chi_square(tokens, torch.softmax(logits[0].double(), dim=-1)) > CHI2_CRITICAL
 
 
+@pytest.mark.parametrize("vocab, block", [(13, 4), (12, 4), (12, 12), (3, 1024)])
+def test_inverse_cdf_by_blocks_finds_the_first_index_past_u(vocab, block):
+    """The two-level scan (blocks, then the lanes of one) gives what one cumulative sum over the
+    whole row gives, in float64: with a partial last block, with exact blocks, with one block; u
+    = 0 takes the first token of positive weight, and zero weights are never taken."""
+    from pagedserve.engine.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab + block)
+    weights = torch.rand(vocab, generator=g)
+    weights[1] = 0.0  # a masked token, next to the first
+    u = torch.cat([torch.tensor([0.0]), torch.rand(3000, generator=g)])
+    found = inverse_cdf(weights.expand(len(u), -1).contiguous(), u, block=block)
+    cdf = weights.double().cumsum(0) / weights.double().sum()
+    expected = torch.searchsorted(cdf, u.double(), right=True)
+    near = (cdf.unsqueeze(0) - u.double().unsqueeze(1)).abs().min(dim=1).values < 1e-6
+    assert bool((found == expected)[~near].all())
+    assert found[0] == 0 and 1 not in found.tolist()
+
+
 def test_seeded_rows_draw_from_softmax_with_their_own_generators(logits):
     params = [SamplingParams(temperature=1.0, seed=s) for s in range(5_000)]
     out = Sampler()(logits[1].expand(len(params), -1).clone(), make_meta(params))

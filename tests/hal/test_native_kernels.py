@@ -461,6 +461,93 @@ def test_argmax_takes_the_first_maximum_as_torch_does(kernel_set):
     )
 
 
+def _inverse_cdf_reference(row: torch.Tensor, temperature: float, u: torch.Tensor):
+    """In float64: the first index whose cumulative softmax(row / t) exceeds u, and how far u
+    lies from the nearest boundary of the CDF (where float32 rounding may pick the neighbour)."""
+    cdf = torch.softmax(row.double() / temperature, -1).cumsum(-1)
+    index = torch.searchsorted(cdf, u.double(), right=True)
+    margin = (cdf.unsqueeze(0) - u.double().unsqueeze(1)).abs().min(dim=1).values
+    return index, margin
+
+
+@pytest.mark.parametrize("kernel_set", TARGETS)
+@pytest.mark.parametrize("vocab", [1003, 16, 5])  # a tail past the last full vector; one; none
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_categorical_draw_is_the_inverse_cdf_of_softmax_over_temperature(
+    kernel_set, vocab, temperature
+):
+    g = torch.Generator().manual_seed(vocab)
+    row = torch.randn(vocab, generator=g) * 3
+    u = torch.cat([torch.rand(2000, generator=g), torch.tensor([0.0, 1 - 2**-24])])
+    drawn = _device(kernel_set).categorical()(
+        row.expand(len(u), -1).contiguous(), torch.full((len(u),), 1 / temperature), u
+    )
+    expected, margin = _inverse_cdf_reference(row, temperature, u)
+    expected = expected.clamp(max=vocab - 1)  # u * total rounding up to the total: the last token
+    differ = drawn != expected
+    assert bool((margin[differ] < 1e-5).all()), "a draw off the CDF away from any boundary"
+    assert int(differ.sum()) <= 2
+    assert drawn[-2] == 0  # u = 0: the first token
+
+
+@pytest.mark.parametrize("kernel_set", TARGETS)
+def test_categorical_draw_never_takes_a_masked_token(kernel_set):
+    """-inf logits (a grammar's mask, min_tokens' stop tokens) weigh exactly 0, at the edges of
+    the CDF too: u = 0 takes the first allowed token, u just under 1 the last."""
+    row = torch.full((1003,), -torch.inf)
+    allowed = [0, 17, 500, 1001]  # the first token, mid-vector, and in the tail
+    row[allowed] = torch.tensor([0.0, 1.0, 2.0, 0.5])
+    u = torch.cat([torch.tensor([0.0, 1 - 2**-24]), torch.rand(500)])
+    drawn = _device(kernel_set).categorical()(
+        row.expand(len(u), -1).contiguous(), torch.ones(len(u)), u
+    )
+    assert set(drawn.tolist()) <= set(allowed)
+    assert drawn[0] == 0 and drawn[1] == 1001
+    assert {17, 500} <= set(drawn.tolist())
+
+
+@pytest.mark.parametrize("kernel_set", TARGETS)
+def test_categorical_draw_of_a_row_with_nan_or_nothing_allowed_is_its_argmax(kernel_set):
+    rows = torch.randn(2, 100)
+    rows[0, 40] = float("nan")
+    rows[1] = -torch.inf
+    drawn = _device(kernel_set).categorical()(rows, torch.ones(2), torch.full((2,), 0.5))
+    assert drawn.tolist() == rows.argmax(-1).tolist() == [40, 0]
+
+
+@pytest.mark.parametrize("kernel_set", KERNEL_SETS)
+def test_sampler_with_the_devices_draw_samples_softmax_over_temperature(kernel_set):
+    """Through the sampler, as the engine builds it: the draw's law is softmax(logits / t) (a
+    chi-square test), rows with top-k keep theirs, and a seeded row's tokens do not depend on
+    its batch."""
+    from pagedserve.engine.sampler import Sampler, SamplingMetadata
+
+    dev = _device(kernel_set)
+    sampler = Sampler(argmax=dev.argmax, categorical=dev.categorical())
+    vocab, num = 40, 20_000
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
+    plain, top_k = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=3)
+
+    def meta(params, seeds=None):
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds or []]
+        gens += [None] * (len(params) - len(gens))
+        n = len(params)
+        return SamplingMetadata(params, [[1]] * n, [[]] * n, gens, [frozenset()] * n)
+
+    torch.manual_seed(11)
+    params = [plain, top_k] * (num // 2)
+    out = torch.tensor(sampler(row.expand(num, -1).clone(), meta(params)).sampled_token_ids)
+    probs = torch.softmax(row.double() / 0.8, -1)
+    counts = torch.bincount(out[0::2], minlength=vocab).double()
+    expected = probs * (num // 2)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 72.05  # p = 1e-4, 39 dof
+    assert set(out[1::2].tolist()) <= set(row.topk(3).indices.tolist())
+    seeded = SamplingParams(temperature=0.8, seed=5)
+    alone = sampler(row.unsqueeze(0).clone(), meta([seeded], [5])).sampled_token_ids
+    beside = sampler(row.expand(3, -1).clone(), meta([plain, seeded, top_k], [None, 5]))
+    assert beside.sampled_token_ids[1] == alone[0]
+
+
 @pytest.mark.parametrize("kernel_set", TARGETS)
 def test_native_and_eager_engines_give_the_same_greedy_tokens(tiny_glm4, kernel_set):
     # (INT4 differs by design: PyTorch's kernel rounds scales to bf16; see test_int4.py)

@@ -3,7 +3,8 @@
 // with PAGEDSERVE_TARGET naming it and only that target's compiler flags:
 //
 //   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
-//   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax
+//   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax,
+//                           the random draw
 //   attention.h             paged attention for decoding rows, straight from the pages
 //   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit, and
 //                           there a GEMM for a prompt's rows)
@@ -49,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("FEW_QUERY_ROWS") = kFewQueryRows;
   m.def("paged_attention_decode", &paged_attention_decode);
   m.def("argmax_rows", &argmax_rows);
+  m.def("categorical_rows", &categorical_rows);
 #if PAGEDSERVE_HAS_INT4
   m.attr("INT4_LAYOUT") = kInt4Layout;
   m.attr("INT4_A8_LAYOUT") = kInt4A8Layout;

@@ -1,6 +1,8 @@
 // Row-wise kernels, written once against the vector API: RMSNorm (with the residual add fused),
-// SiLU-and-mul, rotary + KV-cache write, and the greedy argmax.
+// SiLU-and-mul, rotary + KV-cache write, the greedy argmax and the random draw.
 #pragma once
+
+#include <algorithm>
 
 #include "vec.h"
 
@@ -204,6 +206,96 @@ inline at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) o[b] = argmax_row(x + b * logits.stride(0), V);
+  });
+  return out;
+}
+
+// ---- random sampling ---------------------------------------------------------------------------
+
+// exp((x - max) * inv_t) for the lanes of x from i on (n - i of them when fewer than a vector);
+// lanes past n and -inf logits weigh exactly 0 (vec::exp clamps its argument, so exp(-inf) alone
+// would be 1e-38).
+inline Vec softmax_weights(const float* x, int64_t i, int64_t n, Vec mx, Vec inv_t) {
+  const int left = static_cast<int>(std::min<int64_t>(n - i, kLanes));
+  const Vec v = left == kLanes ? vec::load(x + i) : vec::load_first(x + i, left);
+  Vec w = vec::exp(vec::mul(vec::sub(v, mx), inv_t));
+  if (const uint32_t masked = vec::equal_lanes(v, vec::set1(-INFINITY))) {
+    alignas(64) float lanes[kLanes];
+    vec::store(lanes, w);
+    for (int l = 0; l < kLanes; ++l)
+      if (masked >> l & 1) lanes[l] = 0.f;
+    w = vec::load(lanes);
+  }
+  return left == kLanes ? w : vec::keep_first(w, left);
+}
+
+// sampler.draw for a row without top-k, top-p or min-p: the first index whose cumulative
+// softmax(x / t) mass exceeds u times the whole (inverse CDF), in one call where PyTorch takes a
+// dozen small ops. Passes: the row's max; the weights a vector at a time, whose running sums
+// (kept in `sums`) are the CDF at vector boundaries; a binary search of those for u * total; the
+// lanes of the one vector it lands in. A lane of weight 0 is never the answer: where rounding
+// (the lanes summed in order against vec::reduce_add's tree) leaves the crossing past a vector's
+// last lane, its last positive lane is. A row with a NaN, or all -inf, gives its argmax.
+inline int64_t categorical_row(const float* x, int64_t n, float inv_t, float u,
+                               std::vector<float>& sums) {
+  Vec mv = vec::set1(-INFINITY);
+  uint32_t nan = 0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec v = vec::load(x + i);
+    nan |= vec::nan_lanes(v);
+    mv = vec::max(mv, v);
+  }
+  float m = vec::reduce_max(mv);
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) nan = 1;
+    m = std::max(m, x[j]);
+  }
+  if (nan || m == -INFINITY) return argmax_row(x, n);
+  const Vec mx = vec::set1(m), it = vec::set1(inv_t);
+  const int64_t chunks = (n + kLanes - 1) / kLanes;
+  sums.resize(chunks);
+  float total = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    total += vec::reduce_add(softmax_weights(x, c * kLanes, n, mx, it));
+    sums[c] = total;
+  }
+  const float target = u * total;
+  int64_t c = std::upper_bound(sums.begin(), sums.end(), target) - sums.begin();
+  if (c == chunks)  // u * total rounded up to total: the last vector that adds weight
+    c = std::lower_bound(sums.begin(), sums.end(), total) - sums.begin();
+  alignas(64) float w[kLanes];
+  vec::store(w, softmax_weights(x, c * kLanes, n, mx, it));
+  float acc = c > 0 ? sums[c - 1] : 0.f;
+  for (int l = 0; l < kLanes; ++l) {
+    acc += w[l];
+    if (acc > target && w[l] > 0.f) return c * kLanes + l;
+  }
+  for (int l = kLanes - 1; l >= 0; --l)
+    if (w[l] > 0.f) return c * kLanes + l;
+  return c * kLanes;  // not reached: the vector found adds weight
+}
+
+// One draw per row: logits float32 [rows, vocab] (contiguous rows), inv_temperature and u float32
+// [rows], u uniform in [0, 1).
+inline at::Tensor categorical_rows(const at::Tensor& logits, const at::Tensor& inv_temperature,
+                                   const at::Tensor& u) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "categorical_rows: float32 [rows, vocab] logits with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.numel() == B &&
+                  inv_temperature.is_contiguous() && u.scalar_type() == at::kFloat &&
+                  u.numel() == B && u.is_contiguous(),
+              "categorical_rows: float32 inv_temperature and u, one per row");
+  auto out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  const float* t = inv_temperature.data_ptr<float>();
+  const float* r = u.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> sums;
+    for (int64_t b = b0; b < b1; ++b)
+      o[b] = categorical_row(x + b * logits.stride(0), V, t[b], r[b], sums);
   });
   return out;
 }
