@@ -71,7 +71,14 @@ MODULES = {
     ),
     "sampler": (
         "pagedserve/engine/sampler.py",
-        ["tests/engine/test_sampler.py", "tests/engine/test_sampler_mixed_batch.py"],
+        [
+            "tests/engine/test_sampler.py",
+            "tests/engine/test_sampler_mixed_batch.py",
+            "tests/engine/test_spec_decode.py",  # accept_drafts, verify_drafts in the engine
+            # the sampler with a device's one-call draw (the native kernels')
+            "tests/hal/test_native_kernels.py::"
+            "test_sampler_with_the_devices_draw_samples_softmax_over_temperature",
+        ],
     ),
     "server_sampling": (
         "pagedserve/server/sampling.py",
