@@ -546,8 +546,8 @@ MATCH_RULES = [
         "draw",
         r"searchsorted|missed",
         r".",
-        "guards a rounding case at the top of [0, 1) (a uniform within 2**-24 of 1) that no draw "
-        "reaches; otherwise the draw is unchanged",
+        "guards a rounding case at the top of a block's range (a uniform within 2**-24 of 1) that "
+        "no draw reaches; otherwise the draw is unchanged",
     ),
     (
         "sampler",
@@ -570,6 +570,30 @@ MATCH_RULES = [
         r"top_k > 0",
         r"top_k >= 0",
         "top_k is never 0: SamplingParams turns 0 into -1",
+    ),
+    (
+        "sampler",
+        "_keeps_every_candidate",
+        r"top_k <= 0",
+        r"top_k < 0",
+        "top_k is never 0: SamplingParams turns 0 into -1",
+    ),
+    (
+        "sampler",
+        "inverse_cdf",
+        r"block = min\(block, n\)",
+        r"max\(block, n\)",
+        "the width only splits the scan in two: a block as wide as the row (or wider, its columns "
+        "past the row masked) finds the same first index past u",
+    ),
+    (
+        "sampler",
+        "inverse_cdf",
+        r"cols >= n|if full < n|max=sums\.shape\[1\] - 1|max=block - 1",
+        r"cols > n|full <= n|sums\.shape\[1\] \+ 1|block \+ 1",
+        "guards a target that rounding puts past the row's or its block's last weighed entry (u "
+        "within 2**-24 of 1, or a block's running sum ending below its vectorised sum); no draw of "
+        "the tests reaches it, and elsewhere the index is the same",
     ),
     (
         "sampler",

@@ -79,21 +79,35 @@ def test_temperature_sampling_matches_softmax_over_temperature(logits):
 
 @pytest.mark.parametrize("vocab, block", [(13, 4), (12, 4), (12, 12), (3, 1024)])
 def test_inverse_cdf_by_blocks_finds_the_first_index_past_u(vocab, block):
-    """The two-level scan (blocks, then the lanes of one) gives what one cumulative sum over the
-    whole row gives, in float64: with a partial last block, with exact blocks, with one block; u
-    = 0 takes the first token of positive weight, and zero weights are never taken."""
+    """The two-level scan (blocks, then the entries of one) gives what one cumulative sum over
+    the whole row gives, in float64: with a partial last block, with exact blocks, with one
+    block; u = 0 takes the first token of positive weight, and zero weights are never taken."""
     from pagedserve.engine.sampler import inverse_cdf
 
     g = torch.Generator().manual_seed(vocab + block)
     weights = torch.rand(vocab, generator=g)
-    weights[1] = 0.0  # a masked token, next to the first
+    weights[[0, 2]] = 0.0  # masked tokens: the first, and one inside the first block
     u = torch.cat([torch.tensor([0.0]), torch.rand(3000, generator=g)])
     found = inverse_cdf(weights.expand(len(u), -1).contiguous(), u, block=block)
     cdf = weights.double().cumsum(0) / weights.double().sum()
     expected = torch.searchsorted(cdf, u.double(), right=True)
     near = (cdf.unsqueeze(0) - u.double().unsqueeze(1)).abs().min(dim=1).values < 1e-6
     assert bool((found == expected)[~near].all())
-    assert found[0] == 0 and 1 not in found.tolist()
+    assert found[0] == 1 and not {0, 2} & set(found.tolist())  # u = 0: the first weighed token
+
+
+def test_inverse_cdf_skips_blocks_that_weigh_nothing():
+    """u = 0 (and any u) lands past whole blocks of zero weight, the first one included."""
+    from pagedserve.engine.sampler import inverse_cdf
+
+    weights = torch.rand(13, generator=torch.Generator().manual_seed(1)) + 0.1
+    weights[:4] = weights[8:12] = 0.0  # blocks 0 and 2 of 4
+    u = torch.cat(
+        [torch.tensor([0.0]), torch.rand(500, generator=torch.Generator().manual_seed(2))]
+    )
+    found = inverse_cdf(weights.expand(len(u), -1).contiguous(), u, block=4)
+    assert found[0] == 4
+    assert set(found.tolist()) == {4, 5, 6, 7, 12}
 
 
 def test_seeded_rows_draw_from_softmax_with_their_own_generators(logits):
@@ -552,3 +566,46 @@ def _target_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p:
         probs = torch.where(probs >= p.min_p * probs.max(), probs, 0)
     return probs / probs.sum()
+
+
+def test_the_backends_draw_gets_exactly_the_rows_that_keep_every_candidate(logits):
+    """A backend's one-call draw (``Sampler(categorical=...)``) is handed the random rows with no
+    top-k, top-p or min-p, with 1 / temperature and one uniform number per row (a seeded row's
+    from its own generator), and its tokens are theirs; filtered and greedy rows are not."""
+    calls = []
+
+    def categorical(rows, inv_temperature, u):
+        calls.append((rows.clone(), inv_temperature.clone(), u.clone()))
+        return torch.arange(100, 100 + len(rows))  # ids no other path could give
+
+    params = [
+        SamplingParams(temperature=0.5),  # keeps every candidate
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=2.0, seed=9),  # keeps every candidate, seeded
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.3),
+        SamplingParams(temperature=0.0),
+    ]
+    rows = torch.cat([logits, logits[:2]])
+    out = Sampler(categorical=categorical)(rows, make_meta(params)).sampled_token_ids
+    ((given, inv_temperature, u),) = calls
+    assert torch.equal(given, rows[[0, 2]])
+    assert torch.allclose(inv_temperature, torch.tensor([2.0, 0.5]))
+    assert float(u[1]) == float(torch.rand(1, generator=torch.Generator().manual_seed(9)))
+    assert 0 <= float(u[0]) < 1
+    assert out[0] == 100 and out[2] == 101
+    assert out[1] == int(logits[1].argmax()) and out[5] == int(logits[1].argmax())
+    assert all(0 <= out[i] < VOCAB for i in (3, 4))
+
+
+def test_verification_accepts_the_longest_prefix_of_drafts_equal_to_the_tokens_sampled():
+    """``sampled[j]`` is the token drawn at draft ``j``'s position; a sequence outputs the
+    matching drafts and then the first token that differs (or the bonus token after them all)."""
+    from pagedserve.engine.sampler import SamplerOutput, accept_drafts, verify_drafts
+
+    assert verify_drafts([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert verify_drafts([5, 6, 7], [5, 6, 9, 8]) == 2
+    assert verify_drafts([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert verify_drafts([], [4]) == 0
+    out = SamplerOutput([5, 6, 7, 8, 1, 9, 2], [None] * 7)  # two sequences: 3 drafts, then 2
+    assert accept_drafts(out, [[5, 6, 7], [1, 3]]) == [([5, 6, 7, 8], None), ([1, 9], None)]
