@@ -56,6 +56,9 @@ def _named(path: str, *tests: str) -> list[str]:
     return [f"{path}::{test}" for test in tests]
 
 
+ROUTE_TEST = "test_each_route_takes_its_method_and_its_schema_names_its_models"
+
+
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
@@ -233,15 +236,18 @@ MODULES = {
             ),
         ],
     ),
-    # with test_app.py, which builds an app per test: the API tests share one app per file, so
-    # mutmut maps the router (made when the app is built) to a file's first test only
+    # the API tests share one app per file, so mutmut maps the router (made when the app is
+    # built) to a file's first test; test_app.py's route test checks its method and models
     "server_completions": (
         "pagedserve/server/completions.py",
-        ["tests/server/test_completions_api.py", "tests/server/test_app.py"],
+        [
+            "tests/server/test_completions_api.py",
+            *_named("tests/server/test_app.py", ROUTE_TEST),
+        ],
     ),
     "server_chat": (
         "pagedserve/server/chat.py",
-        ["tests/server/test_chat_api.py", "tests/server/test_app.py"],
+        ["tests/server/test_chat_api.py", *_named("tests/server/test_app.py", ROUTE_TEST)],
     ),
     "server_metrics": ("pagedserve/server/metrics.py", ["tests/server/test_metrics.py"]),
     # no server_protocol: mutmut mutates function bodies only, and protocol.py's schemas are class
