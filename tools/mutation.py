@@ -363,6 +363,14 @@ MATCH_RULES = [
         "auto-describe): the first value is never read",
     ),
     (
+        "server_completions",
+        "_completion_stream",
+        r"sent_text\[index\] = -1 if o\.finished",
+        r"sent_text\[index\] = -2 if o\.finished",
+        "the mark of a finished choice is only compared with 0 (sent_text[index] < 0): any "
+        "negative one marks it the same",
+    ),
+    (
         "server_streaming",
         "sse_response",
         r"else 500$",
