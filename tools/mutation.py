@@ -56,6 +56,9 @@ def _named(path: str, *tests: str) -> list[str]:
     return [f"{path}::{test}" for test in tests]
 
 
+ROUTE_TEST = "test_each_route_takes_its_method_and_its_schema_names_its_models"
+
+
 MODULES = {
     "scheduler": (
         "pagedserve/engine/scheduler.py",
@@ -240,15 +243,18 @@ MODULES = {
             ),
         ],
     ),
-    # with test_app.py, which builds an app per test: the API tests share one app per file, so
-    # mutmut maps the router (made when the app is built) to a file's first test only
+    # the API tests share one app per file, so mutmut maps the router (made when the app is
+    # built) to a file's first test; test_app.py's route test checks its method and models
     "server_completions": (
         "pagedserve/server/completions.py",
-        ["tests/server/test_completions_api.py", "tests/server/test_app.py"],
+        [
+            "tests/server/test_completions_api.py",
+            *_named("tests/server/test_app.py", ROUTE_TEST),
+        ],
     ),
     "server_chat": (
         "pagedserve/server/chat.py",
-        ["tests/server/test_chat_api.py", "tests/server/test_app.py"],
+        ["tests/server/test_chat_api.py", *_named("tests/server/test_app.py", ROUTE_TEST)],
     ),
     "server_metrics": ("pagedserve/server/metrics.py", ["tests/server/test_metrics.py"]),
     # no server_protocol: mutmut mutates function bodies only, and protocol.py's schemas are class
@@ -362,6 +368,14 @@ MATCH_RULES = [
         "the collector reads latest_stats only in a scrape, and the only scrape is render's, "
         "which sets it first (registering the collector does not collect: the registry does not "
         "auto-describe): the first value is never read",
+    ),
+    (
+        "server_completions",
+        "_completion_stream",
+        r"sent_text\[index\] = -1 if o\.finished",
+        r"sent_text\[index\] = -2 if o\.finished",
+        "the mark of a finished choice is only compared with 0 (sent_text[index] < 0): any "
+        "negative one marks it the same",
     ),
     (
         "server_streaming",

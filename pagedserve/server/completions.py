@@ -40,7 +40,7 @@ def _completion_choice(
         if body.echo:
             logprobs = serving.completion_logprobs(
                 ids,
-                prompt_output.prompt_logprobs or [None] * len(ids),
+                prompt_output.prompt_logprobs,  # asked for with echo and logprobs
                 body.logprobs,
                 serving.prompt_offsets(ids, prefix),
             )

@@ -255,7 +255,7 @@ class CompletionChoice(ResponseModel):
 
 
 class CompletionResponse(ResponseModel):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    id: str  # the request's: its engine requests are named after it
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -295,7 +295,7 @@ class ChatCompletionChoice(ResponseModel):
 
 
 class ChatCompletionResponse(ResponseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    id: str  # the request's: its engine request is named after it
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str

@@ -6,11 +6,16 @@ the HF model; this file is fast enough for mutation testing of completions.py.""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
 
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.server.completions import _completion_stream
+from pagedserve.server.protocol import CompletionRequest
 from tests.helpers.apps import AUTH, demo_engine, served
 
 SEEDED = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
@@ -94,6 +99,49 @@ def test_several_prompts_and_choices_are_numbered_prompt_by_prompt(client):
     assert out["usage"]["completion_tokens"] == 16
 
 
+def test_concurrent_completions_each_get_their_own_answer(client):
+    answers = {}
+
+    def ask(name: str) -> None:
+        body = {"prompt": "Hello", "max_tokens": 32, **SEEDED}
+        answers[name] = client.post("/v1/completions", json=body, headers=AUTH)
+
+    threads = [threading.Thread(target=ask, args=(name,)) for name in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.status_code == 200 for r in answers.values()), [r.text for r in answers.values()]
+    assert len({r.json()["id"] for r in answers.values()}) == 3
+    assert len({r.json()["choices"][0]["text"] for r in answers.values()}) == 1  # the same seed
+
+
+def test_logit_bias_steers_toward_any_token_of_the_vocabulary(client):
+    token = max(tokenize(client, "Hello world, the quick brown fox"))  # not a special token
+    out = complete(client, prompt="Hello", logit_bias={str(token): 100}, max_tokens=3)
+    shown = client.post("/detokenize", json={"tokens": [token] * 3}, headers=AUTH).json()
+    assert out["choices"][0]["text"] == shown["prompt"]
+    vocab_size = client.app.state.serving.vocab_size
+    r = client.post(
+        "/v1/completions", json={"prompt": "Hi", "logit_bias": {str(vocab_size): 1}}, headers=AUTH
+    )
+    error = error_of(r, 400)
+    assert error["param"] == "logit_bias"
+    assert (
+        error["message"] == f"logit_bias key '{vocab_size}' is not a token id in [0, {vocab_size})"
+    )
+
+
+def test_logprobs_over_the_servers_max_logprobs_are_a_400_naming_it(engine):
+    with served(engine, started=False, max_logprobs=2) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "logprobs": 3}, headers=AUTH)
+    error = error_of(r, 400)
+    assert (error["param"], error["message"]) == (
+        "logprobs",
+        "logprobs=3 must be in [0, 2] (this server's --max-logprobs)",
+    )
+
+
 def test_a_stop_string_ends_the_text_and_is_the_stop_reason(client):
     text = complete(client, prompt="Hello", max_tokens=8, **SEEDED)["choices"][0]["text"]
     stop = text[2:4]
@@ -135,6 +183,7 @@ def test_echoed_logprobs_cover_the_prompt_first(client):
     assert offsets[len(ids)] == len("Hello")  # the completion's first token starts after it
     tail = "".join(lp["tokens"][len(ids) :])
     assert choice["text"] == "Hello" + tail
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])  # the most likely one each
 
 
 def test_offsets_stop_at_a_stop_string(client):
@@ -212,6 +261,22 @@ def test_streamed_logprobs_cover_each_chunks_tokens_and_offsets_go_on(client):
         values += lp["token_logprobs"]
     assert (tokens, offsets) == (whole["tokens"], whole["text_offset"])
     assert values == pytest.approx(whole["token_logprobs"])
+    tops = [top for c in chunks for top in c["choices"][0]["logprobs"]["top_logprobs"]]
+    assert tops == whole["top_logprobs"] and all(len(top) == 1 for top in tops)
+
+
+def test_a_streamed_stop_string_is_the_last_chunks_stop_reason_and_caps_its_offsets(client):
+    text = complete(client, prompt="Hello", max_tokens=8, **SEEDED)["choices"][0]["text"]
+    stop = text[3:5]
+    body = {"prompt": "Hello", "max_tokens": 8, "stop": [stop], "logprobs": 0, **SEEDED}
+    whole = complete(client, **body)["choices"][0]
+    chunks = stream(client, **body)[:-1]
+    last = chunks[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+    assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1])
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
+    assert max(offsets) <= len(whole["text"])
 
 
 # ---- the errors -----------------------------------------------------------------------------------
@@ -261,3 +326,93 @@ def test_a_dead_engine_is_a_503(engine):
     with served(engine, started=False) as c:
         r = c.post("/v1/completions", json={"prompt": "Hi"}, headers=AUTH)
     assert error_of(r, 503)["code"] == "engine_dead"
+
+
+# ---- the stream, from a stand-in engine's outputs -------------------------------------------------
+def outputs(*steps) -> RequestOutput:
+    """One output of a request of two sequences: each step (text, token ids, finish reason)."""
+    choices = [
+        CompletionOutput(i, text, list(ids), finish_reason=reason)
+        for i, (text, ids, reason) in enumerate(steps)
+    ]
+    return RequestOutput("r-0", "Hello", [1, 2], choices, finished=all(c[2] for c in steps))
+
+
+def streamed(client, outs: list[RequestOutput], **body) -> list[dict]:
+    """The choices of the chunks ``_completion_stream`` makes of ``outs``, one list a chunk."""
+
+    async def engine_outputs():
+        for out in outs:
+            yield out
+
+    async def chunks():
+        request = CompletionRequest(prompt="Hello", n=2, **body)
+        prompts = [("Hello", [1, 2])]
+        stream = _completion_stream(
+            client.app.state.serving, request, "cmpl-1", prompts, [engine_outputs()]
+        )
+        return [json.loads(c.removeprefix("data: "))["choices"] async for c in stream]
+
+    return asyncio.run(chunks())
+
+
+def test_each_output_sends_what_it_adds_to_each_choice_as_it_comes(client):
+    choices = streamed(
+        client,
+        [
+            outputs(("He", [5], None), ("Wo", [7], None)),
+            outputs(("Hell", [5, 6], None), ("Wor", [7, 8], None)),
+        ],
+    )
+    assert [[(c["index"], c["text"]) for c in chunk] for chunk in choices] == [
+        [(0, "He")],
+        [(1, "Wo")],
+        [(0, "ll")],
+        [(1, "r")],
+    ]
+
+
+def test_a_choice_an_output_adds_nothing_to_sends_nothing_and_the_others_go_on(client):
+    choices = streamed(
+        client,
+        [
+            outputs(("He", [5], None), ("Wo", [7], None)),
+            outputs(("He", [5], None), ("Wor", [7, 8], None)),
+        ],
+    )
+    assert [(c["index"], c["text"]) for chunk in choices for c in chunk] == [
+        (0, "He"),
+        (1, "Wo"),
+        (1, "r"),
+    ]
+
+
+def test_a_token_whose_text_is_held_back_is_still_sent_as_it_comes(client):
+    # vLLM's stream too sends a chunk for new tokens that add no text yet (a stop string's
+    # prefix, part of a character): its logprobs, and a token count that is up to date
+    choices = streamed(
+        client,
+        [
+            outputs(("He", [5], None), ("Wo", [7], None)),
+            outputs(("He", [5, 6], None), ("Wo", [7, 8], None)),
+        ],
+    )
+    assert [(c["index"], c["text"]) for chunk in choices for c in chunk] == [
+        (0, "He"),
+        (1, "Wo"),
+        (0, ""),
+        (1, ""),
+    ]
+
+
+def test_a_finished_choice_sends_its_end_once_while_the_others_go_on(client):
+    choices = streamed(
+        client,
+        [
+            outputs(("He", [5], "stop"), ("Wo", [7], None)),
+            outputs(("He", [5], "stop"), ("Wor", [7, 8], None)),
+            outputs(("He", [5], "stop"), ("Worl", [7, 8, 9], "length")),
+        ],
+    )
+    sent = [(c["index"], c["text"], c["finish_reason"]) for chunk in choices for c in chunk]
+    assert sent == [(0, "He", "stop"), (1, "Wo", None), (1, "r", None), (1, "l", "length")]
