@@ -79,7 +79,7 @@ def core_end(client):
 def _mp_client(process: FakeProcess | None = None) -> MPCoreClient:
     """An MPCoreClient whose sockets are bound and whose process is ``process``, not started."""
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     CoreClient.__init__(mp, zmq.Context.instance(), *_addresses())
     mp.proc = process
     return mp
@@ -194,7 +194,7 @@ def test_a_client_that_runs_no_core_has_nothing_to_start_or_watch_and_no_lifetim
 # ---- the engine core process ----------------------------------------------------------------
 def test_the_socket_directory_is_new_private_and_short_enough_for_a_socket_path():
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     try:
         assert os.path.dirname(mp.ipc_dir) == tempfile.gettempdir()
         assert os.path.basename(mp.ipc_dir).startswith("pagedserve-")
@@ -244,7 +244,7 @@ def test_a_socket_directory_that_exists_is_neither_taken_nor_removed(monkeypatch
     names = iter([clash, ours])
     monkeypatch.setattr(core_client.uuid, "uuid4", lambda: next(names))
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     mp.proc = None
     assert mp.ipc_dir == os.path.join(tempfile.gettempdir(), f"pagedserve-{ours.hex[:16]}")
     _within(mp.shutdown)
@@ -457,7 +457,7 @@ def test_shutdown_of_a_client_whose_socket_directory_is_gone_raises_nothing():
 def test_shutdown_of_a_start_stopped_before_its_sockets_removes_the_directory():
     mp = MPCoreClient.__new__(MPCoreClient)
     mp.proc = None
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     _within(mp.shutdown)
     assert not os.path.exists(mp.ipc_dir)
 
@@ -510,7 +510,7 @@ def test_the_inproc_core_answers_over_the_clients_sockets(engine):
         # its loop's first message (a heartbeat at the latest) says its input is connected:
         # a send now cannot wait on a core that is not there
         assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
-        inproc.send([UTILITY, 1, "get_stats", []])
+        _within(lambda: inproc.send([UTILITY, 1, "get_stats", []]))
         replies = []
         while not replies:
             assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
