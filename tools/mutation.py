@@ -140,7 +140,33 @@ MODULES = {
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
     "executor": ("pagedserve/engine/executor.py", [*ENGINE_TESTS, *CORE_TESTS]),
-    "memory_plan": ("pagedserve/engine/memory_plan.py", ["tests/entrypoints/test_tune.py"]),
+    "memory_plan": (  # the plans, without the subprocess and the live servers'
+        "pagedserve/engine/memory_plan.py",
+        _named(
+            "tests/entrypoints/test_tune.py",
+            "test_glm4_9b_chat_on_kunlun_matches_hand_computation",
+            "test_the_kv_tier_caps_the_pool_of_the_default_device",
+            "test_an_emulated_pool_stops_at_half_the_hosts_free_ram_and_says_so",
+            "test_a_host_too_small_for_one_sequence_is_named_as_the_bound",
+            "test_a_device_outside_host_memory_has_no_host_bound",
+            "test_tune_model_demo_plans_for_serves_default_device",
+            "test_the_explanation_quotes_no_other_models_figures",
+            "test_the_launch_script_serves_the_model_name_the_readmes_requests_send",
+            "test_tensor_parallel_splits_weights_and_replicates_kv_heads",
+            "test_unquantized_weights_are_two_bytes_per_parameter",
+            "test_32b_on_32g_device_refuses_bf16_weights_and_fits_int4",
+            "test_refuses_tensor_parallel_size_that_does_not_divide_heads",
+            "test_refuses_max_model_len_beyond_context",
+            "test_refuses_when_one_sequence_does_not_fit_and_says_how_much_is_missing",
+            "test_cli_reports_refusal_on_stderr",
+            "test_model_directory_config_json_is_read",
+            "test_presets_have_the_published_shapes_and_device_schema",
+            "test_demo_preset_has_the_shipped_demo_models_shapes",
+            "test_demo_model_fits_the_small_emulated_device",
+            "test_write_produces_an_executable_launch_script",
+            "test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits",
+        ),
+    ),
     "messages": ("pagedserve/engine/messages.py", CORE_TESTS),
     "core": ("pagedserve/engine/core.py", CORE_TESTS),
     "core_client": (  # its sockets and a stand-in for the core process: no spawn per mutant
@@ -301,9 +327,21 @@ MODULES = {
     ),
     "faults": ("pagedserve/hal/faults.py", ["tests/engine/test_device_faults.py"]),
     "kernels": ("pagedserve/hal/kernels.py", ["tests/hal/test_hal.py"]),
-    "tensor_parallel": (
+    "tensor_parallel": (  # the shards, in this process: the ranks' processes are unseen
         "pagedserve/models/tensor_parallel.py",
-        ["tests/engine/test_tensor_parallel.py"],
+        _named(
+            "tests/engine/test_tensor_parallel.py",
+            "test_a_size_that_would_cut_int4_groups_is_refused_with_the_reason",
+            "test_kv_heads_are_replicated_when_fewer_than_ranks",
+            "test_each_rank_reads_only_its_rows_and_columns",
+            "test_each_ranks_heads_kv_heads_and_vocabulary_are_its_share_of_the_models",
+            "test_a_size_that_cannot_split_the_model_is_refused_naming_each_reason",
+            "test_only_the_split_projections_and_the_vocabulary_are_sharded",
+            "test_a_tensor_that_is_already_a_ranks_shard_is_taken_as_it_is",
+            "test_an_int4_layer_cut_for_a_rank_dequantizes_to_that_ranks_cut_of_the_dense_layer",
+            "test_the_vocabulary_is_padded_to_a_multiple_of_64_then_of_the_size",
+            "test_each_rank_keeps_its_rows_of_an_odd_vocabulary_and_zeros_past_its_end",
+        ),
     ),
 }
 
@@ -738,6 +776,22 @@ MATCH_RULES = [
         r"self\.closed = None$",
         "read only as a truth value (send, the engine client's shutdown): None is falsy, as "
         "False is",
+    ),
+    (
+        "async_engine",
+        "__init__",
+        r"self\.(draining|_stopping) = False$",
+        r"self\.(draining|_stopping) = None$",
+        "read only as a truth value (draining by the server's admission and its drain, "
+        "_stopping by _on_dead), and set True to mean yes: None is falsy, as False is",
+    ),
+    (
+        "async_engine",
+        "pause|resume",
+        r"\[UTILITY, -1, ",
+        r"\[UTILITY, -2, ",
+        "the call id only comes back in the core's reply, to answer no pending call: the client "
+        "numbers its calls from 0, so any negative id answers none",
     ),
     (
         "structured_manager",

@@ -92,11 +92,13 @@ class StandInCore(CoreClient):
     async def receive(self, n: int) -> list[list]:
         """The next ``n`` messages the client sends, once they are all here."""
         messages = []
-        while len(messages) < n:
-            if self.core_in.poll(0):
+
+        def arrived() -> bool:
+            while len(messages) < n and self.core_in.poll(0):
                 messages.append(decode(self.core_in.recv()))
-            else:
-                await asyncio.sleep(0.005)
+            return len(messages) == n
+
+        await until(arrived, f"{n} messages from the client")
         return messages
 
     def step(self, outputs=(), stats=None, utility_results=(), errors=(), step=1) -> None:
@@ -113,14 +115,15 @@ def output(request_id, token_ids, finish_reason=None, index=0, first=None):
 
 
 def run(body, info=None, tokenizer=None, **kwargs):
-    """``body(engine, core)`` on a fresh event loop with a started client over a stand-in core."""
+    """``body(engine, core)`` on a fresh event loop with a started client over a stand-in core;
+    a body still waiting after 30 s (on a reply or an output that never comes) fails."""
 
     async def main():
         core = StandInCore(info)
         engine = AsyncLLMEngine(core, tokenizer=tokenizer, **kwargs)
         engine.start()
         try:
-            return await body(engine, core)
+            return await asyncio.wait_for(body(engine, core), 30)
         finally:
             engine.shutdown()
 
@@ -267,9 +270,9 @@ def test_a_consumer_that_leaves_early_aborts_its_request_in_the_core():
         core.step([output("a", [7])])
         await first
         await stream.aclose()
-        return core.sent(), engine.num_unfinished
+        return core.sent(), engine.num_unfinished, dict(engine.output_processor.requests)
 
-    assert run(body) == ([[ABORT, [["a", None]]]], 0)
+    assert run(body) == ([[ABORT, [["a", None]]]], 0, {})  # nothing kept for its late outputs
 
 
 def test_a_stream_dropped_unread_sends_nothing_and_stops_counting_as_waiting():
@@ -630,3 +633,19 @@ def test_a_message_without_a_token_count_counts_no_tokens(monkeypatch):
         return engine.tokens_per_second(), engine.token_rate_history.per_second(1002.0)[-2:]
 
     assert run(body) == (0.0, [0, 0])
+
+
+def test_a_core_that_has_not_counted_tokens_yet_has_generated_none(monkeypatch):
+    """A message without a token count is a total of 0: the tokens of the next count are all new."""
+    clock = Clock()
+    monkeypatch.setattr(async_engine, "time", clock)
+
+    async def body(engine, core):
+        for step, (t, stats) in enumerate(
+            [(1000.0, {}), (1001.0, {"generation_tokens_total": 100})], 1
+        ):
+            clock.now = t
+            await stepped(engine, core, step, stats=stats)
+        return engine.tokens_per_second()
+
+    assert run(body) == 100.0

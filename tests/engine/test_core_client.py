@@ -79,7 +79,7 @@ def core_end(client):
 def _mp_client(process: FakeProcess | None = None) -> MPCoreClient:
     """An MPCoreClient whose sockets are bound and whose process is ``process``, not started."""
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     CoreClient.__init__(mp, zmq.Context.instance(), *_addresses())
     mp.proc = process
     return mp
@@ -91,22 +91,34 @@ def _in_background(fn) -> threading.Thread:
     return thread
 
 
-def _wait_ready(mp: MPCoreClient, seconds: float = 10) -> dict:
-    """``mp._wait_ready()``, failing the test if it has not returned or raised in ``seconds``."""
+def _within(fn, seconds: float = 10):
+    """``fn()``, failing the test if it has not returned or raised in ``seconds``: a wait that
+    never ends fails its test instead of stalling the run."""
     result: dict = {}
 
-    def wait() -> None:
+    def call() -> None:
         try:
-            result["info"] = mp._wait_ready()
+            result["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
             result["error"] = e
 
-    waiting = _in_background(wait)
-    waiting.join(seconds)
-    assert not waiting.is_alive(), f"the start waited over {seconds} s for a core that had answered"
+    running = _in_background(call)
+    running.join(seconds)
+    assert not running.is_alive(), f"the call waited over {seconds} s"
     if "error" in result:
         raise result["error"]
-    return result["info"]
+    return result["value"]
+
+
+def _wait_ready(mp: MPCoreClient, seconds: float = 10) -> dict:
+    """``mp._wait_ready()``, failing the test if it has not returned or raised in ``seconds``."""
+    return _within(mp._wait_ready, seconds)
+
+
+def _recv(socket: zmq.Socket, seconds: float = 10) -> list:
+    """The next message on ``socket``, failing the test if none comes in ``seconds``."""
+    assert socket.poll(seconds * 1000), f"no message in {seconds} s"
+    return decode(socket.recv())
 
 
 # ---- the sockets --------------------------------------------------------------------------------
@@ -115,9 +127,9 @@ def test_what_the_client_sends_reaches_the_core_and_what_the_core_sends_reaches_
 ):
     pull, push = core_end
     client.send([SHUTDOWN])
-    assert decode(pull.recv()) == [SHUTDOWN]
+    assert _recv(pull) == [SHUTDOWN]
     push.send(encode([OUTPUTS, [1]]))
-    assert decode(client.output_socket.recv()) == [OUTPUTS, [1]]
+    assert _recv(client.output_socket) == [OUTPUTS, [1]]
 
 
 def test_a_burst_either_way_is_queued_whole_not_dropped(client, core_end):
@@ -126,10 +138,10 @@ def test_a_burst_either_way_is_queued_whole_not_dropped(client, core_end):
     pull, push = core_end
     for i in range(BURST):
         client.send([i], block=False)
-    assert [decode(pull.recv())[0] for _ in range(BURST)] == list(range(BURST))
+    assert [_recv(pull)[0] for _ in range(BURST)] == list(range(BURST))
     for i in range(BURST):
         push.send(encode([i]), zmq.NOBLOCK)
-    assert [decode(client.output_socket.recv())[0] for _ in range(BURST)] == list(range(BURST))
+    assert [_recv(client.output_socket)[0] for _ in range(BURST)] == list(range(BURST))
 
 
 def test_a_message_sent_before_the_core_connects_waits_for_it(client):
@@ -165,7 +177,7 @@ def test_the_output_socket_serves_the_event_loop(client, core_end):
     push.send(encode([READY, {}]))
 
     async def receive():
-        return decode(await client.async_output_socket().recv())
+        return decode(await asyncio.wait_for(client.async_output_socket().recv(), 10))
 
     assert asyncio.run(receive()) == [READY, {}]
 
@@ -182,7 +194,7 @@ def test_a_client_that_runs_no_core_has_nothing_to_start_or_watch_and_no_lifetim
 # ---- the engine core process ----------------------------------------------------------------
 def test_the_socket_directory_is_new_private_and_short_enough_for_a_socket_path():
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     try:
         assert os.path.dirname(mp.ipc_dir) == tempfile.gettempdir()
         assert os.path.basename(mp.ipc_dir).startswith("pagedserve-")
@@ -232,10 +244,10 @@ def test_a_socket_directory_that_exists_is_neither_taken_nor_removed(monkeypatch
     names = iter([clash, ours])
     monkeypatch.setattr(core_client.uuid, "uuid4", lambda: next(names))
     mp = MPCoreClient.__new__(MPCoreClient)
-    mp._make_ipc_dir()
+    _within(mp._make_ipc_dir)
     mp.proc = None
     assert mp.ipc_dir == os.path.join(tempfile.gettempdir(), f"pagedserve-{ours.hex[:16]}")
-    mp.shutdown()
+    _within(mp.shutdown)
     assert os.path.isdir(taken) and not os.path.exists(mp.ipc_dir)
     os.rmdir(taken)
 
@@ -273,7 +285,7 @@ def test_the_core_is_spawned_with_its_sockets_and_a_daemon_only_at_tensor_parall
         assert kwargs["name"] == "pagedserve-engine-core" and kwargs["daemon"] is daemon
         assert hooks == [mp.shutdown]  # stopped at exit, unless shut down before
         mp.proc = None
-        mp.shutdown()
+        _within(mp.shutdown)
         assert hooks == []
     assert contexts == ["spawn", "spawn"]  # torch must not be forked
 
@@ -286,7 +298,7 @@ def test_the_start_waits_for_ready_and_returns_the_info(monkeypatch):
     push.send(encode([READY, {"model": "demo"}]))
     assert _wait_ready(mp) == {"model": "demo"}
     push.close(linger=0)
-    mp.shutdown()
+    _within(mp.shutdown)
 
 
 @pytest.mark.parametrize(
@@ -301,7 +313,7 @@ def test_a_core_that_cannot_start_raises_its_reason(user_error, raised):
     with pytest.raises(raised, match="^no model at /nowhere$"):
         _wait_ready(mp)
     push.close(linger=0)
-    mp.shutdown()
+    _within(mp.shutdown)
 
 
 def test_a_core_that_exits_while_loading_raises_naming_its_exit_code():
@@ -312,7 +324,7 @@ def test_a_core_that_exits_while_loading_raises_naming_its_exit_code():
     with pytest.raises(RuntimeError, match=f"^{message}$"):
         _wait_ready(mp)
     assert process.joins == [5]
-    mp.shutdown()
+    _within(mp.shutdown)
 
 
 def test_a_start_stopped_part_way_removes_what_it_made(monkeypatch):
@@ -324,7 +336,7 @@ def test_a_start_stopped_part_way_removes_what_it_made(monkeypatch):
 
     monkeypatch.setattr(MPCoreClient, "_start_core", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        MPCoreClient(types.SimpleNamespace(), "info")
+        _within(lambda: MPCoreClient(types.SimpleNamespace(), "info"))
     assert made and not os.path.exists(made[0])
 
 
@@ -339,9 +351,9 @@ def test_the_start_hands_the_core_its_config_and_log_level_and_keeps_the_info_it
 
     monkeypatch.setattr(MPCoreClient, "_start_core", start_core)
     monkeypatch.setattr(MPCoreClient, "_wait_ready", lambda self: {"model": "demo"})
-    mp = MPCoreClient(config, "debug")
+    mp = _within(lambda: MPCoreClient(config, "debug"))
     assert started == [(config, "debug")] and mp.info == {"model": "demo"}
-    mp.shutdown()
+    _within(mp.shutdown)
 
 
 def test_a_start_that_fails_after_the_core_started_stops_it_within_a_bounded_wait(monkeypatch):
@@ -359,7 +371,7 @@ def test_a_start_that_fails_after_the_core_started_stops_it_within_a_bounded_wai
     monkeypatch.setattr(MPCoreClient, "_start_core", start_core)
     monkeypatch.setattr(MPCoreClient, "_wait_ready", wait_ready)
     with pytest.raises(RuntimeError, match="^no model at /nowhere$"):
-        MPCoreClient(types.SimpleNamespace(), "info")
+        _within(lambda: MPCoreClient(types.SimpleNamespace(), "info"))
     (process,) = processes
     assert process.killed and process.joins == [5, 5]
 
@@ -373,7 +385,7 @@ def test_a_start_that_fails_before_making_its_socket_directory_removes_nothing(m
     monkeypatch.setattr(core_client, "ipc_parent_dir", no_room)
     monkeypatch.setattr(core_client.shutil, "rmtree", lambda path, **kw: removed.append(path))
     with pytest.raises(RuntimeError, match="too long for the engine's sockets"):
-        MPCoreClient(types.SimpleNamespace(), "info")
+        _within(lambda: MPCoreClient(types.SimpleNamespace(), "info"))
     assert removed == []
 
 
@@ -381,8 +393,8 @@ def test_shutdown_tells_the_core_to_stop_waits_then_closes_and_removes_the_socke
     mp = _mp_client(FakeProcess())
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.connect(mp.input_address)
-    mp.shutdown(timeout=7)
-    assert decode(pull.recv()) == [SHUTDOWN]
+    _within(lambda: mp.shutdown(timeout=7))
+    assert _recv(pull) == [SHUTDOWN]
     assert mp.proc.joins == [7] and not mp.proc.killed and not mp.is_running()
     assert mp.closed and not os.path.exists(mp.ipc_dir)
     pull.close(linger=0)
@@ -390,13 +402,13 @@ def test_shutdown_tells_the_core_to_stop_waits_then_closes_and_removes_the_socke
 
 def test_a_shutdown_without_a_timeout_waits_the_shutdown_bound():
     mp = _mp_client(FakeProcess(stops_when_told=False))
-    mp.shutdown()
+    _within(mp.shutdown)
     assert mp.proc.joins == [core_client.SHUTDOWN_TIMEOUT_S, 5] and mp.proc.killed
 
 
 def test_a_core_that_does_not_stop_in_time_is_killed():
     mp = _mp_client(FakeProcess(stops_when_told=False))
-    mp.shutdown(timeout=0.5)
+    _within(lambda: mp.shutdown(timeout=0.5))
     assert mp.proc.killed and mp.proc.joins == [0.5, 5]
 
 
@@ -406,7 +418,7 @@ def test_shutdown_of_a_core_already_gone_sends_nothing():
     mp = _mp_client(process)
     pull = zmq.Context.instance().socket(zmq.PULL)
     pull.connect(mp.input_address)
-    mp.shutdown()
+    _within(mp.shutdown)
     assert not pull.poll(100) and process.joins == [] and mp.closed
     pull.close(linger=0)
 
@@ -428,7 +440,7 @@ def test_a_start_stopped_after_a_name_clash_removes_nothing(monkeypatch):
     monkeypatch.setattr(core_client.shutil, "rmtree", lambda path, **kw: removed.append(path))
     try:
         with pytest.raises(KeyboardInterrupt):
-            MPCoreClient(types.SimpleNamespace(), "info")
+            _within(lambda: MPCoreClient(types.SimpleNamespace(), "info"))
         assert removed == [] and os.path.isdir(taken)
     finally:
         os.rmdir(taken)
@@ -438,15 +450,15 @@ def test_shutdown_of_a_client_whose_socket_directory_is_gone_raises_nothing():
     """The core removes the directory itself when it outlives the HTTP process's last word."""
     mp = _mp_client(None)
     os.rmdir(mp.ipc_dir)
-    mp.shutdown()
+    _within(mp.shutdown)
     assert mp.closed
 
 
 def test_shutdown_of_a_start_stopped_before_its_sockets_removes_the_directory():
     mp = MPCoreClient.__new__(MPCoreClient)
     mp.proc = None
-    mp._make_ipc_dir()
-    mp.shutdown()
+    _within(mp._make_ipc_dir)
+    _within(mp.shutdown)
     assert not os.path.exists(mp.ipc_dir)
 
 
@@ -466,7 +478,7 @@ def test_the_core_process_is_watched_and_its_exit_reported_once_with_its_code():
     asyncio.run(main())
     assert reasons == ["the engine core process exited with code 7"]
     assert process.joins == [1]
-    mp.shutdown()
+    _within(mp.shutdown)
 
 
 # ---- the core in a thread of this process -----------------------------------------------------
@@ -486,7 +498,7 @@ def test_the_inproc_core_starts_once_and_stops_on_shutdown(engine):
         inproc.start()  # already running: nothing to do
         assert inproc.is_running()
     finally:
-        inproc.shutdown(timeout=30)
+        _within(lambda: inproc.shutdown(timeout=30), 60)
     assert not inproc.is_running() and inproc.closed
     inproc.shutdown()  # again: nothing left to stop
 
@@ -498,7 +510,7 @@ def test_the_inproc_core_answers_over_the_clients_sockets(engine):
         # its loop's first message (a heartbeat at the latest) says its input is connected:
         # a send now cannot wait on a core that is not there
         assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
-        inproc.send([UTILITY, 1, "get_stats", []])
+        _within(lambda: inproc.send([UTILITY, 1, "get_stats", []]))
         replies = []
         while not replies:
             assert inproc.output_socket.poll(30_000), "the in-process core sent nothing for 30 s"
@@ -508,14 +520,14 @@ def test_the_inproc_core_answers_over_the_clients_sockets(engine):
         ((call_id, ok, stats),) = replies
         assert call_id == 1 and ok and stats["num_requests_running"] == 0
     finally:
-        inproc.shutdown(timeout=30)
+        _within(lambda: inproc.shutdown(timeout=30), 60)
 
 
 def test_shutdown_stops_the_inproc_core_without_its_loop_dying(engine, caplog):
     inproc = InprocCoreClient(engine)
     inproc.start()
     with caplog.at_level(logging.ERROR, logger="pagedserve.engine.core"):
-        inproc.shutdown(timeout=30)
+        _within(lambda: inproc.shutdown(timeout=30), 60)
     assert not inproc.is_running() and caplog.records == []
 
 

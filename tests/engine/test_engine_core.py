@@ -7,20 +7,25 @@ request fails at once."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+import types
 import uuid
 
 import pytest
 import zmq
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.core import EngineCore, EngineCoreProc
+from pagedserve.engine.core import LOG_FORMAT, EngineCore, EngineCoreProc
 from pagedserve.engine.core_client import InprocCoreClient
 from pagedserve.engine.messages import (
     ABORT,
     ADD,
     DEAD,
+    FAILED,
     OUTPUTS,
+    READY,
     SHUTDOWN,
     UTILITY,
     decode,
@@ -290,6 +295,172 @@ def test_a_dying_loop_says_why_before_it_goes(core, monkeypatch):
     assert "weight page gone" in dead[1] and isinstance(loop.error, UnrecoverableFaultError)
     for s in (loop.to_core, loop.from_core, loop.proc.input_socket, loop.proc.output_socket):
         s.close(linger=0)
+
+
+# ---- the engine core process's entry point, in a thread of this one --------------------------
+class CoreProcess:
+    """``run_engine_core`` as the spawned process runs it, in a thread, over ipc sockets that this
+    side (the HTTP process) binds: its signals, logging, exits and engine are stand-ins."""
+
+    def __init__(self, tmp_dir, monkeypatch, load, parent_pid: int | None = None):
+        from pagedserve.engine import core as core_module
+
+        self.dir = tmp_dir / "sockets"
+        self.dir.mkdir()
+        self.input_address, self.output_address = (f"ipc://{self.dir}/{n}" for n in ("in", "out"))
+        ctx = zmq.Context.instance()
+        self.to_core, self.from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.to_core.bind(self.input_address)
+        self.from_core.bind(self.output_address)
+        self.signals, self.log_config, self.loaded, self.logging_shut = [], [], [], []
+        monkeypatch.setattr(
+            core_module, "signal", types.SimpleNamespace(
+                signal=lambda *a: self.signals.append(a), SIGINT=signal.SIGINT,
+                SIGTERM=signal.SIGTERM, SIG_IGN=signal.SIG_IGN,
+            ),
+        )  # fmt: skip
+        monkeypatch.setattr(
+            core_module.logging, "basicConfig", lambda **kw: self.log_config.append(kw)
+        )
+        monkeypatch.setattr(core_module.logging, "shutdown", lambda: self.logging_shut.append(1))
+        monkeypatch.setattr(core_module.os, "_exit", self._exit)
+        monkeypatch.setattr(
+            core_module, "LLMEngine", lambda config: self.loaded.append(config) or load()
+        )
+        self.config = types.SimpleNamespace()
+        self.parent_pid = os.getppid() if parent_pid is None else parent_pid
+        self.exit: dict = {}
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _exit(code: int) -> None:
+        raise SystemExit(code)
+
+    def _run(self) -> None:
+        from pagedserve.engine.core import run_engine_core
+
+        try:
+            run_engine_core(
+                self.config, self.input_address, self.output_address, "debug", self.parent_pid
+            )
+            self.exit["returned"] = True
+        except SystemExit as e:
+            self.exit["code"] = e.code
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.exit["error"] = e
+
+    def receive(self) -> list:
+        assert self.from_core.poll(30_000), "the engine core sent nothing for 30 s"
+        return decode(self.from_core.recv())
+
+    def join(self) -> dict:
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the engine core did not end in 30 s"
+        return self.exit
+
+    def close(self) -> None:
+        self.to_core.close(linger=0)
+        self.from_core.close(linger=0)
+
+
+@pytest.fixture
+def shutdowns(engine, monkeypatch) -> list:
+    """The module engine's shutdowns, which only count here (a core process shuts its engine
+    down as it ends)."""
+    calls: list = []
+    monkeypatch.setattr(engine, "shutdown", lambda: calls.append(1))
+    return calls
+
+
+def test_the_core_process_ignores_signals_says_ready_and_stops_on_shutdown(
+    engine, shutdowns, short_tmp_path, monkeypatch
+):
+    """A Ctrl-C or SIGTERM to the process group must not kill the core under a draining server."""
+    proc = CoreProcess(short_tmp_path, monkeypatch, lambda: engine)
+    try:
+        kind, info = proc.receive()
+        assert kind == READY and info == EngineCore(engine).info()
+        proc.to_core.send(encode([SHUTDOWN]))
+        assert proc.join() == {"returned": True}
+        assert proc.receive()[0] == OUTPUTS  # the last iteration's message is still delivered
+    finally:
+        proc.close()
+    assert proc.loaded == [proc.config] and shutdowns == [1]
+    assert proc.signals == [(signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, signal.SIG_IGN)]
+    assert proc.log_config == [{"level": "DEBUG", "format": LOG_FORMAT}]
+    assert proc.dir.is_dir() and proc.logging_shut == []  # the HTTP process removes its sockets
+
+
+@pytest.mark.parametrize(
+    "error, user_error",
+    [
+        (ValueError("no model at /nowhere"), True),
+        (TypeError("max_model_len must be an int"), True),
+        (FileNotFoundError("/nowhere/config.json"), True),
+        (RuntimeError("out of memory"), False),
+        (KeyError("layers"), False),
+    ],
+    ids=["value", "type", "file", "runtime", "key"],
+)
+def test_a_core_that_cannot_load_says_why_and_exits_1(
+    error, user_error, short_tmp_path, monkeypatch
+):
+    """A user's mistake (a bad path, a bad option) is sent as its message, to be printed as it is;
+    anything else as its repr, a bug to report."""
+
+    def load():
+        raise error
+
+    proc = CoreProcess(short_tmp_path, monkeypatch, load)
+    try:
+        assert proc.receive() == [FAILED, str(error) if user_error else repr(error), user_error]
+        assert proc.join() == {"code": 1}
+    finally:
+        proc.close()
+
+
+def test_a_core_whose_loop_dies_says_why_shuts_its_engine_down_and_exits_1(
+    engine, shutdowns, short_tmp_path, monkeypatch
+):
+    def lost():
+        raise RuntimeError("tensor-parallel rank 1 is gone")
+
+    monkeypatch.setattr(engine, "check_health", lost)
+    proc = CoreProcess(short_tmp_path, monkeypatch, lambda: engine)
+    try:
+        assert proc.receive()[0] == READY
+        kind, reason = proc.receive()
+        assert kind == DEAD and "tensor-parallel rank 1 is gone" in reason
+        assert proc.join() == {"code": 1} and shutdowns == [1]
+    finally:
+        proc.close()
+
+
+def test_a_core_whose_parent_is_gone_removes_its_sockets_and_exits_at_once(
+    engine, shutdowns, short_tmp_path, monkeypatch
+):
+    """Killed without a word (SIGKILL), the HTTP process leaves the core to clean up after it."""
+    proc = CoreProcess(short_tmp_path, monkeypatch, lambda: engine, os.getppid() + 1)
+    try:
+        assert proc.receive()[0] == READY
+        assert proc.join() == {"code": 0}
+    finally:
+        proc.close()
+    assert shutdowns == [1] and proc.logging_shut == [1]
+    assert not proc.dir.exists()
+
+
+def test_only_an_ipc_sockets_directory_is_removed(short_tmp_path):
+    from pagedserve.engine.core import _remove_ipc_dir
+
+    sockets = short_tmp_path / "sockets"
+    sockets.mkdir()
+    _remove_ipc_dir(f"tcp://{sockets}/input")
+    _remove_ipc_dir(f"inproc://{sockets}/input")
+    assert sockets.is_dir()
+    _remove_ipc_dir(f"ipc://{sockets}/input")
+    assert not sockets.exists() and short_tmp_path.is_dir()
 
 
 # ---- the HTTP side: AsyncLLMEngine over InprocCoreClient -----------------------------------

@@ -31,8 +31,8 @@ from pagedserve.engine.executor import check_parallel_config
 from pagedserve.engine.memory_plan import weight_bytes
 from pagedserve.hal import load_device_preset
 from pagedserve.models import load_config, load_state_dict
-from pagedserve.models.config import pad_vocab_size
-from pagedserve.models.tensor_parallel import TensorParallel
+from pagedserve.models.config import GlmConfig, pad_vocab_size
+from pagedserve.models.tensor_parallel import Shard, TensorParallel
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.testing import free_port, serve
 from tests.helpers.models import build_tiny_hf_model, build_tiny_model_dir
@@ -130,6 +130,116 @@ def test_each_rank_reads_only_its_rows_and_columns(tmp_path):
     )
     assert torch.equal(half[p + "mlp.down_proj.weight"], whole[p + "mlp.down_proj.weight"][:, 48:])
     assert torch.equal(half[p + "input_layernorm.weight"], whole[p + "input_layernorm.weight"])
+
+
+def _shapes(**overrides) -> GlmConfig:
+    """The tiny GLM's shapes (4 heads, 2 KV heads of 16, intermediate 96, vocabulary 320)."""
+    fields = dict(
+        architecture="glm",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return GlmConfig(**{**fields, **overrides})
+
+
+def test_each_ranks_heads_kv_heads_and_vocabulary_are_its_share_of_the_models():
+    config = _shapes(num_attention_heads=8, num_key_value_heads=4, vocab_size=611)
+    for tp in (1, 2, 4, 8):
+        ranks = [TensorParallel(config, r, tp) for r in range(tp)]
+        assert {r.num_heads for r in ranks} == {8 // tp}
+        assert {r.num_kv_heads for r in ranks} == {max(4 // tp, 1)}
+        padded = pad_vocab_size(611, tp)
+        assert {r.padded_vocab_size for r in ranks} == {padded}
+        # the ranks' vocabulary rows tile the padded vocabulary, in rank order
+        assert [r.vocab_range for r in ranks] == [
+            (i * padded // tp, (i + 1) * padded // tp) for i in range(tp)
+        ]
+
+
+def test_a_size_that_cannot_split_the_model_is_refused_naming_each_reason():
+    with pytest.raises(ValueError) as e:
+        TensorParallel(_shapes(), 0, 3).check(None, flag="--tensor-parallel-size")
+    assert str(e.value) == (
+        "--tensor-parallel-size 3 cannot split this model: it does not divide the 4 attention "
+        "heads; it and the 2 KV heads do not divide one another; use a size that divides them "
+        "(1, 2, 4 ... of 4 heads)"
+    )
+    with pytest.raises(ValueError, match=r"^--tp-size 8 cannot split this model: it does not "):
+        TensorParallel(_shapes(num_attention_heads=8, intermediate_size=100), 0, 8).check(None)
+    with pytest.raises(ValueError) as e:
+        TensorParallel(_shapes(num_attention_heads=8, intermediate_size=100), 0, 8).check(16)
+    assert "does not divide intermediate_size 100" in str(e.value)
+    assert "INT4" not in str(e.value)  # the groups are checked only on a size that splits
+    with pytest.raises(ValueError, match="cut the INT4 groups of o_proj: 64 .* = 32 .* 64"):
+        TensorParallel(_shapes(intermediate_size=256), 0, 2).check(64)
+    for tp in (1, 2, 4):  # replicated KV heads at 4: a size the KV heads divide
+        TensorParallel(_shapes(), 0, tp).check(8)
+
+
+def test_only_the_split_projections_and_the_vocabulary_are_sharded():
+    tp = TensorParallel(_shapes(), 1, 2)
+    whole = (
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.qweight",  # quantized: cut in canonical form
+        "model.rotary.inv_freq",
+    )
+    assert [tp.shard(name) for name in whole] == [None] * len(whole)
+    assert TensorParallel(_shapes(), 0, 1).shard("model.layers.0.self_attn.q_proj.weight") is None
+    p = "model.layers.1."
+    assert tp.shard(p + "self_attn.q_proj.bias") == Shard(0, 64, ((32, 64),))
+    assert tp.shard(p + "self_attn.v_proj.weight") == Shard(0, 32, ((16, 32),))
+    assert tp.shard(p + "self_attn.o_proj.weight") == Shard(1, 64, ((32, 64),))
+    assert tp.shard(p + "mlp.gate_up_proj.weight") == Shard(0, 192, ((48, 96), (144, 192)))
+    assert tp.shard(p + "mlp.down_proj.weight") == Shard(1, 96, ((48, 96),))
+    assert tp.shard("lm_head.weight") == Shard(0, 320, ((160, 320),))
+
+
+def test_a_tensor_that_is_already_a_ranks_shard_is_taken_as_it_is():
+    tp = TensorParallel(_shapes(), 1, 2)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    whole = torch.randn(64, 64)
+    shard = tp.take(name, whole)
+    assert torch.equal(shard, whole[:, 32:]) and shard.is_contiguous()
+    assert tp.take(name, shard) is shard
+    norm = torch.randn(64)
+    assert tp.take("model.norm.weight", norm) is norm
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_an_int4_layer_cut_for_a_rank_dequantizes_to_that_ranks_cut_of_the_dense_layer(tp_size):
+    from pagedserve.models.quant_formats import dequantize, quantize_rtn
+
+    inter, group = (96 if tp_size == 2 else 64), 16
+    config = _shapes(num_attention_heads=8, num_key_value_heads=4, intermediate_size=inter)
+    torch.manual_seed(0)
+    shapes = {  # (out_features, in_features) of the full layer
+        "self_attn.q_proj": (128, 64),
+        "self_attn.k_proj": (64, 64),
+        "self_attn.o_proj": (64, 128),
+        "mlp.gate_up_proj": (2 * inter, 64),
+        "mlp.down_proj": (64, inter),
+    }
+    for part, (n, k) in shapes.items():
+        prefix = f"model.layers.0.{part}"
+        q, s, z = quantize_rtn(torch.randn(n, k), group)
+        dense = dequantize(q, s, z, group)
+        for rank in range(tp_size):
+            tp = TensorParallel(config, rank, tp_size)
+            cut = tp.take_int4(prefix, q, s, z, group)
+            assert torch.equal(dequantize(*cut, group), tp.take(prefix + ".weight", dense)), part
+    one = TensorParallel(config, 0, 1).take_int4("model.layers.0.mlp.down_proj", q, s, z, group)
+    assert all(a is b for a, b in zip(one, (q, s, z), strict=True))
+    if tp_size == 2:  # 48 input columns of down_proj a rank: a group of 32 would be cut
+        q, s, z = quantize_rtn(torch.randn(64, inter), 32)
+        with pytest.raises(AssertionError, match="cuts an INT4 group"):
+            TensorParallel(config, 1, 2).take_int4("model.layers.0.mlp.down_proj", q, s, z, 32)
 
 
 def _collectives(rank: int, address: str, results) -> None:
