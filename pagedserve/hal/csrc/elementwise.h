@@ -171,8 +171,13 @@ inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
 
 // ---- greedy sampling ----------------------------------------------------------------------------
 
-// The first index of each row's largest value (of its first NaN, if any), as torch.argmax.
-inline int64_t argmax_row(const float* x, int64_t n) {
+// A row's largest value, and whether it holds a NaN (which vec::max does not carry).
+struct RowMax {
+  float value;
+  bool nan;
+};
+
+inline RowMax row_max(const float* x, int64_t n) {
   Vec mx = vec::set1(-INFINITY);
   uint32_t nan = 0;
   int64_t i = 0;
@@ -182,10 +187,17 @@ inline int64_t argmax_row(const float* x, int64_t n) {
     mx = vec::max(mx, v);
   }
   float best = vec::reduce_max(mx);
-  for (int64_t j = i; j < n; ++j) {
-    if (std::isnan(x[j])) nan = 1;
-    best = std::max(best, x[j]);
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) nan = 1;
+    best = std::max(best, x[i]);
   }
+  return {best, nan != 0};
+}
+
+// The first index of each row's largest value (of its first NaN, if any), as torch.argmax.
+inline int64_t argmax_row(const float* x, int64_t n) {
+  const auto [best, nan] = row_max(x, n);
+  const int64_t i = n / kLanes * kLanes;  // the tail past the last full vector
   const Vec target = vec::set1(best);
   for (int64_t j = 0; j + kLanes <= n; j += kLanes) {
     const Vec v = vec::load(x + j);
@@ -238,19 +250,7 @@ inline Vec softmax_weights(const float* x, int64_t i, int64_t n, Vec mx, Vec inv
 // last lane, its last positive lane is. A row with a NaN, or all -inf, gives its argmax.
 inline int64_t categorical_row(const float* x, int64_t n, float inv_t, float u,
                                std::vector<float>& sums) {
-  Vec mv = vec::set1(-INFINITY);
-  uint32_t nan = 0;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const Vec v = vec::load(x + i);
-    nan |= vec::nan_lanes(v);
-    mv = vec::max(mv, v);
-  }
-  float m = vec::reduce_max(mv);
-  for (int64_t j = i; j < n; ++j) {
-    if (std::isnan(x[j])) nan = 1;
-    m = std::max(m, x[j]);
-  }
+  const auto [m, nan] = row_max(x, n);
   if (nan || m == -INFINITY) return argmax_row(x, n);
   const Vec mx = vec::set1(m), it = vec::set1(inv_t);
   const int64_t chunks = (n + kLanes - 1) / kLanes;
