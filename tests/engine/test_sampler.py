@@ -609,3 +609,9 @@ def test_verification_accepts_the_longest_prefix_of_drafts_equal_to_the_tokens_s
     assert verify_drafts([], [4]) == 0
     out = SamplerOutput([5, 6, 7, 8, 1, 9, 2], [None] * 7)  # two sequences: 3 drafts, then 2
     assert accept_drafts(out, [[5, 6, 7], [1, 3]]) == [([5, 6, 7, 8], None), ([1, 9], None)]
+    logprobs = [{t: -0.5 * i} for i, t in enumerate(out.sampled_token_ids)]
+    out = SamplerOutput(out.sampled_token_ids, logprobs)  # each output token keeps its own
+    assert accept_drafts(out, [[5, 6, 7], [1, 3]]) == [
+        ([5, 6, 7, 8], logprobs[:4]),
+        ([1, 9], logprobs[4:6]),
+    ]
