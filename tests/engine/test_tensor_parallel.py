@@ -35,7 +35,7 @@ from pagedserve.models.config import GlmConfig, pad_vocab_size
 from pagedserve.models.tensor_parallel import Shard, TensorParallel
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.testing import free_port, serve
-from tests.helpers.models import build_tiny_hf_model, build_tiny_model_dir
+from tests.helpers.models import build_tiny_hf_model, build_tiny_model_dir, tiny_hf_config
 from tests.helpers.processes import alive, tagged_env, wait_until_gone
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,18 +133,9 @@ def test_each_rank_reads_only_its_rows_and_columns(tmp_path):
 
 
 def _shapes(**overrides) -> GlmConfig:
-    """The tiny GLM's shapes (4 heads, 2 KV heads of 16, intermediate 96, vocabulary 320)."""
-    fields = dict(
-        architecture="glm",
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    return GlmConfig(**{**fields, **overrides})
+    """The tiny GLM's config as pagedserve reads it (4 heads, 2 KV heads of 16, intermediate 96,
+    vocabulary 320: tiny_hf_config's), with ``overrides`` in transformers' names."""
+    return GlmConfig.from_dict(tiny_hf_config("glm", **overrides).to_dict())
 
 
 def test_each_ranks_heads_kv_heads_and_vocabulary_are_its_share_of_the_models():
