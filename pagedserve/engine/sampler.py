@@ -329,7 +329,7 @@ def sample(
             temperature = _row_values([params[i] for i in whole], "temperature", logits)
             chosen = categorical(_select_rows(logits, whole), 1.0 / temperature, u)
             token_ids[_long(whole, logits)] = chosen
-            random_rows = [i for i in random_rows if not _keeps_every_candidate(params[i])]
+            random_rows = sorted(set(random_rows) - set(whole))
     if random_rows:
         scaled = _select_rows(logits, random_rows) / _row_values(
             [params[i] for i in random_rows], "temperature", logits
