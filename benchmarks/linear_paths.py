@@ -1,13 +1,13 @@
 """Every path a linear layer can take on this CPU, by batch rows M, on real layer shapes:
 
 - native int4: the kernel target's W4A16 (``hal/csrc/int4_<target>.h``): weights stay INT4 in
-  memory, each packed tile is unpacked once per pass of rows (avx512: 8 rows, vdpbf16ps on bf16
+  memory, each packed tile is unpacked once per pass of rows (avx512: 4 rows, vdpbf16ps on bf16
   activations; avx2: 4 rows, vpmaddwd on int16 activations);
 - native w4a8: the same weights with activations rounded to int8 per row (``--quantization
   w4a8``), multiplied with vpdpbusd (avx512) or vpmaddubsw + vpmaddwd (avx2);
 - aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--kernels eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
-- native bf16 GEMV (up to the target's few_rows_max(): 8 on avx512, 16 with AMX, 64 on avx2)
+- native bf16 GEMV (up to the target's few_rows_max(): 64, or 16 with AMX)
   and torch.mv (1 row): the dense few-row paths.
 
     python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2]

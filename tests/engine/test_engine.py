@@ -317,6 +317,13 @@ def test_seeded_sampling_is_reproducible_whatever_else_is_in_the_batch(tiny_llm)
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    # a prefill among 20 other prompt rows, then decode steps of 6 rows: past the 8 rows where
+    # oneDNN once took over from the GEMV on AVX-512 without AMX, and its rounding with it
+    crowd = [{"prompt_token_ids": [9, 10 + i, 11, 12]} for i in range(5)]
+    batch = tiny_llm.generate(
+        [*crowd, {"prompt_token_ids": [5, 6, 7]}], [others] * 5 + [params], use_tqdm=False
+    )
+    assert batch[-1].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_string_prompts_and_chat_produce_text(tiny_llm):

@@ -96,15 +96,21 @@ def test_int4_logprobs_close_to_dense_fp32_on_the_same_int4_weights(
 
 
 def test_int4_greedy_tokens_do_not_depend_on_batch_composition(tmp_path):
+    # on the native kernels to the bit: the logprobs of each token too (README, SamplingParams)
     build_tiny_hf_model(tmp_path, "glm4")
     llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization="int4", num_kv_pages=256)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     target = {"prompt_token_ids": [11, 42, 99, 7, 3]}
-    alone = llm.generate(target, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def tokens(output):
+        seq = output.outputs[0]
+        logprobs = [lp[t] for t, lp in zip(seq.token_ids, seq.logprobs)]
+        return seq.token_ids, logprobs if llm.llm_engine.device.kernel_set != "eager" else None
+
+    alone = tokens(llm.generate(target, params, use_tqdm=False)[0])
     others = [
         {"prompt_token_ids": [(i * 13 + j) % 300 + 10 for j in range(3 + i)]} for i in range(7)
     ]
     for batch in ([target, *others], [*others[:3], target, *others[3:]]):
         outs = llm.generate(batch, params, use_tqdm=False)
-        got = next(o for o, p in zip(outs, batch) if p is target).outputs[0].token_ids
-        assert got == alone
+        assert tokens(next(o for o, p in zip(outs, batch) if p is target)) == alone

@@ -339,14 +339,17 @@ def test_int4_prompt_rows_equal_the_dequantized_weights_with_vectors_and_with_am
     torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("unit", AVX512_UNITS[:1], indirect=True)
-def test_an_int4_rows_result_on_amx_does_not_depend_on_the_rows_beside_it(unit):
-    # the tile unit's W4A16 sums each row alike for any count of rows (the vector passes do not:
-    # their summation chains depend on it), so that drafts leave greedy INT4 output as it was
+@pytest.mark.parametrize("unit", UNITS, indirect=True)
+@pytest.mark.parametrize("abits", [16, 8])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it(unit, abits, group_size):
+    # each kernel sums a row alike for any count of rows in a pass (the tile unit's, the vector
+    # passes' fp32 chains, the integer sums of W4A8), so that drafts leave greedy INT4 output as
+    # it was and a seeded request's tokens do not change with the batch
     g = torch.Generator().manual_seed(5)
-    q, s, z = quantize_rtn(torch.randn(64, 256, generator=g), 32)
-    x = torch.randn(150, 256, generator=g).to(torch.bfloat16)  # a prompt's rows among them
-    layer = unit.prepare_int4(q, s, z, 32, "w-rows")
+    q, s, z = quantize_rtn(torch.randn(128, 4096, generator=g), group_size)
+    x = torch.randn(150, 4096, generator=g).to(torch.bfloat16)  # a prompt's rows among them
+    layer = unit.prepare_int4(q, s, z, group_size, f"w-rows-{abits}-{group_size}", abits)
     together = unit.linear(x, layer)
     for m in (0, 5, 15, 16, 100, 149):
         assert torch.equal(unit.linear(x[m : m + 1], layer), together[m : m + 1]), f"row {m}"
@@ -383,8 +386,8 @@ def test_native_int4_keeps_fp16_scales_exactly(kernel_set):
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 16, 17, 64, 65])
 def test_bf16_dense_linear_equals_reference(kernel_set, rows):
-    # up to few_rows_max() rows (8 on avx512, 16 with AMX, 64 on avx2) the native backend streams
-    # the weight with its own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100
+    # up to few_rows_max() rows (64, or 16 with AMX) the native backend streams the weight with
+    # its own GEMV, in passes of 4 rows and blocks of up to 16 outputs (N = 100
     # leaves a tail of single outputs; AMX takes whole blocks of 16); more rows go to oneDNN (AMX's
     # GEMM takes whole blocks of 16 outputs only: the next tests)
     g = torch.Generator().manual_seed(rows)
@@ -406,7 +409,7 @@ def test_bf16_rows_through_the_gemv_and_the_gemm_equal_reference_with_vectors_an
     # 1 to 16 rows: the few-rows GEMV (N = 200: twelve blocks of 16 and a tail of 8). Past 16
     # rows AMX runs a GEMM of 2 x 2 tiles (csrc/amx.h: bf16_gemm; N = 208: thirteen blocks of 16,
     # an odd one left over; 17 and 40 rows leave a partial block of rows, 180 crosses a panel of
-    # 128), elsewhere oneDNN does. K = 352: eleven steps of 32 along K
+    # 128); elsewhere the GEMV takes up to 64 rows and oneDNN more. K = 352: eleven steps of 32 along K
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(outputs, 352, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 352, generator=g).to(torch.bfloat16)
@@ -432,15 +435,22 @@ def test_a_prompts_row_on_amx_gets_the_bits_of_a_decode_step(unit):
 
 @pytest.mark.parametrize("unit", UNITS, indirect=True)
 def test_a_rows_gemv_result_does_not_depend_on_the_rows_beside_it(unit):
-    """The bits of a row are the same alone and among up to 8 others: a verification of drafts
-    (several rows of one sequence) gives its first row what a plain decode step gives it, so
-    greedy output with speculation is the same as without."""
+    """The bits of a row are the same alone and among as many others as the GEMV takes (64, or
+    16 on AMX and then its GEMM): a seeded request samples the same tokens whatever else is in
+    its decode step, and a verification of drafts gives its first row what a plain decode step
+    gives it. K = 4096 makes the weight blocks that stay in cache between passes of rows shorter
+    than a thread's share of the 1408 outputs."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(1408, 256, generator=g).to(torch.bfloat16)
-    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    w = torch.randn(1408, 4096, generator=g).to(torch.bfloat16)
+    rows = 16 if native.uses_amx(unit.native) else 64
+    assert unit.native.few_rows_max() == rows
+    x = torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
     together = unit.linear(x, w)
-    for m in range(8):
-        assert torch.equal(unit.linear(x[m : m + 1], w), together[m : m + 1])
+    torch.testing.assert_close(together, F.linear(x, w), **_tol(torch.bfloat16))
+    for m in range(rows):
+        assert torch.equal(unit.linear(x[m : m + 1], w), together[m : m + 1]), f"row {m}"
+    for count in (2, 5, 9, rows - 1):
+        assert torch.equal(unit.linear(x[:count], w), together[:count]), f"{count} rows"
 
 
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)

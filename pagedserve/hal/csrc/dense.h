@@ -10,20 +10,19 @@
 namespace pagedserve {
 
 constexpr int kRowsPerPass = 4;
-// Up to kFewRows rows this beats oneDNN's GEMM (benchmarks/linear_paths.py). On avx2 oneDNN's
-// bf16 is emulated, at about the same rate for any number of rows, a half or less of this
-// kernel's up to 64 rows (the most measured), so the kernel keeps the rows a decode batch or a
-// verification of drafts brings; longer prefills stay with oneDNN. On avx512 oneDNN multiplies
-// bf16 with vdpbf16ps (AMX where the CPU has it) and wins from 5 rows on where the weights
-// stream from memory; but each call also costs it about 40 us (a 2-core Xeon), which a matrix of
-// up to kSmallMatrix values never earns back: a small model's layers, in cache, keep the GEMV
-// up to 8 rows, the most a verification of drafts brings (linear_paths_122m_avx512_gemv.json).
-#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
-constexpr int64_t kFewRows = 64, kFewRowsLarge = 64;
-#else
-constexpr int64_t kFewRows = 8, kFewRowsLarge = 4;
-#endif
-constexpr int64_t kSmallMatrix = int64_t{1} << 20;  // 2 MiB of bf16
+// The GEMV takes every row a decode batch or a verification of drafts brings (up to kFewRows), so
+// a row's bits never depend on what else is in the step: the same seed gives the same tokens
+// whatever the batch (README, SamplingParams). A row's sums run in one order for any number of
+// rows (one accumulator per output and row, reduced by the same tree); oneDNN's GEMM would round
+// differently. More rows take several passes, each over a block of weight rows that stays in
+// the L2 cache between them (kCachedWeightBytes), so the weights stream from memory once. On avx2
+// oneDNN's bf16 is emulated, at a half or less of this kernel's rate up to 64 rows (the most
+// measured; benchmarks/linear_paths.py). On avx512 without AMX (a 2-core Zen 4, 1B and 122M
+// models' layers) the GEMV beats oneDNN up to 16 rows (1.04-1.96x from 4 rows), and is 0.96-1.16x
+// its speed at 32 rows and 0.86-1.07x at 64 (linear_paths_{1b,122m}_avx512_zen4_gemv.json): a
+// small price for tokens that do not change with the batch.
+constexpr int64_t kFewRows = 64;
+constexpr int64_t kCachedWeightBytes = int64_t{256} << 10;
 
 // Whether the tile unit computes the GEMV (amx.h; avx512 with AMX only): up to 16 rows.
 inline bool amx_rows(int64_t M, int64_t K) {
@@ -34,13 +33,12 @@ inline bool amx_rows(int64_t M, int64_t K) {
 #endif
 }
 
-// The most rows the GEMV takes through a small matrix: kFewRows, or 16 with the tile unit.
+// The most rows the GEMV takes: kFewRows, or 16 on the tile unit (more take its GEMM, amx.h,
+// which gives each row the same bits).
 inline int64_t few_rows_max() { return amx_rows(16, 32) ? 16 : kFewRows; }
 
 // Whether M rows through an N x K bf16 matrix take the GEMV.
-inline bool few_rows(int64_t M, int64_t N, int64_t K) {
-  return amx_rows(M, K) || M <= (N * K <= kSmallMatrix ? kFewRows : kFewRowsLarge);
-}
+inline bool few_rows(int64_t M, int64_t /*N*/, int64_t /*K*/) { return M <= few_rows_max(); }
 // The portable target leaves dense layers to PyTorch: this GEMV is measured on x86 targets only.
 constexpr bool kHasFewRowsGemv = PAGEDSERVE_TARGET != PAGEDSERVE_PORTABLE;
 
@@ -109,10 +107,13 @@ inline at::Tensor bf16_linear_few_rows(const at::Tensor& x, const at::Tensor& we
                           float*);
   const RowsFn kernels[kRowsPerPass + 1] = {nullptr, bf16_rows<1>, bf16_rows<2>, bf16_rows<3>,
                                             bf16_rows<4>};
+  // a block of whole kLanes outputs whose weights fit kCachedWeightBytes, for all passes of rows
+  const int64_t block = std::max<int64_t>(kLanes, kCachedWeightBytes / (2 * K) / kLanes * kLanes);
   const auto vector_rows = [&](int64_t n0, int64_t n1) {
-    for (int64_t m = 0; m < M; m += kRowsPerPass)
-      kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, n0, n1, N,
-                                                       acc.data() + m * N);
+    for (int64_t b = n0; b < n1; b += block)
+      for (int64_t m = 0; m < M; m += kRowsPerPass)
+        kernels[std::min<int64_t>(kRowsPerPass, M - m)](w, xp + m * K, K, b, std::min(b + block, n1),
+                                                         N, acc.data() + m * N);
   };
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
   if (amx_rows(M, K)) {  // whole blocks of 16 outputs on the tile unit, the rest as vectors

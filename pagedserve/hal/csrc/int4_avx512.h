@@ -29,9 +29,12 @@ template <int MB, typename T>
 inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
                       const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
                       T* out, int64_t out_stride) {
-  // A vdpbf16ps takes several cycles to finish: with few rows, each row sums into independent
-  // chains (one per k-pair slot) so that the next product need not wait for the last.
-  constexpr int kChains = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  // A vdpbf16ps takes several cycles to finish: each row sums into four independent chains (one
+  // per k-pair slot) so that the next product need not wait for the last. The chains are the same
+  // for any MB, so a row's bits do not depend on the rows beside it in a pass (fp32 sums round,
+  // unlike W4A8's integer ones): a decode row, and the same row verified beside drafts or batched
+  // with other requests, get the same bits, and a seed the same tokens.
+  constexpr int kChains = 4;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   const __m512i bf16_128 = _mm512_set1_epi8(0x43);
   const int64_t chunks_per_group = group_size / 8;
@@ -68,26 +71,29 @@ inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, i
   for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, Vec{acc[m]}, bias);
 }
 
-// Pointers to int4_tile<1..8, T>: one pass over a tile serves up to 8 activation rows (2 x 8
-// accumulators and the unpacked codes stay in the 32 zmm registers).
-constexpr int kMaxRowsPerPass = 8;
+// Pointers to int4_tile<1..4, T>: one pass over a tile serves up to 4 activation rows (4 x 4
+// chains, 4 accumulators and the unpacked codes stay in the 32 zmm registers). Passes of 8 rows
+// in one chain each unpacked the codes half as often, 5-15% less time at 8-64 rows on a 2-core
+// Zen 4, but one row needs its four chains (one chain: 10-30% more time) and every count of rows
+// the same order; we keep the decode row fast (linear_paths_1b_avx512_zen4_gemv.json).
+constexpr int kInt4RowsPerPass = 4;
 template <typename T>
 struct Int4Tiles {
   using Fn = void (*)(const uint8_t*, const at::Half*, const uint32_t*, int64_t, const float*,
                       int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
-      nullptr,           int4_tile<1, T>, int4_tile<2, T>, int4_tile<3, T>, int4_tile<4, T>,
-      int4_tile<5, T>, int4_tile<6, T>, int4_tile<7, T>, int4_tile<8, T>};
+  static constexpr int kMaxRows = kInt4RowsPerPass;
+  static constexpr Fn by_rows[kMaxRows + 1] = {nullptr, int4_tile<1, T>, int4_tile<2, T>,
+                                               int4_tile<3, T>, int4_tile<4, T>};
 };
 
-// Every (tile of 16 output rows, pass of up to kMaxRowsPerPass activation rows) of an [M, N]
+// Every (tile of 16 output rows, pass of up to Tiles::kMaxRows activation rows) of an [M, N]
 // product; the tiles are split between the threads.
-template <typename Pass>
+template <typename Tiles, typename Pass>
 void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
   at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += kMaxRowsPerPass)
-        pass(t, m, std::min<int64_t>(kMaxRowsPerPass, M - m));
+      for (int64_t m = 0; m < M; m += Tiles::kMaxRows)
+        pass(t, m, std::min<int64_t>(Tiles::kMaxRows, M - m));
   });
 }
 
@@ -200,14 +206,14 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
     // every count of rows up to 16 on the tile unit, one row too, so that a row's sums do not
-    // depend on the rows beside it (int4_tile's passes sum in chains that depend on them): a
+    // depend on the rows beside it (int4_tile sums in another order than the tile unit): a
     // decode row and the same position verified beside drafts, or batched with other requests,
     // get the same bits. One row costs more there than in int4_tile, where the codes' unpacking
     // is the work and tile B's round trip through memory only adds to it (1408 x 256 in cache:
     // 31 us against 18 us, 2 threads; a whole demo-model step streams its weights from L3, and
     // loses less).
     // A prompt's rows take the same kernel 16 rows at a time (so a row's bits are still those of
-    // a decode step), where a pass of int4_tile takes 8 and its products cost 16 times as many
+    // a decode step), where a pass of int4_tile takes 4 and its products cost 16 times as many
     // instructions: each thread walks its output tiles four at a time, their codes in L1, over a
     // panel of rows that stays in L2. Up to 16 rows, one call takes all of the thread's tiles.
     if (amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0) {
@@ -223,7 +229,7 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
       });
       return;
     }
-    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+    for_each_tile_pass<Int4Tiles<scalar_t>>(M, N, [&](int64_t t, int64_t m, int64_t rows) {
       Int4Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
                                          xp + m * K / 2, K / 2, xs + m * num_groups, num_groups,
                                          group_size, b ? b + t * 16 : nullptr, o + m * N + t * 16,
@@ -282,7 +288,8 @@ template <typename T>
 struct Int4Int8Tiles {
   using Fn = void (*)(const uint8_t*, const at::Half*, const int32_t*, int64_t, const float*,
                       const float*, int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
+  static constexpr int kMaxRows = 8;  // 8 x 2 integer chains, exact sums in any pass
+  static constexpr Fn by_rows[kMaxRows + 1] = {
       nullptr,
       int4_int8_tile<1, T>, int4_int8_tile<2, T>, int4_int8_tile<3, T>, int4_int8_tile<4, T>,
       int4_int8_tile<5, T>, int4_int8_tile<6, T>, int4_int8_tile<7, T>, int4_int8_tile<8, T>};
@@ -339,7 +346,7 @@ inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed
     const float* rs = row_scale.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
-    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
+    for_each_tile_pass<Int4Int8Tiles<scalar_t>>(M, N, [&](int64_t t, int64_t m, int64_t rows) {
       Int4Int8Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
                                              xp + m * K / 4, K / 4, xs + m * num_groups, rs + m,
                                              num_groups, group_size, b ? b + t * 16 : nullptr,
