@@ -25,11 +25,23 @@ def test_rms_norm_is_torchs_computed_in_fp32(dtype):
     weight = torch.randn(64, generator=g).to(dtype)
     expected = F.rms_norm(x.float(), (64,), eps=1e-5).to(dtype) * weight
     torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), expected)
+    # over the last dim of any shape: a batch of sequences' rows too
+    x3 = x.view(5, 1, 64).expand(5, 2, 64)
+    torch.testing.assert_close(
+        kernels.rms_norm(x3, weight, 1e-5), expected[:, None].expand(5, 2, 64)
+    )
     # eps is added to the mean square: a vector of zeros stays 0, a small one is scaled by it
     tiny = torch.full((1, 4), 1e-3)
     torch.testing.assert_close(
         kernels.rms_norm(tiny, torch.ones(4), 1e-6), tiny / (1e-6 + 1e-6) ** 0.5
     )
+
+
+def test_linear_is_x_times_the_transposed_weight_plus_the_bias():
+    g = _generator(4)
+    x, w, b = torch.randn(3, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(5)
+    torch.testing.assert_close(kernels.linear(x, w, b), x @ w.T + b)
+    torch.testing.assert_close(kernels.linear(x, w), x @ w.T)
 
 
 def test_silu_and_mul_gates_the_second_half_by_the_silu_of_the_first():
@@ -63,6 +75,18 @@ def test_rotary_is_hf_transformers_glm_rotary(partial_rotary_factor):
     assert cos_sin.shape == (64, rotary_dim) and cos_sin.dtype == torch.float32
     got = kernels.apply_rotary(x, *kernels.rotary_at(cos_sin, positions))
     torch.testing.assert_close(got, expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_the_rotary_table_is_fp32_whatever_the_default_dtype():
+    expected = kernels.rotary_cos_sin(8, 10000.0, 16)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        table = kernels.rotary_cos_sin(8, 10000.0, 16)
+    finally:
+        torch.set_default_dtype(before)
+    assert table.dtype == torch.float32
+    assert torch.equal(table, expected)
 
 
 def test_rotary_keeps_the_dtype_and_passes_the_dims_past_rotary_dim_through():
@@ -170,13 +194,15 @@ def test_gather_context_reads_a_sequences_tokens_in_order_across_its_pages():
 def test_int8_kv_rows_hold_codes_and_a_scale_that_give_each_value_within_half_a_step():
     x = 5 * torch.randn(3, 2, 16, generator=_generator(8))
     x[0, 0] = 0.0  # an all-zero head: its scale is not 0
+    x[1, 1] *= 0.01  # a head of small values: its scale is its own, not a floor's
     rows = kernels.quantize_kv(x)
     assert rows.dtype == torch.int8 and rows.shape == (3, 2, 16 + kernels.KV_SCALE_BYTES)
     assert kernels.kv_row_width(16, torch.int8) == 20
     assert kernels.kv_row_width(16, torch.bfloat16) == 16
     scale = x.abs().amax(-1, keepdim=True) / 127
     codes = rows[..., :16]
-    assert codes.abs().amax() == 127 and codes[0, 0].eq(0).all()
+    assert codes[0, 0].eq(0).all()
+    assert (codes.abs().amax(-1) == 127).sum() == 3 * 2 - 1  # each other head's largest is 127
     back = kernels.dequantize_kv(rows)
     assert back.dtype == torch.float32 and back.shape == x.shape
     assert ((back - x).abs() <= scale / 2 + 1e-6).all()
