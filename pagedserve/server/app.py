@@ -140,7 +140,7 @@ def _state_limits_in_openapi(app: FastAPI, serving: OpenAIServing) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build_schema()
-            for model in schema.get("components", {}).get("schemas", {}).values():
+            for model in schema["components"]["schemas"].values():  # the request models
                 for name, prop in model.get("properties", {}).items():
                     for alternative in prop.get("anyOf", [prop]):
                         if name in limits and alternative.get("type") == "integer":

@@ -37,11 +37,14 @@ def error_of(r, status: int) -> dict:
 
 
 # ---- build_app's settings ---------------------------------------------------------------------
-def test_the_api_describes_itself_as_pagedserve(client):
-    info = client.get("/openapi.json").json()["info"]
+def test_the_api_describes_itself_as_pagedserve(engine, monkeypatch):
+    # a version of its own: FastAPI's default, 0.1.0, is also this package's today
+    monkeypatch.setattr(pagedserve, "__version__", "9.8.7")
+    with served(engine) as client:
+        info = client.get("/openapi.json").json()["info"]
     assert info == {
         "title": "pagedserve",
-        "version": pagedserve.__version__,
+        "version": "9.8.7",
         "description": "OpenAI-compatible API of the pagedserve paged inference engine",
     }
 
@@ -161,6 +164,13 @@ def test_every_endpoint_family_is_routed(client):
     } <= paths
     r = client.put("/sessions/s/state", json={"a": 1}, headers=AUTH)
     assert r.status_code == 200
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    ):
+        r = client.post(path, json={**body, "max_tokens": 1}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 1
     r = client.post("/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 401
     r = client.post(
