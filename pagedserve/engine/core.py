@@ -206,7 +206,7 @@ class EngineCore:
         }
 
 
-def _output(group: RequestGroup, index: int, num_new: int = 1) -> EngineCoreOutput:
+def _output(group: RequestGroup, index: int, num_new: int) -> EngineCoreOutput:
     """A sequence's ``num_new`` tokens of this step (more than one: accepted drafts)."""
     seq = group.seqs[index]
     logprobs = seq.logprobs[-num_new:] if seq.sampling_params.logprobs is not None else None

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 import types
 import uuid
 
@@ -17,7 +18,7 @@ import pytest
 import zmq
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.core import LOG_FORMAT, EngineCore, EngineCoreProc
+from pagedserve.engine.core import HEARTBEAT_S, LOG_FORMAT, EngineCore, EngineCoreProc
 from pagedserve.engine.core_client import InprocCoreClient
 from pagedserve.engine.messages import (
     ABORT,
@@ -81,7 +82,46 @@ def test_each_step_sends_one_token_id_per_sequence_and_the_first_carries_its_inf
     prompt_logprobs, num_cached, scheduled, first_token = outputs[0].first
     assert prompt_logprobs is None and num_cached == 0 and scheduled <= first_token
     assert all(o.first is None for o in outputs[1:])
+    assert all(o.new_logprobs is None and o.stop_reason is None for o in outputs)  # none asked
     assert core.num_steps == 4 and core.get_stats()["num_adds"] == 1
+
+
+def test_the_core_leaves_detokenizing_to_the_http_process(core):
+    core.add_request("a", PROMPT, GREEDY)
+    assert core.engine.groups["a"].detokenizers == [None]
+    run(core)
+
+
+def test_outputs_carry_each_steps_logprobs_when_asked_and_the_stop_token_that_ended_them(core):
+    expected = reference(core.engine)
+    stop = expected[2]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, stop_token_ids=[stop])
+    core.add_request("a", PROMPT, params)
+    outputs = run(core)
+    assert [o.new_token_ids[0] for o in outputs] == expected[: expected.index(stop) + 1]
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == stop
+    for o in outputs:
+        (chosen,) = o.new_token_ids
+        (top,) = o.new_logprobs  # this step's token's, not the sequence's so far
+        assert len(top) == 2 and max(top, key=top.get) == chosen  # greedy: the top one
+
+
+def test_a_requests_arrival_time_reaches_the_engine_held_or_not(core):
+    core.add_request("a", PROMPT, GREEDY, arrival_time=1.5)
+    core.pause()
+    core.add_request("held", PROMPT, GREEDY, arrival_time=2.5)
+    core.resume()
+    assert core.engine.groups["a"].seqs[0].arrival_time == 1.5
+    assert core.engine.groups["held"].seqs[0].arrival_time == 2.5
+    ctx = zmq.Context.instance()
+    sockets = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        EngineCoreProc(core, *sockets)._handle([ADD, "wire", PROMPT, params_to_wire(GREEDY), 3.5])
+    finally:
+        for s in sockets:
+            s.close(linger=0)
+    assert core.engine.groups["wire"].seqs[0].arrival_time == 3.5
+    run(core)
 
 
 def test_requests_sent_while_paused_are_held_and_an_abort_drops_the_held_one(core):
@@ -105,6 +145,16 @@ def test_a_request_the_engine_refuses_is_reported_by_id(core):
     (error,) = core.take_errors()
     assert error[:2] == ["huge", "rejected"] and "max_model_len" in error[2]
     assert core.take_errors() == [] and not core.has_work()
+
+
+def test_requests_the_engine_ends_in_a_step_are_reported_by_id_and_kind(core, monkeypatch):
+    monkeypatch.setattr(core.engine, "take_rejected", lambda: [("r", "no room for it")])
+    monkeypatch.setattr(core.engine, "take_failed", lambda: [("f", "its forward pass failed")])
+    assert core.step() == []
+    assert core.take_errors() == [
+        ["r", "rejected", "no room for it"],
+        ["f", "step_failed", "its forward pass failed"],
+    ]
 
 
 def test_a_step_that_fails_outside_the_forward_pass_fails_every_request_in_flight(
@@ -187,6 +237,25 @@ def test_the_ready_info_names_the_model_its_limits_and_where_its_tokenizer_is(co
     assert info["worker_pids"] == engine.executor.worker_pids
 
 
+def test_a_scrub_on_demand_verifies_every_weight_page(core):
+    pages = core.engine.device.num_weight_pages
+    assert pages > 0
+    assert core.scrub_weights() == {"pages_verified": pages, "pages_restored": 0}
+
+
+def test_a_fault_to_inject_is_handed_to_the_engine_as_asked(core, monkeypatch):
+    asked = []
+    monkeypatch.setattr(core.engine, "inject_fault", lambda *a: asked.append(a) or {"ok": 1})
+    assert core.inject_fault("kv_bitflip", "layer0", 3) == {"ok": 1}
+    assert core.inject_fault("weight_bitflip") == {"ok": 1}
+    assert asked == [("kv_bitflip", "layer0", 3), ("weight_bitflip", None, None)]
+
+
+def test_the_ready_info_of_an_engine_without_a_tokenizer_names_no_tokenizer(core, monkeypatch):
+    monkeypatch.setattr(core.engine, "tokenizer", None)
+    assert core.info()["tokenizer_dir"] is None
+
+
 # ---- EngineCoreProc over sockets ------------------------------------------------------------
 class Loop:
     """EngineCoreProc in a thread over in-process sockets; this side sends and receives."""
@@ -251,6 +320,20 @@ def test_the_loop_answers_utility_calls_and_refuses_an_unknown_one_by_name(core)
     finally:
         loop.stop()
     assert loop.error is None
+
+
+def test_an_idle_loop_blocks_on_its_input_and_beats_each_heartbeat_without_a_step(core):
+    loop = Loop(core)
+    try:
+        time.sleep(4 * HEARTBEAT_S)
+        messages = []
+        while loop.from_core.poll(0):
+            messages.append(decode(loop.from_core.recv()))
+    finally:
+        loop.stop()
+    assert 1 <= len(messages) <= 6  # a beat each HEARTBEAT_S; a loop that never blocks: thousands
+    assert all(m[0] == OUTPUTS and outputs_from_wire(m[1]).outputs == [] for m in messages)
+    assert core.num_steps == 0
 
 
 def test_the_loop_streams_a_request_and_stops_on_shutdown(core):
@@ -404,7 +487,7 @@ def test_the_core_process_ignores_signals_says_ready_and_stops_on_shutdown(
     ids=["value", "type", "file", "runtime", "key"],
 )
 def test_a_core_that_cannot_load_says_why_and_exits_1(
-    error, user_error, short_tmp_path, monkeypatch
+    error, user_error, short_tmp_path, monkeypatch, caplog
 ):
     """A user's mistake (a bad path, a bad option) is sent as its message, to be printed as it is;
     anything else as its repr, a bug to report."""
@@ -418,6 +501,9 @@ def test_a_core_that_cannot_load_says_why_and_exits_1(
         assert proc.join() == {"code": 1}
     finally:
         proc.close()
+    # a bug's traceback is logged here; a user's mistake is only printed by the HTTP process
+    logged = [r for r in caplog.records if r.getMessage() == "the engine could not start"]
+    assert len(logged) == (0 if user_error else 1)
 
 
 def test_a_core_whose_loop_dies_says_why_shuts_its_engine_down_and_exits_1(
@@ -451,6 +537,24 @@ def test_a_core_whose_parent_is_gone_removes_its_sockets_and_exits_at_once(
     assert not proc.dir.exists()
 
 
+def test_a_busy_core_whose_parent_is_gone_stops_without_finishing_its_request(
+    engine, shutdowns, short_tmp_path, monkeypatch
+):
+    """The parent is checked after each batch of input, not only when the core is idle."""
+    before = engine.get_stats()["generation_tokens_total"]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    proc = CoreProcess(short_tmp_path, monkeypatch, lambda: engine, os.getppid() + 1)
+    try:
+        assert proc.receive()[0] == READY
+        proc.to_core.send(encode([ADD, "long", PROMPT, params_to_wire(params), 0.0]))
+        assert proc.join() == {"code": 0}
+    finally:
+        proc.close()
+        if "long" in engine.groups:
+            engine.abort_request("long")
+    assert engine.get_stats()["generation_tokens_total"] - before < 100
+
+
 def test_only_an_ipc_sockets_directory_is_removed(short_tmp_path):
     from pagedserve.engine.core import _remove_ipc_dir
 
@@ -461,6 +565,7 @@ def test_only_an_ipc_sockets_directory_is_removed(short_tmp_path):
     assert sockets.is_dir()
     _remove_ipc_dir(f"ipc://{sockets}/input")
     assert not sockets.exists() and short_tmp_path.is_dir()
+    _remove_ipc_dir(f"ipc://{sockets}/input")  # already gone (the HTTP process got there first)
 
 
 # ---- the HTTP side: AsyncLLMEngine over InprocCoreClient -----------------------------------
