@@ -247,6 +247,41 @@ def test_completion_mode_answers_with_one_of_the_choices_given(browser, console_
     assert answer.find_element(By.CLASS_NAME, "text").text in ("mutable", "immutable")
 
 
+# Holds every /v1/models request sent without a key for arguments[0] ms before it goes out, so
+# that its answer (a 401) comes back after the answer to a key typed meanwhile.
+SLOW_KEYLESS_MODELS = """
+const delay = arguments[0], fetchNow = window.fetch;
+window.fetch = async (path, options = {}) => {
+  if (String(path).endsWith('v1/models') && !(options.headers || {}).Authorization)
+    await new Promise((resolve) => setTimeout(resolve, delay));
+  return fetchNow(path, options);
+};
+"""
+
+
+@pytest.mark.browser
+def test_the_answer_to_a_key_typed_is_not_undone_by_a_late_answer_to_an_older_one(
+    browser, console_server
+):
+    from selenium.webdriver.common.by import By
+
+    driver = browser
+    _open_with_key(driver, console_server)
+    driver.execute_script(SLOW_KEYLESS_MODELS, 1000)
+    driver.execute_script(
+        """const key = document.getElementById('api-key');
+           document.getElementById('model-name').textContent = '';
+           key.value = ''; key.dispatchEvent(new Event('change'));  // out late: a 401
+           key.value = arguments[0]; key.dispatchEvent(new Event('change'));""",
+        API_KEY,
+    )
+    name = lambda: driver.find_element(By.ID, "model-name").text  # noqa: E731
+    _wait(lambda: name() == "demo", what="the model name")
+    time.sleep(2)  # the keyless request has gone out and had its answer
+    assert name() == "demo"
+    assert not driver.find_element(By.ID, "notice").is_displayed()
+
+
 WEATHER_TOOLS = (
     '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
     '"properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]'

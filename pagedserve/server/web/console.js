@@ -62,10 +62,16 @@ async function* sseEvents(response) {
   }
 }
 
+// The /v1/models request out now. A key typed or cleared sends a new one and aborts this one, so
+// that only the answer to the key the field holds is shown: answers may come back out of order.
+let modelsRequest = null;
+
 async function loadModelName() {
+  modelsRequest?.abort();
+  const request = (modelsRequest = new AbortController());
   const keyless = !$("api-key").value.trim(); // as sent: the field may change before the answer
   try {
-    const models = await (await api("v1/models")).json();
+    const models = await (await api("v1/models", { signal: request.signal })).json();
     state.model = models.data[0].id;
     $("model-name").textContent = state.model;
     notice("");
@@ -73,7 +79,7 @@ async function loadModelName() {
     // confuse (a key typed or cleared while an earlier request was out says nothing of that)
     if (keyless && !$("api-key").value.trim()) $("key-label").hidden = true;
   } catch {
-    $("model-name").textContent = "";
+    if (!request.signal.aborted) $("model-name").textContent = "";
   }
 }
 
