@@ -63,8 +63,8 @@ class Glm45ToolParser(ToolParser):
             return TextSegment("")  # the name is not over
         name = (inner[: min(cut)] if cut else inner).strip()
         if name not in self.tools:
-            return TextSegment(block) if closed or cut else TextSegment("")
-        pairs, pending = _pairs(inner[min(cut) :] if cut else "", closed)
+            return TextSegment(block)
+        pairs, pending = _pairs(inner)  # the name holds no tag: the pairs of what follows it
         items = [
             f"{json.dumps(k, ensure_ascii=False)}: {self._value(name, k, v)}" for k, v in pairs
         ]
@@ -166,9 +166,9 @@ class Glm45ToolParser(ToolParser):
         return "FREE | text_then_call function call*"
 
 
-def _pairs(args: str, closed: bool) -> tuple[list[tuple[str, str]], tuple[str, str | None] | None]:
+def _pairs(args: str) -> tuple[list[tuple[str, str]], tuple[str, str | None] | None]:
     """The complete (key, value) pairs of ``args``, and the pending one: (key, the value so far
-    or None before it opens), or None."""
+    or None before it opens), or None. The pending pair is read only while the call is open."""
     pairs: list[tuple[str, str]] = []
     while True:
         k0 = args.find(KEY_OPEN)
@@ -180,11 +180,9 @@ def _pairs(args: str, closed: bool) -> tuple[list[tuple[str, str]], tuple[str, s
         key = args[k0 + len(KEY_OPEN) : k1].strip()
         v0 = args.find(VALUE_OPEN, k1)
         if v0 < 0:
-            return pairs, None if closed else (key, None)
+            return pairs, (key, None)
         v1 = args.find(VALUE_CLOSE, v0)
         if v1 < 0:
-            if closed:
-                return pairs, None
             value = args[v0 + len(VALUE_OPEN) :]
             return pairs, (
                 key,
