@@ -419,6 +419,31 @@ GLM45_OUTPUTS = [
         [],
         "<tool_call>get_stock\n<arg_key>s</arg_key>\n<arg_value>X</arg_value>\n</tool_call>",
     ),
+    (  # a closing tag in the text before a call is text
+        "Done.</tool_call> <tool_call>get_time</tool_call>",
+        [("get_time", "{}")],
+        "Done.</tool_call> ",
+    ),
+    (  # the name is the text before the first newline: none here, so this is no call
+        "<tool_call>\nget_time\n</tool_call>",
+        [],
+        "<tool_call>\nget_time\n</tool_call>",
+    ),
+    *[  # a stray tag between two pairs is skipped, as vLLM's pattern of a pair skips it
+        (
+            "<tool_call>get_weather<arg_key>location</arg_key><arg_value>Paris</arg_value>"
+            f"{stray}<arg_key>unit</arg_key><arg_value>celsius</arg_value></tool_call>",
+            [("get_weather", '{"location": "Paris", "unit": "celsius"}')],
+            None,
+        )
+        for stray in ("</arg_key>", "<arg_value>Rome</arg_value>", "</arg_value>")
+    ],
+    (  # a value may hold a tag's text: it runs to its own closing tag
+        "<tool_call>get_weather<arg_key>location</arg_key><arg_value>x<arg_key></arg_value>"
+        "<arg_key>unit</arg_key><arg_value>celsius</arg_value></tool_call>",
+        [("get_weather", '{"location": "x<arg_key>", "unit": "celsius"}')],
+        None,
+    ),
 ]
 
 
@@ -452,6 +477,102 @@ def test_glm45_values_are_json_where_the_schema_says_so(tokenizer):
     )
     _, calls = _assert_streams_add_up(parser, output)
     assert json.loads(calls[0]["arguments"]) == {"n": 5, "tags": ["a", "b"], "s": "5"}
+
+
+def test_glm45_streams_a_call_from_its_name_line_with_its_string_values_so_far(glm45):
+    """Each state of the call as it is written: its name once its line ends, a string value as
+    it grows (a tag's start held back), and the model's text of it as the call's source."""
+    call = (
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call>"
+    )
+    states = {
+        "<tool_call>get_weather": None,  # the name may go on
+        "<tool_call>get_weather\n": "{",
+        "<tool_call>get_weather\n<arg_key>loca": "{",
+        "<tool_call>get_weather\n<arg_key>location</arg_key>": '{"location": ',
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>": '{"location": "',
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Par": '{"location": "Par',
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_va": (
+            '{"location": "Paris'
+        ),
+        "<tool_call>get_weather\n<arg_key>location</arg_key>\n<arg_value>Paris</arg_value>": (
+            '{"location": "Paris"'
+        ),
+        call: '{"location": "Paris"}',
+    }
+    for text, arguments in states.items():
+        expected = [] if arguments is None else [CallSegment("get_weather", arguments, text)]
+        assert glm45.segments(text, final=False) == expected, text
+    assert glm45.segments(call, final=True) == [CallSegment("get_weather", states[call], call)]
+
+
+def test_glm45_holds_back_a_value_that_is_not_a_string_until_its_closing_tag(tokenizer):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+        },
+    }
+    parser = ToolParserManager.get_tool_parser("glm45")(tokenizer, _tools([tool]))
+    head = "<tool_call>f\n<arg_key>n</arg_key><arg_value>12"
+    assert parser.segments(head, final=False) == [CallSegment("f", '{"n": ', head)]
+    done = head + "3</arg_value>"
+    assert parser.segments(done, final=False) == [CallSegment("f", '{"n": 123', done)]
+
+
+def test_glm45_writes_keys_and_values_beyond_ascii_as_they_are(tokenizer):
+    """As vLLM's GLM-4.5 parser does (json.dumps with ensure_ascii=False)."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "天气",
+            "parameters": {
+                "type": "object",
+                "properties": {"城市": {"type": "string"}, "标签": {"type": "array"}},
+            },
+        },
+    }
+    parser = ToolParserManager.get_tool_parser("glm45")(tokenizer, _tools([tool]))
+    output = (
+        "<tool_call>天气\n<arg_key>城市</arg_key>\n<arg_value>巴黎</arg_value>\n"
+        '<arg_key>标签</arg_key>\n<arg_value>["晴"]</arg_value>\n</tool_call>'
+    )
+    _, calls = _assert_streams_add_up(parser, output)
+    assert calls == [{"name": "天气", "arguments": '{"城市": "巴黎", "标签": ["晴"]}'}]
+    head = "<tool_call>天气\n<arg_key>城市</arg_key>\n<arg_value>巴"
+    assert parser.segments(head, final=False) == [CallSegment("天气", '{"城市": "巴', head)]
+
+
+def test_glm45_the_answer_ends_at_the_first_turn_end_even_before_the_output_is_final(glm45):
+    assert glm45.segments("Sunny.<|user|>Hi<|user|>", final=True) == [TextSegment("Sunny.")]
+    assert glm45.segments("<|user|>Hello", final=False) == []
+    # a turn end completes the answer: what could have begun a call is text, a call is over
+    assert glm45.segments("I will check <tool<|observation|>", final=False) == [
+        TextSegment("I will check <tool")
+    ]
+    assert glm45.segments("<tool_call>get_time<|observation|>", final=False) == [
+        CallSegment("get_time", "{}", "<tool_call>get_time")
+    ]
+
+
+def test_glm45_holds_back_only_an_end_that_may_still_become_a_mark(glm45):
+    assert glm45.segments("Sunny.", final=False) == [TextSegment("Sunny.")]
+    assert glm45.segments("Sunny.<|us", final=False) == [TextSegment("Sunny.")]
+    assert glm45.segments("See <tool_ca", final=False) == [TextSegment("See ")]
+    assert glm45.segments("Sunny <|", final=True) == [TextSegment("Sunny <|")]
+    assert glm45.segments("See <tool_ca", final=True) == [TextSegment("See <tool_ca")]
+
+
+def test_glm45_a_name_that_is_not_declared_is_text_as_soon_as_its_line_ends(glm45):
+    assert glm45.segments("<tool_call>get_stock", final=False) == []
+    assert glm45.segments("<tool_call>get_stock\n", final=False) == [
+        TextSegment("<tool_call>get_stock\n")
+    ]
+    assert glm45.segments("<tool_call>get_stock</tool_call>", final=False) == [
+        TextSegment("<tool_call>get_stock</tool_call>")
+    ]
 
 
 # ---- reasoning: GLM-Z1 ----------------------------------------------------------------------------
