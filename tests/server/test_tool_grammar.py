@@ -163,6 +163,67 @@ def test_glm45_auto_with_a_strict_tool_allows_text_first(vocab, request):
     assert not _accepts(tok, g, "<tool_call>get_weather\n</tool_call>")
 
 
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_one_call_only_without_parallel_tool_calls(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    named = ToolRequest(_tools(WEATHER, CLOCK), "named", named="get_weather", parallel=False)
+    g = _grammar(tok, "glm45", named)
+    assert _accepts(tok, g, XML_CALL)
+    assert not _accepts(tok, g, XML_CALL + XML_CALL)
+    g = _grammar(tok, "glm45", ToolRequest(_tools(WEATHER, CLOCK), "required", parallel=False))
+    assert _accepts(tok, g, XML_CALL)
+    assert not _accepts(tok, g, XML_CALL + "<tool_call>get_time</tool_call>")
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_a_function_without_parameters_takes_no_pairs_and_a_free_object_any(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    ping = {"type": "function", "function": {"name": "ping"}}  # no parameters: no arguments
+    pair = "<arg_key>host</arg_key><arg_value>x</arg_value>"
+    g = _grammar(tok, "glm45", ToolRequest(_tools(ping), "required"))
+    assert _accepts(tok, g, "<tool_call>ping</tool_call>")
+    assert not _accepts(tok, g, f"<tool_call>ping{pair}</tool_call>")
+    # auto holds a tool that is not strict to no schema: any pairs (glm4's: any object)
+    g = _grammar(tok, "glm45", ToolRequest(_tools(_strict(CLOCK), ping, WEATHER), "auto"))
+    assert _accepts(tok, g, f"<tool_call>ping{pair}{pair}</tool_call>")
+    assert _accepts(tok, g, f"<tool_call>get_weather{pair}</tool_call>")  # no location
+    assert _accepts(tok, g, "<tool_call>get_time</tool_call>")
+
+
+LABEL = {  # a value of each kind of rule: lengths of a string, and JSON
+    "type": "function",
+    "function": {
+        "name": "label",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "minLength": 2, "maxLength": 4},
+                "note": {"type": "string", "maxLength": 3},
+                "name": {"type": "string", "minLength": 2},
+                "count": {"type": "integer"},
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_values_keep_to_their_schemas_lengths_and_types(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    g = _grammar(tok, "glm45", ToolRequest(_tools(LABEL), "required"))
+
+    def takes(key: str, value: str) -> bool:
+        pair = f"<arg_key>{key}</arg_key><arg_value>{value}</arg_value>"
+        return _accepts(tok, g, f"<tool_call>label\n{pair}\n</tool_call>")
+
+    assert takes("code", "ab") and takes("code", "abcd")
+    assert not takes("code", "a") and not takes("code", "abcde")
+    assert takes("note", "") and takes("note", "abc") and not takes("note", "abcd")
+    assert takes("name", "ab") and takes("name", "a long name") and not takes("name", "a")
+    assert takes("count", "12") and takes("count", "-3")
+    assert not takes("count", "twelve") and not takes("count", "1.5")
+
+
 # ---- the request's constraint ----------------------------------------------------------------
 def test_a_tool_choice_that_constrains_and_a_structured_output_cannot_both_apply(demo):
     request = ToolRequest(_tools(WEATHER), "required")
