@@ -190,6 +190,15 @@ def test_glm45_a_function_without_parameters_takes_no_pairs_and_a_free_object_an
     assert _accepts(tok, g, "<tool_call>get_time</tool_call>")
 
 
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_free_text_is_any_text_without_a_calls_tag(vocab, request):
+    tok = request.getfixturevalue(vocab)
+    parser = ToolParserManager.get_tool_parser("glm45")(tok, _tools(WEATHER))
+    g = f"start: FREE\nFREE: {parser.free_text(_tools(WEATHER))}"
+    assert _accepts(tok, g, "Sunny.") and _accepts(tok, g, "a <tool call> or <tool_call")
+    assert not _accepts(tok, g, "Sunny.<tool_call>") and not _accepts(tok, g, XML_CALL)
+
+
 LABEL = {  # a value of each kind of rule: lengths of a string, and JSON
     "type": "function",
     "function": {

@@ -158,7 +158,7 @@ class Glm45ToolParser(ToolParser):
     def free_text(self, tools: list[ChatCompletionToolsParam]) -> str:
         if self.has_special(OPEN):
             return "/(?s:.*)/"
-        return f"/(?s:.*)/ & ~/(?s:.*){_regex(OPEN)}(?s:.*)/"
+        return f"/(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/"  # the tag holds no character a regex reads
 
     def auto_start(self) -> str:
         if self.has_special(OPEN):
@@ -190,7 +190,3 @@ def _pairs(args: str) -> tuple[list[tuple[str, str]], tuple[str, str | None] | N
             )
         pairs.append((key, args[v0 + len(VALUE_OPEN) : v1].strip()))
         args = args[v1 + len(VALUE_CLOSE) :]
-
-
-def _regex(literal: str) -> str:
-    return "".join("\\" + c if c in "/.*+?()[]{}|^$\\" else c for c in literal)
