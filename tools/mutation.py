@@ -448,6 +448,46 @@ MATCH_RULES = [
         "into text), and a piece of a final output is complete: it returns before this line",
     ),
     (
+        "server_glm45_tool_parser",
+        "_call|_value",
+        r"ensure_ascii=False",
+        r"ensure_ascii=None",
+        "json.dumps reads ensure_ascii only as a truth value: None writes the characters beyond "
+        "ASCII as they are, as False does",
+    ),
+    (
+        "server_glm45_tool_parser",
+        "_call",
+        r'return TextSegment\(""\)',
+        r"return TextSegment\(None\)",
+        "segments drops every text segment whose text is falsy: an empty one and one of None alike",
+    ),
+    (
+        "server_glm45_tool_parser",
+        "grammar",
+        r'_text_rule\("(value_text|text_then_call)", "", ',
+        r'_text_rule\("(value_text|text_then_call)", None, ',
+        "_text_rule writes the length as `length or '*'`: None and an empty length are both any "
+        "length",
+    ),
+    (
+        "server_glm45_tool_parser",
+        "_pairs",
+        r"if (k1|v0|v1) < 0:$",
+        r"if (k1|v0|v1) (<= 0|< 1):$",
+        "each tag is searched for from where the one before it (the key's opening tag, at 0 or "
+        "later) begins, and a different tag begins there: a tag found is at 1 or later, so < 0, "
+        "<= 0 and < 1 agree",
+    ),
+    (
+        "server_glm45_tool_parser",
+        "segments",
+        r"(if end < 0 else|closed=end >= 0 or)",
+        r"(if end <= 0 else|if end < 1 else|closed=end > 0 or|closed=end >= 1 or)",
+        "the closing tag is searched for from the opening tag's index (0 or later), where it "
+        "cannot begin: a closing tag found is at 1 or later, so end is never 0",
+    ),
+    (
         "detokenizer",
         "__init__|_advance_window",
         r"self\.prefix_offset = 0$",
