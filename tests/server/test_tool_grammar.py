@@ -190,6 +190,50 @@ def test_glm45_a_function_without_parameters_takes_no_pairs_and_a_free_object_an
     assert _accepts(tok, g, "<tool_call>get_time</tool_call>")
 
 
+NOW = "<arg_key>now</arg_key><arg_value>true</arg_value>"  # a pair get_time does not list
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+@pytest.mark.parametrize(
+    ("choice", "clock"),
+    [("required", CLOCK), ("named", CLOCK), ("auto", _strict(CLOCK))],
+    ids=["required", "named", "auto-strict"],
+)
+def test_glm45_a_held_tool_whose_properties_are_empty_takes_no_pairs_as_glm4_takes_no_keys(
+    vocab, choice, clock, request
+):
+    tok = request.getfixturevalue(vocab)
+    named = "get_time" if choice == "named" else None
+    held = ToolRequest(_tools(WEATHER, clock), choice, named=named)
+    g = _grammar(tok, "glm45", held)
+    assert _accepts(tok, g, "<tool_call>get_time</tool_call>")
+    assert not _accepts(tok, g, f"<tool_call>get_time{NOW}</tool_call>")
+    assert not _accepts(tok, g, f"<tool_call>get_time\n{NOW}\n</tool_call>")
+    g = _grammar(tok, "glm4", held)
+    assert _accepts(tok, g, "get_time\n{}") and not _accepts(tok, g, 'get_time\n{"now": true}')
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_empty_properties_take_any_pairs_where_the_schema_or_auto_leaves_them_open(
+    vocab, request
+):
+    tok = request.getfixturevalue(vocab)
+    open_clock = {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+    }
+    auto = ToolRequest(_tools(_strict(WEATHER), CLOCK), "auto")  # holds get_time to no schema
+    for open_request in (ToolRequest(_tools(open_clock), "required"), auto):
+        g = _grammar(tok, "glm45", open_request)
+        assert _accepts(tok, g, f"<tool_call>get_time{NOW}</tool_call>")
+        assert _accepts(tok, g, "<tool_call>get_time</tool_call>")
+        g = _grammar(tok, "glm4", open_request)
+        assert _accepts(tok, g, 'get_time\n{"now": true}') and _accepts(tok, g, "get_time\n{}")
+
+
 @pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
 def test_glm45_free_text_is_any_text_without_a_calls_tag(vocab, request):
     tok = request.getfixturevalue(vocab)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedserve.engine.structured_output.backend_guidance import strict_schema
 from pagedserve.server.protocol import ChatCompletionToolsParam
 from pagedserve.server.tool_parsers.abstract_tool_parser import (
     CallSegment,
@@ -102,7 +103,8 @@ class Glm45ToolParser(ToolParser):
     ) -> str:
         rules = []
         for i, tool in enumerate(tools):
-            entries = self._entries(i, self.arguments_schema(tool, enforced), rules)
+            schema = strict_schema(self.arguments_schema(tool, enforced))  # as glm4's JSON
+            entries = self._entries(i, schema, rules)
             name = json.dumps(tool.function.name)
             rules.append(f'fn_{i}: {name} "\\n"? {entries} {self.token(CLOSE)} "\\n"?')
         functions = " | ".join(f"fn_{i}" for i in range(len(tools)))
@@ -117,7 +119,8 @@ class Glm45ToolParser(ToolParser):
 
     def _entries(self, i: int, schema: dict[str, Any], rules: list[str]) -> str:
         """The key/value pairs of ``schema``'s properties, in its order (the required ones
-        required); any pairs when it lists none."""
+        required); when it lists none, no pairs if it is closed (``strict_schema`` closes one
+        that lists its properties, even none, unless it says otherwise), else any pairs."""
         properties = schema.get("properties") or {}
         if not properties:
             if schema.get("additionalProperties") is False:
