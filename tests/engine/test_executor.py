@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from datetime import timedelta
+from operator import index
 from types import SimpleNamespace
 
 import pytest
@@ -34,6 +35,9 @@ from pagedserve.engine.executor import (
     RendezvousTimeoutError,
 )
 from pagedserve.engine.model_runner import ModelInput
+
+# a wait that never ends (for a rank's report, the rendezvous) fails its test instead
+pytestmark = pytest.mark.timeout(60)
 
 SERVER, LLM = UsageContext.OPENAI_API_SERVER, UsageContext.LLM_CLASS
 
@@ -660,6 +664,7 @@ def test_a_node_of_the_last_rank_with_an_address_passes_the_checks(caplog):
     config = _config(tensor_parallel_size=4, nnodes=2, node_rank=1, dist_init_addr="h:1")
     with caplog.at_level(logging.WARNING, logger=ex.__name__):
         ex.check_parallel_config(config, SERVER)
+        ex.check_parallel_config(_config(tensor_parallel_size=2), SERVER)  # one node: no address
     assert caplog.records == []
 
 
@@ -897,7 +902,8 @@ def rank_process(monkeypatch):
     monkeypatch.setattr(ex.logging, "basicConfig", lambda **k: calls.append(("logging", k)))
     monkeypatch.setattr(ex, "_exit_with_parent", lambda: calls.append(("watch",)))
     monkeypatch.setattr(ex.torch, "get_num_threads", lambda: 8)
-    monkeypatch.setattr(ex.torch, "set_num_threads", lambda n: calls.append(("threads", n)))
+    # operator.index refuses a float, as torch.set_num_threads does
+    monkeypatch.setattr(ex.torch, "set_num_threads", lambda n: calls.append(("threads", index(n))))
     monkeypatch.setattr(ex, "init_distributed", lambda *a: calls.append(("join", *a)))
 
     class FakeWorker:
@@ -917,7 +923,7 @@ def rank_process(monkeypatch):
 def test_a_local_rank_reports_started_joins_loads_reports_ready_then_runs_steps(
     rank_process, caplog
 ):
-    config, conn = _config(tensor_parallel_size=4), _Conn()
+    config, conn = _config(tensor_parallel_size=3), _Conn()
     with caplog.at_level(logging.INFO, logger=ex.__name__):
         ex.run_worker(config, 2, "h:1", conn, "debug")
     assert conn.sent == [("started",), ("ready",)]
@@ -926,9 +932,9 @@ def test_a_local_rank_reports_started_joins_loads_reports_ready_then_runs_steps(
         ("signal", signal.SIGTERM, signal.SIG_IGN),
         ("logging", {"level": "DEBUG", "format": ex.LOG_FORMAT}),
         ("watch",),
-        ("threads", 2),  # 8 threads shared by 4 ranks
+        ("threads", 2),  # 8 threads shared by 3 ranks: 2 each
         ("join", config.parallel, 2, "gloo", "h:1"),
-        ("worker", config, 2, 4),
+        ("worker", config, 2, 3),
         ("kv",),
         ("loop", rank_process.Worker),
         ("leave",),
@@ -936,6 +942,11 @@ def test_a_local_rank_reports_started_joins_loads_reports_ready_then_runs_steps(
     assert [r.getMessage() for r in caplog.records] == [
         "tensor-parallel rank 2 ready on cpu card 1"
     ]
+
+
+def test_a_local_ranks_logging_is_at_info_unless_told(rank_process):
+    ex.run_worker(_config(tensor_parallel_size=2), 1, "h:1", _Conn())
+    assert ("logging", {"level": "INFO", "format": ex.LOG_FORMAT}) in rank_process.calls
 
 
 def test_a_nodes_first_rank_keeps_its_signals_and_logging_and_a_thread_at_least(rank_process):

@@ -107,6 +107,57 @@ def test_int4_at_two_ranks_is_refused_for_the_groups_it_would_cut(tiny_glm4):
         _worker(tiny_glm4[0], 0, 2, quantization="int4")
 
 
+def test_a_rank_reads_only_its_share_of_each_split_tensor_from_the_checkpoint(
+    tiny_glm4, monkeypatch
+):
+    from pagedserve.models import loader
+
+    whole = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = loader_safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, name):
+            return self.f.get_slice(name)
+
+        def get_tensor(self, name):
+            whole.append(name)
+            return self.f.get_tensor(name)
+
+    loader_safe_open = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    w = _worker(tiny_glm4[0], 1, 2)
+    assert "model.layers.0.input_layernorm.weight" in whole  # not split: read whole
+    assert not [n for n in whole if "proj" in n or "embed" in n or "lm_head" in n]
+    assert w.tp.rank == 1
+
+
+def test_the_checkpoints_tensors_reach_the_model_cast_to_its_dtype(tiny_glm4, monkeypatch):
+    from pagedserve.models.glm4 import GlmForCausalLM
+
+    dtypes = set()
+    load_weights = GlmForCausalLM.load_weights
+
+    def recording(self, state_dict):
+        dtypes.update(t.dtype for t in state_dict.values())
+        return load_weights(self, state_dict)
+
+    monkeypatch.setattr(GlmForCausalLM, "load_weights", recording)
+    _worker(tiny_glm4[0], dtype="bfloat16")  # a float32 checkpoint
+    assert dtypes == {torch.bfloat16}
+
+
 def _bare_worker(quantization=None, quantization_config=None, group_size=32) -> Worker:
     w = Worker.__new__(Worker)
     w.config = SimpleNamespace(
@@ -183,6 +234,7 @@ def test_a_card_too_small_for_the_weights_is_refused_suggesting_more_ranks(tiny_
         f"has {checkpoint / 2**10:.2f} KiB, a card holds {checkpoint // 3 / 2**10:.2f} KiB ("
     )
     assert text.endswith("); split it over 4 cards with --tensor-parallel-size 4")
+    assert "KiB (memory tier 'weight' cannot hold " in text  # the card's own error
 
 
 def _oom_worker(tmp_path, checkpoint, card, tier, tp=1, usage=UsageContext.OPENAI_API_SERVER):
@@ -323,6 +375,19 @@ def test_every_rank_takes_the_smallest_pool_and_host_tier_of_all_ranks(tiny_glm4
     assert w.device.host_kv_cache.shape[0] == 3 and set(w.device.ops) == {"min"}
 
 
+def test_the_counts_are_reduced_in_the_cards_own_memory():
+    """nccl reduces only tensors in the card's memory: a meta card stands for one here."""
+    seen = []
+
+    def all_reduce(t, op="sum"):
+        seen.append((t.device.type, t.dtype, op))
+        return torch.tensor([3])  # what the ranks agreed on, read back
+
+    w = Worker.__new__(Worker)
+    w.device = SimpleNamespace(torch_device=torch.device("meta"), all_reduce=all_reduce)
+    assert w._same_on_every_rank(5) == 3 and seen == [("meta", torch.int64, "min")]
+
+
 def test_no_rank_with_no_room_refuses_the_others_their_pool(tiny_glm4):
     w = _worker(tiny_glm4[0], num_kv_pages=4)
     w.device = _Ranks(w.device, others=0)
@@ -330,7 +395,7 @@ def test_no_rank_with_no_room_refuses_the_others_their_pool(tiny_glm4):
         w.init_kv_cache()
 
 
-@pytest.mark.parametrize("swap, cached", [(3, 2), (3, 0), (0, 2)])
+@pytest.mark.parametrize("swap, cached", [(3, 2), (2, 2), (3, 0), (0, 2)])
 def test_swap_space_and_the_host_prefix_cache_are_frames_of_one_host_pool(tiny_glm4, swap, cached):
     gib = host_tier_gib(tiny_glm4[0], 1, 16)
     w = _worker(tiny_glm4[0], num_kv_pages=4, swap_space=swap * gib, host_prefix_cache=cached * gib)
