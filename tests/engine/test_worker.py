@@ -80,6 +80,12 @@ def test_a_worker_by_default_is_rank_0_of_1_with_the_whole_model_for_the_server(
     assert w.device.name == "cpu" and w.model.lm_head is not None
 
 
+def test_auto_loads_the_tiny_checkpoint_in_its_own_float32_on_the_kernels_asked_for(tiny_glm4):
+    w = _worker(tiny_glm4[0], dtype="auto", kernels="eager")
+    assert w.model_config.torch_dtype == "float32" and w.dtype is torch.float32
+    assert w.device.kernel_set == "eager" and _worker(tiny_glm4[0]).device.kernel_set != "eager"
+
+
 def test_a_rank_of_two_holds_its_card_and_half_the_kv_heads(tiny_glm4):
     w = _worker(tiny_glm4[0], 1, 2, kv_cache_dtype="int8")
     assert (w.device.rank, w.device.world_size) == (1, 2)
