@@ -135,11 +135,8 @@ MODULES = {
         "pagedserve/engine/model_runner.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
-    "worker": (
-        "pagedserve/engine/worker.py",
-        [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
-    ),
-    "executor": ("pagedserve/engine/executor.py", [*ENGINE_TESTS, *CORE_TESTS]),
+    "worker": ("pagedserve/engine/worker.py", ["tests/engine/test_worker.py"]),
+    "executor": ("pagedserve/engine/executor.py", ["tests/engine/test_executor.py"]),
     "memory_plan": (  # the plans, without the subprocess and the live servers'
         "pagedserve/engine/memory_plan.py",
         _named(
@@ -371,6 +368,11 @@ DROP_RULES = [
         "sampler",
         r"dim=[-+]1\b|, [-+]1(?=\))",
         "the tensors are 2-D [rows, vocab]: dim +1 is dim -1, and topk/sort default to it",
+    ),
+    (
+        "executor",
+        r"src=0",
+        "Device.broadcast's src defaults to 0 (rank 0 sends every message): the same call",
     ),
     (
         "sampler",
@@ -1025,6 +1027,46 @@ MATCH_RULES = [
         r"(copy=(None|True)|, )\)$",
         "copy only chooses whether zmq copies the encoded bytes or takes them as they are: the "
         "peer receives the same message",
+    ),
+    (
+        "executor",
+        "shutdown|check_main_module",
+        r"self\.joined = False$|\"_inheriting\", False\)",
+        r"self\.joined = None$|\"_inheriting\", None\)",
+        "a flag read only as a truth value (shutdown's if self.joined; check_main_module's if on "
+        "the process's _inheriting), where None is False",
+    ),
+    (
+        "executor",
+        "_exit_with_parent",
+        r'name="pagedserve-parent-watch", daemon=True\)',
+        r'name=(None|"XXpagedserve-parent-watchXX"|"PAGEDSERVE-PARENT-WATCH"), daemon|'
+        r"target=watch, daemon=True\)",
+        "the watching thread's name is read by nothing: no log format shows %(threadName)s; it "
+        "only labels the thread in a debugger's stack dump",
+    ),
+    (
+        "executor",
+        "_send",
+        r"torch\.tensor\(\[kind, size\], dtype=torch\.long, ",
+        r"torch\.tensor\(\[kind, size\], (dtype=None, )?device",
+        "kind and size are Python ints, from which torch infers int64: the dtype given",
+    ),
+    (
+        "executor",
+        "run_worker",
+        r'log_level: str = "info",',
+        r'log_level: str = "INFO",',
+        "the level is read only as log_level.upper(): the same level",
+    ),
+    (
+        "worker",
+        "_init_host_tier",
+        r"2\*\*30 // self\.page_bytes\)\)$",
+        r"2\*\*30 / self\.page_bytes\)\)$",
+        "both operands are positive, and a float quotient never rounds up to the integer above "
+        "it (an exact quotient below k is at least k * 2**-53 below, more than half the spacing "
+        "of the floats below k): int() of it is the floor that // gives",
     ),
 ]
 
