@@ -127,9 +127,27 @@ MODULES = {
         "pagedserve/engine/llm_engine.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
-    "fault_recovery": (
+    "fault_recovery": (  # the tests that inject or provoke a fault: every step runs recovery's
+        # checks, so the engines' other tests would run for each of its mutants, and none of them
+        # has a fault to recover
         "pagedserve/engine/fault_recovery.py",
-        [*ENGINE_TESTS, "tests/engine/test_kv_tiers.py"],  # the host tier's frames
+        [
+            "tests/engine/test_fault_recovery.py",
+            "tests/engine/test_device_faults.py",
+            *_named(
+                "tests/engine/test_engine.py",
+                "test_a_detected_kv_page_fault_is_recovered_by_recompute",
+                "test_an_unrecovered_kv_page_fault_would_corrupt_the_output",
+            ),
+            *_named(  # the host tier's frames
+                "tests/engine/test_kv_tiers.py",
+                "test_a_fault_in_a_swapped_out_page_is_detected_and_its_request_recomputes",
+                "test_the_same_host_fault_unrecovered_would_corrupt_the_answer",
+                "test_a_host_fault_injected_with_nothing_there_hits_frame_0_and_is_recovered",
+                "test_a_host_fault_injection_outside_the_host_tier_names_its_frames",
+                "test_a_step_whose_swap_out_fails_recomputes_its_victim",
+            ),
+        ],
     ),
     "model_runner": (
         "pagedserve/engine/model_runner.py",
@@ -957,6 +975,29 @@ MATCH_RULES = [
         r"check_tensor_parallel\((None|\"XXXX\"), model, tp\)",
         "the name only goes into the message of a TuneError that the loop catches and drops, "
         "trying the next size",
+    ),
+    (
+        "fault_recovery",
+        "__init__",
+        r'environ\.get\("PAGEDSERVE_FAULT_RECOVERY", "on"\) != "off"',
+        r'environ\.get\("PAGEDSERVE_FAULT_RECOVERY", (None|"XXonXX"|"ON")?\) != "off"',
+        'the default (the variable unset) is only compared with "off": any other default, '
+        'None included, means on, as "on" does',
+    ),
+    (
+        "fault_recovery",
+        "recover_host_frames",
+        r"why = \"a host-tier KV fault\" if fault else",
+        r".",
+        "why is read only by the warning logged for each request that recomputes: the text of "
+        "a log line",
+    ),
+    (
+        "fault_recovery",
+        "fail_step",
+        r"swap_out\], fault=False\)$",
+        r"swap_out\], fault=None\)$",
+        "recover_host_frames reads fault only as a truth value: None is falsy, as False is",
     ),
     (
         "core|async_engine",
