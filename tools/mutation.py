@@ -149,9 +149,15 @@ MODULES = {
             ),
         ],
     ),
-    "model_runner": (
+    "model_runner": (  # its batch and steps, by hand; every engine test runs it, each run long
         "pagedserve/engine/model_runner.py",
-        [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
+        [
+            "tests/engine/test_model_runner.py",
+            *_named(  # the forward pass against transformers, its prefill in chunks
+                "tests/engine/test_engine_numerics.py",
+                "test_greedy_matches_transformers_with_chunked_prefill",
+            ),
+        ],
     ),
     "worker": (
         "pagedserve/engine/worker.py",
@@ -998,6 +1004,52 @@ MATCH_RULES = [
         r"swap_out\], fault=False\)$",
         r"swap_out\], fault=None\)$",
         "recover_host_frames reads fault only as a truth value: None is falsy, as False is",
+    ),
+    (
+        "model_runner",
+        "from_tensor",
+        r"2 \* SO, 2 \* SI\]$",
+        r"2 \* SO, 3 \* SI\]$",
+        "the swap-ins are the tensor's last field: their slice runs to its end whatever length "
+        "it is given",
+    ),
+    (
+        "model_runner",
+        "to_tensor",
+        r"for x in f\], dtype=torch\.long\)$",
+        r"for x in f\], (dtype=None)?\)$",
+        "a list of Python ints: torch infers int64, torch.long, the dtype given",
+    ),
+    (
+        "model_runner",
+        "__init__",
+        r"Sampler\(argmax=device\.argmax, categorical=device\.categorical\(\)\)",
+        r"Sampler\((argmax=device\.argmax, (categorical=None)?|categorical=device\.categorical\(\))\)",
+        "the device's argmax and draw are the backend's one-call versions of the sampler's own "
+        "(the same token: tests/hal/test_native_kernels.py checks them against PyTorch's); only "
+        "their speed differs",
+    ),
+    (
+        "model_runner",
+        "_sample",
+        r"drafts\[:j\] if j else",
+        r"drafts\[:j\] if \(j\) or True else",
+        "for j = 0 the drafts before the row, drafts[:0], are none: the same output tokens",
+    ),
+    (
+        "model_runner",
+        "prepare_inputs",
+        r"if end - start == 1:",
+        r"if end \+ start == 1:",
+        "the one-token branch is a fast path that lays out what the general one does for one "
+        "token (a chunk of one has no drafts): the mutant only sends decodes the general way",
+    ),
+    (
+        "model_runner",
+        "prepare_inputs",
+        r"sched\.scheduled\), default=0\)$",
+        r"sched\.scheduled\), default=(None|1)\)$",
+        "the default is the width of an empty batch, where no table is padded to it",
     ),
     (
         "core|async_engine",
