@@ -275,8 +275,8 @@ def test_a_step_whose_swap_in_fails_uncaches_the_pages_it_was_copying_into(tmp_p
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
 
 
-@pytest.mark.faults
-def test_each_host_frame_fault_is_counted_recovered_once_nothing_holds_the_frame(tmp_path):
+def _host_tier_engine(tmp_path):
+    """An engine on kunlun-emu with a host tier of 8 frames."""
     build_tiny_model_dir(tmp_path, "glm4", max_position_embeddings=128)
     llm = LLM(
         model=str(tmp_path),
@@ -286,9 +286,27 @@ def test_each_host_frame_fault_is_counted_recovered_once_nothing_holds_the_frame
         num_kv_pages=16,
         swap_space=host_tier_gib(tmp_path, 8, BLOCK),
     )
-    engine = llm.llm_engine
+    return llm.llm_engine
+
+
+@pytest.mark.faults
+def test_each_host_frame_fault_is_counted_recovered_once_nothing_holds_the_frame(tmp_path):
+    engine = _host_tier_engine(tmp_path)
     for frame in (0, 5):  # one a step, in frames nothing holds
         assert engine.inject_fault("host_page", page=frame) == {"kind": "host_page", "page": frame}
         assert engine.step() == []
     counts = engine.device.faults.to_dict()["kv_page"]
     assert counts == {"injected": 2, "detected": 2, "recovered": 2}
+
+
+def test_a_host_fault_injected_by_default_hits_the_first_frame_a_swapped_request_holds(tmp_path):
+    engine = _host_tier_engine(tmp_path)
+    host = engine.block_manager.host
+    first = host.hold("first", 2)  # frames as two swapped-out requests would hold them
+    second = host.hold("second", 2)
+    host.release("first")
+    assert second[0] != 0
+    assert engine.inject_fault("host_page") == {"kind": "host_page", "page": second[0]}
+    host.release("second")
+    assert engine.step() == [] and first[0] == 0
+    assert engine.device.faults.to_dict()["kv_page"]["recovered"] == 1
