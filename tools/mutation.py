@@ -127,42 +127,69 @@ MODULES = {
         "pagedserve/engine/llm_engine.py",
         [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
     ),
-    "fault_recovery": (
+    "fault_recovery": (  # the tests that inject or provoke a fault: every step runs recovery's
+        # checks, so the engines' other tests would run for each of its mutants, and none of them
+        # has a fault to recover
         "pagedserve/engine/fault_recovery.py",
-        [*ENGINE_TESTS, "tests/engine/test_kv_tiers.py"],  # the host tier's frames
+        [
+            "tests/engine/test_fault_recovery.py",
+            "tests/engine/test_device_faults.py",
+            *_named(
+                "tests/engine/test_engine.py",
+                "test_a_detected_kv_page_fault_is_recovered_by_recompute",
+                "test_an_unrecovered_kv_page_fault_would_corrupt_the_output",
+            ),
+            *_named(  # the host tier's frames
+                "tests/engine/test_kv_tiers.py",
+                "test_a_fault_in_a_swapped_out_page_is_detected_and_its_request_recomputes",
+                "test_the_same_host_fault_unrecovered_would_corrupt_the_answer",
+                "test_a_host_fault_injected_with_nothing_there_hits_frame_0_and_is_recovered",
+                "test_a_host_fault_injection_outside_the_host_tier_names_its_frames",
+                "test_a_step_whose_swap_out_fails_recomputes_its_victim",
+            ),
+        ],
     ),
-    "model_runner": (
+    "model_runner": (  # its batch and steps, by hand; every engine test runs it, each run long
         "pagedserve/engine/model_runner.py",
-        [*ENGINE_TESTS, "tests/engine/test_engine_numerics.py"],
+        [
+            "tests/engine/test_model_runner.py",
+            *_named(  # the forward pass against transformers, its prefill in chunks
+                "tests/engine/test_engine_numerics.py",
+                "test_greedy_matches_transformers_with_chunked_prefill",
+            ),
+        ],
     ),
     "worker": ("pagedserve/engine/worker.py", ["tests/engine/test_worker.py"]),
     "executor": ("pagedserve/engine/executor.py", ["tests/engine/test_executor.py"]),
     "memory_plan": (  # the plans, without the subprocess and the live servers'
         "pagedserve/engine/memory_plan.py",
-        _named(
-            "tests/entrypoints/test_tune.py",
-            "test_glm4_9b_chat_on_kunlun_matches_hand_computation",
-            "test_the_kv_tier_caps_the_pool_of_the_default_device",
-            "test_an_emulated_pool_stops_at_half_the_hosts_free_ram_and_says_so",
-            "test_a_host_too_small_for_one_sequence_is_named_as_the_bound",
-            "test_a_device_outside_host_memory_has_no_host_bound",
-            "test_tune_model_demo_plans_for_serves_default_device",
-            "test_the_explanation_quotes_no_other_models_figures",
-            "test_the_launch_script_serves_the_model_name_the_readmes_requests_send",
-            "test_tensor_parallel_splits_weights_and_replicates_kv_heads",
-            "test_unquantized_weights_are_two_bytes_per_parameter",
-            "test_32b_on_32g_device_refuses_bf16_weights_and_fits_int4",
-            "test_refuses_tensor_parallel_size_that_does_not_divide_heads",
-            "test_refuses_max_model_len_beyond_context",
-            "test_refuses_when_one_sequence_does_not_fit_and_says_how_much_is_missing",
-            "test_cli_reports_refusal_on_stderr",
-            "test_model_directory_config_json_is_read",
-            "test_presets_have_the_published_shapes_and_device_schema",
-            "test_demo_preset_has_the_shipped_demo_models_shapes",
-            "test_demo_model_fits_the_small_emulated_device",
-            "test_write_produces_an_executable_launch_script",
-            "test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits",
-        ),
+        [
+            "tests/entrypoints/test_memory_plan.py",
+            *_named(
+                "tests/entrypoints/test_tune.py",
+                "test_glm4_9b_chat_on_kunlun_matches_hand_computation",
+                "test_the_kv_tier_caps_the_pool_of_the_default_device",
+                "test_an_emulated_pool_stops_at_half_the_hosts_free_ram_and_says_so",
+                "test_a_host_too_small_for_one_sequence_is_named_as_the_bound",
+                "test_a_device_outside_host_memory_has_no_host_bound",
+                "test_tune_model_demo_plans_for_serves_default_device",
+                "test_the_explanation_quotes_no_other_models_figures",
+                "test_the_launch_script_serves_the_model_name_the_readmes_requests_send",
+                "test_tensor_parallel_splits_weights_and_replicates_kv_heads",
+                "test_unquantized_weights_are_two_bytes_per_parameter",
+                "test_32b_on_32g_device_refuses_bf16_weights_and_fits_int4",
+                "test_refuses_tensor_parallel_size_that_does_not_divide_heads",
+                "test_refuses_max_model_len_beyond_context",
+                "test_refuses_when_one_sequence_does_not_fit_and_says_how_much_is_missing",
+                "test_cli_reports_refusal_on_stderr",
+                "test_model_directory_config_json_is_read",
+                "test_presets_have_the_published_shapes_and_device_schema",
+                "test_demo_preset_has_the_shipped_demo_models_shapes",
+                "test_demo_model_fits_the_small_emulated_device",
+                "test_write_produces_an_executable_launch_script",
+                "test_tp_size_divides_the_weights_per_card_and_says_whether_it_fits",
+            ),
+        ],
     ),
     "messages": ("pagedserve/engine/messages.py", CORE_TESTS),
     "core": ("pagedserve/engine/core.py", CORE_TESTS),
@@ -973,6 +1000,98 @@ MATCH_RULES = [
         r"num_blocks = -\(-context_len // block_size\)",
         r"num_blocks = None",
         "only how many pages are gathered before the cut to context_len: the same rows",
+    ),
+    (
+        "memory_plan",
+        "_host_limit",
+        r'float\("inf"\)',
+        r'float\("INF"\)',
+        "float() reads infinity in any case",
+    ),
+    (
+        "memory_plan",
+        "explain",
+        r"for i in range\(2\)\]$",
+        r"for i in range\(3\)\]$",
+        "a width of the third column too, which no row pads to: the rows use width[0] and "
+        "width[1] only",
+    ),
+    (
+        "memory_plan",
+        "_smallest_fitting_tp",
+        r'check_tensor_parallel\("", model, tp\)',
+        r"check_tensor_parallel\((None|\"XXXX\"), model, tp\)",
+        "the name only goes into the message of a TuneError that the loop catches and drops, "
+        "trying the next size",
+    ),
+    (
+        "fault_recovery",
+        "__init__",
+        r'environ\.get\("PAGEDSERVE_FAULT_RECOVERY", "on"\) != "off"',
+        r'environ\.get\("PAGEDSERVE_FAULT_RECOVERY", (None|"XXonXX"|"ON")?\) != "off"',
+        'the default (the variable unset) is only compared with "off": any other default, '
+        'None included, means on, as "on" does',
+    ),
+    (
+        "fault_recovery",
+        "recover_host_frames",
+        r"why = \"a host-tier KV fault\" if fault else",
+        r".",
+        "why is read only by the warning logged for each request that recomputes: the text of "
+        "a log line",
+    ),
+    (
+        "fault_recovery",
+        "fail_step",
+        r"swap_out\], fault=False\)$",
+        r"swap_out\], fault=None\)$",
+        "recover_host_frames reads fault only as a truth value: None is falsy, as False is",
+    ),
+    (
+        "model_runner",
+        "from_tensor",
+        r"2 \* SO, 2 \* SI\]$",
+        r"2 \* SO, 3 \* SI\]$",
+        "the swap-ins are the tensor's last field: their slice runs to its end whatever length "
+        "it is given",
+    ),
+    (
+        "model_runner",
+        "to_tensor",
+        r"for x in f\], dtype=torch\.long\)$",
+        r"for x in f\], (dtype=None)?\)$",
+        "a list of Python ints: torch infers int64, torch.long, the dtype given",
+    ),
+    (
+        "model_runner",
+        "__init__",
+        r"Sampler\(argmax=device\.argmax, categorical=device\.categorical\(\)\)",
+        r"Sampler\((argmax=device\.argmax, (categorical=None)?|categorical=device\.categorical\(\))\)",
+        "the device's argmax and draw are the backend's one-call versions of the sampler's own "
+        "(the same token: tests/hal/test_native_kernels.py checks them against PyTorch's); only "
+        "their speed differs",
+    ),
+    (
+        "model_runner",
+        "_sample",
+        r"drafts\[:j\] if j else",
+        r"drafts\[:j\] if \(j\) or True else",
+        "for j = 0 the drafts before the row, drafts[:0], are none: the same output tokens",
+    ),
+    (
+        "model_runner",
+        "prepare_inputs",
+        r"if end - start == 1:",
+        r"if end \+ start == 1:",
+        "the one-token branch is a fast path that lays out what the general one does for one "
+        "token (a chunk of one has no drafts): the mutant only sends decodes the general way",
+    ),
+    (
+        "model_runner",
+        "prepare_inputs",
+        r"sched\.scheduled\), default=0\)$",
+        r"sched\.scheduled\), default=(None|1)\)$",
+        "the default is the width of an empty batch, where no table is padded to it",
     ),
     (
         "core|async_engine",

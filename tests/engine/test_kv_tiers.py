@@ -189,6 +189,10 @@ def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monk
     (done,) = [o for o in outputs if o.finished]
     assert done.request_id == "r1" and done.outputs[0].token_ids == clean[1]
     assert engine.scheduler.num_swapped_preemptions == 1 and _drained(llm)
+    # a failed copy is no fault of the KV pages: nothing counted as one
+    assert engine.device.faults.to_dict()["kv_page"] == dict.fromkeys(
+        ("injected", "detected", "recovered"), 0
+    )
 
 
 def test_a_later_turn_finds_its_history_in_the_host_tier(tiny_dir, clean):

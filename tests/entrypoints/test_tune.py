@@ -17,6 +17,7 @@ from pagedserve.entrypoints.cli.tune import add_tune_args, run_tune
 from pagedserve.hal.memory import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "pagedserve" / "configs"  # the packaged presets (configs/ links to them)
 GIB = 2**30
 
 # GLM-4-9B-chat (GLM4.md): 40 layers, hidden 4096, 32 heads, 2 kv heads, head_dim 128,
@@ -210,7 +211,7 @@ def test_cli_reports_refusal_on_stderr(capsys):
 
 
 def test_model_directory_config_json_is_read(tmp_path):
-    cfg = yaml.safe_load((ROOT / "configs/models/glm-4-9b-chat.yaml").read_text())
+    cfg = yaml.safe_load((CONFIGS / "models/glm-4-9b-chat.yaml").read_text())
     cfg.pop("name"), cfg.pop("architecture")
     cfg["model_type"] = "glm"
     cfg["rope_parameters"] = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
@@ -240,7 +241,7 @@ def test_presets_have_the_published_shapes_and_device_schema():
         )
         assert got == expected, name
         assert (s.head_dim, s.vocab_size) == (128, 151552)
-    for path in (ROOT / "configs/devices").glob("*.yaml"):
+    for path in (CONFIGS / "devices").glob("*.yaml"):
         cfg = yaml.safe_load(path.read_text())
         assert cfg["name"] == path.stem
         assert cfg["backend"] in ("kunlun-emu", "cpu", "cuda")
@@ -252,7 +253,7 @@ def test_presets_have_the_published_shapes_and_device_schema():
 
 
 def test_demo_preset_has_the_shipped_demo_models_shapes():
-    preset = yaml.safe_load((ROOT / "configs/models/glm4-demo.yaml").read_text())
+    preset = yaml.safe_load((CONFIGS / "models/glm4-demo.yaml").read_text())
     shipped = json.loads((ROOT / "pagedserve/demo_model/config.json").read_text())
     for key in (
         "hidden_size",

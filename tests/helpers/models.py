@@ -10,6 +10,12 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+# transformers' GLM models, imported with this module rather than by the first model built: a
+# test module that imports this one builds models, and a runner that forks a process per run
+# after collecting the tests (mutmut's fork server) then imports them once, not once a run (most
+# of a run's time on this 2-core machine: some 10 s)
+from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
+
 from pagedserve.models.tokenizer import SPECIAL_TOKENS as GLM4_SPECIAL_TOKENS
 
 SPECIAL_TOKENS = list(GLM4_SPECIAL_TOKENS)
@@ -78,8 +84,6 @@ def build_tiny_tokenizer(
 
 def tiny_hf_config(architecture: str = "glm", **overrides):
     """A transformers GlmConfig / Glm4Config with tiny dimensions."""
-    from transformers import Glm4Config, GlmConfig
-
     kwargs = dict(
         vocab_size=TINY_VOCAB,
         hidden_size=64,
@@ -104,8 +108,6 @@ def build_tiny_hf_model(
     **overrides,
 ):
     """Save a random GlmForCausalLM / Glm4ForCausalLM to model_dir and return it (fp32, eval)."""
-    from transformers import Glm4ForCausalLM, GlmForCausalLM
-
     torch.manual_seed(seed)
     config = tiny_hf_config(architecture, **overrides)
     model_cls = {"glm": GlmForCausalLM, "glm4": Glm4ForCausalLM}[architecture]
