@@ -411,6 +411,14 @@ MATCH_RULES = [
         "auto-describe): the first value is never read",
     ),
     (
+        "server_chat",
+        "chat_output_parsers",
+        r"parallel = tools\.parallel if tools is not None else True$",
+        r"parallel = tools\.parallel if tools is not None else False$",
+        "without tools there is no tool parser, and ChatOutputParser reads parallel only in "
+        "reading calls, with a tool parser: the value for no tools is never read",
+    ),
+    (
         "server_completions",
         "_completion_stream",
         r"sent_text\[index\] = -1 if o\.finished",
