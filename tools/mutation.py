@@ -42,11 +42,6 @@ TARGET = 0.95
 # (mutmut maps each function to the tests that run it, so a mutant runs only those)
 ENGINE_TESTS = ["tests/engine/test_engine.py", "tests/engine/test_device_faults.py"]
 CORE_TESTS = ["tests/engine/test_engine_core.py", "tests/engine/test_output_processor.py"]
-SERVER_TESTS = [
-    "tests/server/test_server.py",
-    "tests/server/test_server_fields.py",
-    "tests/server/test_server_sampling.py",
-]
 # the tool-call and reasoning parsers: pure functions of an output text, on the demo tokenizer
 TOOL_PARSER_TESTS = ["tests/server/test_tool_parsers.py", "tests/server/test_tool_grammar.py"]
 
@@ -215,13 +210,38 @@ MODULES = {
             "test_a_replay_the_grammar_refuses_is_logged",
         ),
     ),
-    **{
-        f"server_{name}": (f"pagedserve/server/{name}.py", SERVER_TESTS)
-        for name in (
-            "serving",
-            "sglang_api",
-        )
-    },  # fmt: skip
+    # the request handling every route shares: the in-process API tests (no live server)
+    "server_serving": (
+        "pagedserve/server/serving.py",
+        [
+            "tests/server/test_chat_api.py",
+            "tests/server/test_completions_api.py",
+            "tests/server/test_tokenization_api.py",
+            "tests/server/test_app.py",
+            *_named(
+                "tests/server/test_reliability_api.py",
+                "test_a_1mb_prompt_is_a_400_saying_it_is_too_long",
+                "test_a_prompt_too_long_names_the_field_it_came_in",
+                "test_a_model_that_names_a_path_is_404_and_nothing_is_loaded",
+                "test_a_chat_template_reaching_python_internals_is_refused",
+            ),
+        ],
+    ),
+    # SGLang's routes: their tests on an in-process app over the demo model
+    "server_sglang_api": (
+        "pagedserve/server/sglang_api.py",
+        [
+            "tests/server/test_app.py",
+            *_named(
+                "tests/engine/test_structured_output.py",
+                "test_generate_with_json_schema_regex_and_batch",
+                "test_generate_logprobs_are_sglang_tuples_matching_the_openai_api",
+                "test_generate_max_new_tokens_0_prefills_and_caches_the_prefix",
+                "test_generate_stream_sends_the_text_so_far_and_done",
+                "test_model_and_server_info_and_flush_cache",
+            ),
+        ],
+    ),
     **{
         f"server_{name}": (f"pagedserve/server/{name}.py", ["tests/server/test_app.py"])
         for name in ("app", "web_ui")
