@@ -214,6 +214,7 @@ MODULES = {
     "server_serving": (
         "pagedserve/server/serving.py",
         [
+            "tests/server/test_serving.py",
             "tests/server/test_chat_api.py",
             "tests/server/test_completions_api.py",
             "tests/server/test_tokenization_api.py",
