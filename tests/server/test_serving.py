@@ -104,6 +104,7 @@ def test_prompts_of_each_shape_become_text_and_token_ids(serving):
         (["Hi", ""], "prompt[1] is an empty string; send some text"),
         ([], "prompt is empty; send a string, a list of strings or token ids"),
     ],
+    ids=["text", "second_text", "list"],
 )
 def test_an_empty_prompt_is_a_400(serving, prompt, message):
     e = refused(serving.encode_prompts, prompt)
