@@ -251,9 +251,13 @@ def test_one_call_only_without_parallel_tool_calls(client):
         tools=[WEATHER, CLOCK],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=32,
+        max_tokens=64,  # room for the call: cut short, it would be no call at all
+        temperature=1.0,
+        seed=3,
     )
-    assert len(out["choices"][0]["message"]["tool_calls"]) == 1
+    (choice,) = out["choices"]
+    assert len(choice["message"]["tool_calls"]) == 1
+    assert choice["finish_reason"] == "tool_calls"
 
 
 def test_tool_choice_none_shows_the_tools_and_reads_no_calls(client):
