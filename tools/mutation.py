@@ -455,6 +455,22 @@ MATCH_RULES = [
         "Python's codec names are case-insensitive: the same codec",
     ),
     (
+        "server_serving",
+        "_top_logprob",
+        r'encode\("utf-8"\)',
+        r'encode\("UTF-8"\)',
+        "Python's codec names are case-insensitive: the same codec",
+    ),
+    (
+        "server_serving",
+        "chat_logprobs|completion_logprobs",
+        r"zip\(token_ids, logprobs, strict=False\)",
+        r"zip\(token_ids, logprobs, (strict=(None|True))?\)",
+        "a choice's logprobs hold one entry per token (an echoed prompt's one per prompt token), "
+        "and a stream's chunk slices both from the same offset: the lengths are equal, so strict "
+        "only adds a check (None is falsy, and False the default)",
+    ),
+    (
         "server_streaming",
         "sse_response",
         r'"Cache-Control": "no-cache"',

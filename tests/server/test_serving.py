@@ -7,6 +7,8 @@ serving.py; the routes' own tests (test_chat_api.py, test_completions_api.py) co
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -164,6 +166,15 @@ def test_a_prompt_of_ids_reads_as_its_tokens_with_the_special_ones(serving):
     assert serving.prompt_text(("Hi", ids)) == "Hi"
 
 
+def test_each_prompt_token_starts_where_the_one_before_ended_in_the_echoed_prompt(serving):
+    """``[gMASK]<sop>``, which the tokenizer puts before a text, take no room in it; a special
+    token the text holds takes its room."""
+    ids = serving.tokenizer.encode("Hi<|user|>you")
+    pieces = ["[gMASK]", "<sop>", "H", "i", "<|user|>", "y", "ou"]
+    assert [serving.token_str(i) for i in ids] == pieces
+    assert serving.prompt_offsets(ids, "Hi<|user|>you") == [0, 0, 0, 1, 2, 10, 11]
+
+
 # ---- token text and logprobs ---------------------------------------------------------------------
 def test_the_special_texts_are_the_special_tokens_longest_first(serving):
     texts = serving.special_texts
@@ -242,14 +253,19 @@ def test_collect_returns_each_streams_last_output(serving):
     assert (first.outputs[0].text, second.outputs[0].text) == ("ab", "c")
 
 
-def test_a_client_that_goes_away_before_the_outputs_end_is_a_499(serving):
+def test_a_client_that_goes_away_before_the_outputs_end_is_a_499(serving, caplog):
     async def endless():
         while True:
             await asyncio.sleep(0.01)
             yield out("a")
 
-    e = refused(collect, serving, Raw(after=0.05), endless())
-    assert (e.status, e.message) == (499, "client disconnected")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        e = refused(collect, serving, Raw(after=0.05), endless())
+        answer = (e.status, e.message)
+        del e  # its traceback holds collect's frame, and so the outputs' future
+        gc.collect()  # asyncio logs an outcome never read as the future goes
+    assert answer == (499, "client disconnected")
+    assert caplog.records == []  # the abandoned outputs' end was read
 
 
 @pytest.mark.parametrize(
