@@ -16,10 +16,15 @@ import pytest
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.output_processor import EngineDeadError, EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError
-from pagedserve.server.protocol import ChatMessage, CompletionRequest
+from pagedserve.server.protocol import ChatCompletionToolsParam, ChatMessage, CompletionRequest
 from pagedserve.server.serving import OpenAIServing, top_logprobs, usage_info
+from pagedserve.server.tool_parsers import Glm4ToolParser
+from pagedserve.server.tools import attach_tool_grammar, tool_request
 from tests.helpers.apps import AUTH, demo_engine, served
+from tests.server.test_chat_api import WEATHER
+from tests.server.test_tool_grammar import _accepts as accepts
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +129,7 @@ def test_messages_reach_the_template_as_hf_templates_take_them(serving, monkeypa
     monkeypatch.setattr(serving.tokenizer, "chat_template", template)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [
-        ChatMessage(
-            role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-        ),
+        ChatMessage(role="user", content=[{"type": "text", "text": t} for t in ("a", "", "b")]),
         ChatMessage(role="assistant", content=None, tool_calls=[call]),
         ChatMessage(
             role="tool", content="sunny", tool_call_id="c1", lang="en"
@@ -173,6 +176,18 @@ def test_each_prompt_token_starts_where_the_one_before_ended_in_the_echoed_promp
     pieces = ["[gMASK]", "<sop>", "H", "i", "<|user|>", "y", "ou"]
     assert [serving.token_str(i) for i in ids] == pieces
     assert serving.prompt_offsets(ids, "Hi<|user|>you") == [0, 0, 0, 1, 2, 10, 11]
+
+
+def test_a_forced_call_is_held_to_the_parsers_form_whose_calls_a_special_token_joins(serving):
+    request = tool_request([ChatCompletionToolsParam(**WEATHER)], "required", True, False)
+    parser = serving.tool_parser_for(request)
+    assert isinstance(parser, Glm4ToolParser)  # no --tool-call-parser: GLM-4's form
+    params = SamplingParams()
+    attach_tool_grammar(params, request, parser)
+    two = 'get_weather\n{"city": "Paris"}<|assistant|>get_weather\n{"city": "Rome"}'
+    assert accepts(serving.tokenizer, params.structured_outputs.grammar, two)
+    calls = parser.extract_tool_calls(two, True).tool_calls
+    assert [c.function.arguments for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
 
 
 # ---- token text and logprobs ---------------------------------------------------------------------
