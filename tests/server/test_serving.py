@@ -232,12 +232,15 @@ def test_usage_counts_every_prompt_and_every_choice():
 
 # ---- collecting the outputs ----------------------------------------------------------------------
 class Raw:
-    """A request whose client goes away after ``after`` seconds (never: None)."""
+    """A request whose ASGI messages are ``messages``, then its client goes away after ``after``
+    seconds (never: None)."""
 
-    def __init__(self, after: float | None = None):
-        self.after = after
+    def __init__(self, after: float | None = None, messages: tuple[dict, ...] = ()):
+        self.after, self.messages = after, list(messages)
 
     async def receive(self) -> dict:
+        if self.messages:
+            return self.messages.pop(0)
         if self.after is None:
             await asyncio.Event().wait()
         await asyncio.sleep(self.after)
@@ -264,8 +267,15 @@ def collect(serving, raw, *streams):
 
 
 def test_collect_returns_each_streams_last_output(serving):
-    first, second = collect(serving, Raw(), outputs_of(out("a"), out("ab")), outputs_of(out("c")))
-    assert (first.outputs[0].text, second.outputs[0].text) == ("ab", "c")
+    body = {"type": "http.request", "body": b"", "more_body": False}  # not a disconnect
+    first, second, none = collect(
+        serving,
+        Raw(messages=(body,)),
+        outputs_of(out("a"), out("ab")),
+        outputs_of(out("c")),
+        outputs_of(),
+    )
+    assert (first.outputs[0].text, second.outputs[0].text, none) == ("ab", "c", None)
 
 
 def test_a_client_that_goes_away_before_the_outputs_end_is_a_499(serving, caplog):
