@@ -456,6 +456,13 @@ MATCH_RULES = [
     ),
     (
         "server_serving",
+        "check_admission",
+        r'"Retry-After": RETRY_AFTER_S',
+        r'"(retry-after|RETRY-AFTER)": RETRY_AFTER_S',
+        "HTTP header names are case-insensitive, and Starlette sends every name in lower case",
+    ),
+    (
+        "server_serving",
         "_top_logprob",
         r'encode\("utf-8"\)',
         r'encode\("UTF-8"\)',

@@ -230,6 +230,47 @@ def test_usage_counts_every_prompt_and_every_choice():
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (4, 4, 8)
 
 
+# ---- running -------------------------------------------------------------------------------------
+def sample(metric, suffix: str, **labels) -> float:
+    """A metric's sample of that name suffix and labels (0 before any)."""
+    name = metric._name + suffix
+    for family in metric.collect():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_a_request_is_timed_and_each_sequence_counted_by_its_finish_reason(client):
+    metrics = client.app.state.serving.metrics
+    before = [
+        sample(metrics.request_success, "_total", finished_reason=r) for r in ("length", "abort")
+    ]
+    queued, first = sample(metrics.queue_time, "_sum"), sample(metrics.ttft, "_sum")
+    body = {"prompt": "Hi", "max_tokens": 2, "n": 2, "ignore_eos": True}
+    assert client.post("/v1/completions", json=body, headers=AUTH).status_code == 200
+    after = [
+        sample(metrics.request_success, "_total", finished_reason=r) for r in ("length", "abort")
+    ]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 0]
+    # queued until the engine first scheduled it, which is before its first token
+    assert sample(metrics.queue_time, "_sum") - queued < sample(metrics.ttft, "_sum") - first
+
+
+def test_an_engine_request_carries_the_prompt_text_the_client_sent(client):
+    serving = client.app.state.serving
+    ids = serving.tokenizer.encode("Hi")
+
+    async def run():
+        streams = serving.start("cmpl-x", [("Hi", ids), (None, ids)], SamplingParams(max_tokens=1))
+        return await serving.collect(Raw(), streams)
+
+    text, tokens = client.portal.call(run)
+    assert (text.prompt, tokens.prompt) == ("Hi", None)
+    assert text.request_id == "cmpl-x-0" and tokens.request_id == "cmpl-x-1"
+    assert text.prompt_token_ids == tokens.prompt_token_ids == ids
+
+
 # ---- collecting the outputs ----------------------------------------------------------------------
 class Raw:
     """A request whose ASGI messages are ``messages``, then its client goes away after ``after``
