@@ -90,6 +90,7 @@ def test_an_engine_core_in_its_own_process_takes_the_servers_queue_limit(engine)
     assert core.max_queue_len == 3  # no limit given: the engine's stands
     inproc = OpenAIServing(engine, "demo", 5)
     assert inproc.llm_engine is engine and inproc.engine.max_queue_len == 5
+    assert inproc.enable_auto_tool_choice is False  # auto only with --enable-auto-tool-choice
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -116,6 +117,22 @@ def test_prompts_of_each_shape_become_text_and_token_ids(serving):
 def test_an_empty_prompt_is_a_400(serving, prompt, message):
     e = refused(serving.encode_prompts, prompt)
     assert (e.status, e.param, e.message) == (400, "prompt", message)
+
+
+def test_a_request_that_cannot_run_is_a_400_naming_the_field_at_fault(serving):
+    """The prompt's field is the one the prompt came in (a chat's messages); only a request
+    longer than the engine holds is context_length_exceeded."""
+    vocab = serving.vocab_size
+    one = SamplingParams(max_tokens=1)
+    e = refused(serving.check_fits, [(None, [vocab])], one, "messages")
+    assert (e.status, e.param, e.code) == (400, "messages", None)
+    assert e.message == f"prompt token id {vocab} is outside the vocabulary [0, {vocab})"
+    stops = SamplingParams(max_tokens=1, stop_token_ids=[vocab])
+    e = refused(serving.check_fits, [(None, [1])], stops, "messages")
+    assert (e.param, e.code) == ("stop_token_ids", None)
+    e = refused(serving.check_fits, [(None, [1] * 600)], one)
+    assert (e.param, e.code) == ("prompt", "context_length_exceeded")
+    assert e.message.startswith("this request needs 601 tokens (600 in the prompt + max_tokens 1)")
 
 
 def test_messages_reach_the_template_as_hf_templates_take_them(serving, monkeypatch):
