@@ -15,6 +15,7 @@ import pytest
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.output_processor import EngineDeadError, EngineStepError
+from pagedserve.models.chat_templates import builtin_chat_template
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.errors import APIError
@@ -23,6 +24,7 @@ from pagedserve.server.serving import OpenAIServing, top_logprobs, usage_info
 from pagedserve.server.tool_parsers import Glm4ToolParser
 from pagedserve.server.tools import attach_tool_grammar, tool_request
 from tests.helpers.apps import AUTH, demo_engine, served
+from tests.helpers.glm_formats import FIXTURES, PUBLISHED
 from tests.server.test_chat_api import WEATHER
 from tests.server.test_tool_grammar import _accepts as accepts
 
@@ -91,6 +93,20 @@ def test_an_engine_core_in_its_own_process_takes_the_servers_queue_limit(engine)
     inproc = OpenAIServing(engine, "demo", 5)
     assert inproc.llm_engine is engine and inproc.engine.max_queue_len == 5
     assert inproc.enable_auto_tool_choice is False  # auto only with --enable-auto-tool-choice
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_a_published_glm4_template_is_served_as_its_built_in_counterpart(engine, name, monkeypatch):
+    published = (FIXTURES / PUBLISHED[name][0]).read_text()
+    monkeypatch.setattr(engine.tokenizer, "chat_template", published)
+    OpenAIServing(engine, "demo", None)
+    assert engine.tokenizer.chat_template == builtin_chat_template(PUBLISHED[name][1])
+
+
+def test_another_template_is_served_as_it_is(engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ messages[0].content }}")
+    OpenAIServing(engine, "demo", None)
+    assert engine.tokenizer.chat_template == "{{ messages[0].content }}"
 
 
 # ---- prompts -------------------------------------------------------------------------------------
