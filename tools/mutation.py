@@ -42,11 +42,6 @@ TARGET = 0.95
 # (mutmut maps each function to the tests that run it, so a mutant runs only those)
 ENGINE_TESTS = ["tests/engine/test_engine.py", "tests/engine/test_device_faults.py"]
 CORE_TESTS = ["tests/engine/test_engine_core.py", "tests/engine/test_output_processor.py"]
-SERVER_TESTS = [
-    "tests/server/test_server.py",
-    "tests/server/test_server_fields.py",
-    "tests/server/test_server_sampling.py",
-]
 # the tool-call and reasoning parsers: pure functions of an output text, on the demo tokenizer
 TOOL_PARSER_TESTS = ["tests/server/test_tool_parsers.py", "tests/server/test_tool_grammar.py"]
 
@@ -239,13 +234,32 @@ MODULES = {
             "test_a_replay_the_grammar_refuses_is_logged",
         ),
     ),
-    **{
-        f"server_{name}": (f"pagedserve/server/{name}.py", SERVER_TESTS)
-        for name in (
-            "serving",
-            "sglang_api",
-        )
-    },  # fmt: skip
+    # the request handling every route shares: the in-process API tests (no live server)
+    "server_serving": (
+        "pagedserve/server/serving.py",
+        [
+            "tests/server/test_serving.py",
+            "tests/server/test_chat_api.py",
+            "tests/server/test_completions_api.py",
+            "tests/server/test_tokenization_api.py",
+            "tests/server/test_app.py",
+        ],
+    ),
+    # SGLang's routes: their tests on an in-process app over the demo model
+    "server_sglang_api": (
+        "pagedserve/server/sglang_api.py",
+        [
+            "tests/server/test_app.py",
+            *_named(
+                "tests/engine/test_structured_output.py",
+                "test_generate_with_json_schema_regex_and_batch",
+                "test_generate_logprobs_are_sglang_tuples_matching_the_openai_api",
+                "test_generate_max_new_tokens_0_prefills_and_caches_the_prefix",
+                "test_generate_stream_sends_the_text_so_far_and_done",
+                "test_model_and_server_info_and_flush_cache",
+            ),
+        ],
+    ),
     **{
         f"server_{name}": (f"pagedserve/server/{name}.py", ["tests/server/test_app.py"])
         for name in ("app", "web_ui")
@@ -440,6 +454,14 @@ MATCH_RULES = [
         "auto-describe): the first value is never read",
     ),
     (
+        "server_chat",
+        "chat_output_parsers",
+        r"parallel = tools\.parallel if tools is not None else True$",
+        r"parallel = tools\.parallel if tools is not None else False$",
+        "without tools there is no tool parser, and ChatOutputParser reads parallel only in "
+        "reading calls, with a tool parser: the value for no tools is never read",
+    ),
+    (
         "server_completions",
         "_completion_stream",
         r"sent_text\[index\] = -1 if o\.finished",
@@ -460,6 +482,29 @@ MATCH_RULES = [
         r'decode\("latin-1"\)',
         r'decode\("LATIN-1"\)',
         "Python's codec names are case-insensitive: the same codec",
+    ),
+    (
+        "server_serving",
+        "check_admission",
+        r'"Retry-After": RETRY_AFTER_S',
+        r'"(retry-after|RETRY-AFTER)": RETRY_AFTER_S',
+        "HTTP header names are case-insensitive, and Starlette sends every name in lower case",
+    ),
+    (
+        "server_serving",
+        "_top_logprob",
+        r'encode\("utf-8"\)',
+        r'encode\("UTF-8"\)',
+        "Python's codec names are case-insensitive: the same codec",
+    ),
+    (
+        "server_serving",
+        "chat_logprobs|completion_logprobs",
+        r"zip\(token_ids, logprobs, strict=False\)",
+        r"zip\(token_ids, logprobs, (strict=(None|True))?\)",
+        "a choice's logprobs hold one entry per token (an echoed prompt's one per prompt token), "
+        "and a stream's chunk slices both from the same offset: the lengths are equal, so strict "
+        "only adds a check (None is falsy, and False the default)",
     ),
     (
         "server_streaming",

@@ -43,7 +43,7 @@ def chat_output_parsers(
     """Set up the request's parsing (the parsers keep special tokens in the text; a tool choice
     may constrain the output) and return a maker of one choice's parser."""
     tok = serving.tokenizer
-    reasoning = serving.reasoning_parser(tok, prompt[0] or "") if serving.reasoning_parser else None
+    reasoning = serving.reasoning_parser(tok, prompt[0]) if serving.reasoning_parser else None
     tool_parser = None
     if tools is not None and tools.choice != "none":
         tool_parser = serving.tool_parser_for(tools)

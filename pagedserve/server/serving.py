@@ -102,10 +102,9 @@ class OpenAIServing:
             self.tokenizer.chat_template = builtin_chat_template(builtin)
 
     def tool_parser_for(self, tools) -> ToolParser:
-        """The parser of a request's calls (a ``tools.ToolRequest`` that reads some): auto's is
-        --tool-call-parser; a call the grammar forces is written in its format, else GLM-4's."""
-        parser_class = self.tool_parser if tools.choice == "auto" else self.forced_tool_parser
-        return parser_class(self.require_tokenizer(), tools.tools)
+        """The parser of a request's calls (a ``tools.ToolRequest`` that reads some): that of
+        --tool-call-parser, else GLM-4's for a call the grammar forces (auto needs the flag)."""
+        return self.forced_tool_parser(self.require_tokenizer(), tools.tools)
 
     @property
     def special_texts(self) -> tuple[str, ...]:

@@ -1,24 +1,35 @@
 """``POST /v1/chat/completions`` in this process on the demo model (FastAPI's TestClient, no
-socket): the response's shape and usage, logprobs, streaming (the role first, deltas that add up
-to the whole answer, the usage chunk), a named tool call, one call without parallel_tool_calls,
-and tool_choice none. test_server.py and test_tools.py check the same endpoint over HTTP with the
-openai client; this file is fast enough for mutation testing of chat.py. Still to come here:
-calls the grammar forces (required, streamed), auto, the reasoning parser, and the errors."""
+socket): the response's shape and usage, logprobs, stop strings and stop_reason, streaming (the
+role first, deltas that add up to the whole answer, the usage chunk), tool calls (named,
+required, auto, without parallel_tool_calls, tool_choice none), the reasoning parser, and the
+request's parsing (its grammar after the thinking, special tokens kept for the parsers and hidden
+from the client). test_server.py and test_tools.py check the same endpoint over HTTP with the
+openai client; this file is fast enough for mutation testing of chat.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 
+from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.server.chat import _chat_stream
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.server.chat import _chat_stream, chat_output_parsers
 from pagedserve.server.chat_output import ChatOutputParser
 from pagedserve.server.protocol import ChatCompletionRequest
 from pagedserve.server.reasoning_parsers import Glm4ReasoningParser
+from pagedserve.server.tool_parsers import Glm4ToolParser
+from pagedserve.server.tools import tool_request
 from tests.helpers.apps import AUTH, demo_engine, served
+from tests.helpers.models import SPECIAL_TOKENS, build_tiny_tokenizer
+from tests.server.test_tool_grammar import _accepts as accepts
 
 CHAT = [{"role": "user", "content": "Hello"}]
 SEEDED = {"temperature": 1.0, "seed": 3, "ignore_eos": True, "max_tokens": 4}
@@ -115,6 +126,51 @@ def test_a_structured_output_holds_the_answer(client):
     assert choice["message"]["content"] in ("yes", "no")
 
 
+def test_a_chat_completion_for_another_model_is_a_404_naming_the_served_one(client):
+    r = client.post(
+        "/v1/chat/completions", json={"messages": CHAT, "model": "gpt-4o"}, headers=AUTH
+    )
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert "'demo'" in error["message"]
+    assert chat(client, model="demo", **SEEDED)["model"] == "demo"
+
+
+def test_a_stop_string_ends_the_answer_before_it_and_is_its_stop_reason(client):
+    (choice,) = chat(client, logprobs=True, **SEEDED)["choices"]
+    whole, tokens = choice["message"]["content"], choice["logprobs"]["content"]
+    assert choice["stop_reason"] is None  # ended by max_tokens
+    stop = tokens[2]["token"]
+    (choice,) = chat(client, stop=[stop], **SEEDED)["choices"]
+    shown = whole[: whole.index(stop)]
+    assert choice["message"]["content"] == shown
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    chunks = stream(client, stop=[stop], **SEEDED)[:-1]
+    assert joined(chunks, "content") == shown
+    ends = [(c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) for c in chunks]
+    assert ends[-1] == ("stop", stop) and set(ends[:-1]) == {(None, None)}
+
+
+def test_chat_completions_at_once_each_run_as_an_engine_request_of_their_own(client):
+    """The second request arrives while the first one runs: each has its own engine request
+    (an id in use is refused), and the same seed gives both the same answer."""
+    requests = client.app.state.serving.engine.output_processor.requests
+    body = {"messages": CHAT, **SEEDED, "max_tokens": 48}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.post, "/v1/chat/completions", json=body, headers=AUTH)
+        deadline = time.monotonic() + 60
+        while not requests and time.monotonic() < deadline:
+            time.sleep(0.001)
+        second = client.post("/v1/chat/completions", json=body, headers=AUTH)
+        first = first.result()
+    assert (first.status_code, second.status_code) == (200, 200), second.text
+    first, second = first.json(), second.json()
+    assert first["id"] != second["id"]
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    assert second["usage"]["completion_tokens"] == 48
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 def test_a_stream_starts_with_the_role_and_adds_up_to_the_whole_answer(client):
     whole = chat(client, **SEEDED)["choices"][0]["message"]["content"]
@@ -195,9 +251,13 @@ def test_one_call_only_without_parallel_tool_calls(client):
         tools=[WEATHER, CLOCK],
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=32,
+        max_tokens=64,  # room for the call: cut short, it would be no call at all
+        temperature=1.0,
+        seed=3,
     )
-    assert len(out["choices"][0]["message"]["tool_calls"]) == 1
+    (choice,) = out["choices"]
+    assert len(choice["message"]["tool_calls"]) == 1
+    assert choice["finish_reason"] == "tool_calls"
 
 
 def test_tool_choice_none_shows_the_tools_and_reads_no_calls(client):
@@ -206,6 +266,53 @@ def test_tool_choice_none_shows_the_tools_and_reads_no_calls(client):
     assert out["choices"][0]["finish_reason"] == "length"
     plain = client.post("/tokenize", json={"messages": CHAT}, headers=AUTH).json()["count"]
     assert out["usage"]["prompt_tokens"] > plain  # the tools are in the prompt
+
+
+# answers in GLM-4's form of calls, which a structured output makes the demo model write
+PARIS = '{"city": "Paris"}'
+WEATHER_CALL, CLOCK_CALL = f"get_weather\n{PARIS}", "get_time\n{}"
+ONE_CALL = {"guided_regex": r'get_weather\n\{"city": "Paris"\}'}
+TWO_CALLS = {  # <|assistant|>, the special token, opens the second call
+    "guided_grammar": f"start: {json.dumps(WEATHER_CALL)} <|assistant|> {json.dumps(CLOCK_CALL)}"
+}
+
+
+def test_tool_choice_none_leaves_an_answer_in_a_calls_form_as_text(client):
+    out = chat(client, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=64, **ONE_CALL)
+    (choice,) = out["choices"]
+    assert choice["message"]["tool_calls"] == []
+    assert (choice["message"]["content"], choice["finish_reason"]) == (WEATHER_CALL, "stop")
+
+
+@pytest.fixture
+def auto(client, monkeypatch):
+    """The client's server started with --enable-auto-tool-choice --tool-call-parser glm4."""
+    serving = client.app.state.serving
+    monkeypatch.setattr(serving, "enable_auto_tool_choice", True)
+    monkeypatch.setattr(serving, "tool_parser", Glm4ToolParser)
+
+
+def test_auto_reads_each_call_of_the_answer(client, auto):
+    out = chat(client, tools=[WEATHER, CLOCK], max_tokens=64, **TWO_CALLS)
+    (choice,) = out["choices"]
+    calls = [
+        (t["function"]["name"], t["function"]["arguments"]) for t in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("get_weather", PARIS), ("get_time", "{}")]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+
+
+def test_auto_without_parallel_tool_calls_reads_only_the_first_call(client, auto):
+    body = {"tools": [WEATHER, CLOCK], "parallel_tool_calls": False, "max_tokens": 64}
+    (choice,) = chat(client, **body, **TWO_CALLS)["choices"]
+    calls = [
+        (t["function"]["name"], t["function"]["arguments"]) for t in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("get_weather", PARIS)]
+    chunks = stream(client, **body, **TWO_CALLS)[:-1]
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"]["tool_calls"] or []]
+    assert [d["index"] for d in deltas] == [0] * len(deltas)
+    assert [d["function"].get("name") for d in deltas if d.get("id")] == ["get_weather"]
 
 
 def test_required_calls_finish_with_tool_calls_whole_and_streamed(client):
@@ -293,6 +400,58 @@ def test_include_reasoning_false_leaves_the_thinking_out(client, thinking):
     assert message["content"] is None and message["reasoning_content"] is None
 
 
+# ---- a request's parsing (chat_output_parsers) --------------------------------------------------
+def parsers_of(serving, prompt: str, params: SamplingParams, **body) -> ChatOutputParser:
+    """One choice's parser of a chat request of ``body`` whose chat template made ``prompt``;
+    ``params`` as the request set them (the parsing may constrain and adjust them)."""
+    request = ChatCompletionRequest(messages=CHAT, **body)
+    tools = tool_request(request.tools, request.tool_choice, request.parallel_tool_calls, True)
+    return chat_output_parsers(serving, request, tools, (prompt, [1]), params)()
+
+
+def test_a_thinking_models_forced_call_comes_after_its_thinking(client, monkeypatch):
+    serving = client.app.state.serving
+    monkeypatch.setattr(serving, "reasoning_parser", Glm4ReasoningParser)
+    params = SamplingParams()
+    parser = parsers_of(
+        serving, "<|assistant|><think>", params, tools=[WEATHER], tool_choice="required"
+    )
+    grammar = params.structured_outputs.grammar
+    assert accepts(serving.tokenizer, grammar, f"I will look it up.</think>{WEATHER_CALL}")
+    assert not accepts(serving.tokenizer, grammar, WEATHER_CALL)  # the thinking is still open
+    parsed = parser.parse(f"I will look it up.</think>{WEATHER_CALL}")
+    assert parsed.reasoning == "I will look it up." and parsed.content is None
+    assert [(c.function.name, c.function.arguments) for c in parsed.tool_calls] == [
+        ("get_weather", PARIS)
+    ]
+
+
+@pytest.fixture(scope="module")
+def think_vocab(tmp_path_factory) -> Tokenizer:
+    """A tokenizer whose ``</think>`` is a special token, as in GLM-4.5's."""
+    path = tmp_path_factory.mktemp("think-tokenizer")
+    build_tiny_tokenizer(path, special_tokens=(*SPECIAL_TOKENS, "</think>"))
+    return Tokenizer(path)
+
+
+def test_marks_that_are_special_tokens_are_read_but_not_shown_unless_asked_for(think_vocab):
+    """The reasoning parser needs ``</think>`` in the text, so the text keeps special tokens;
+    the client, who asked for them skipped, sees none; asked for, they are shown."""
+    serving = SimpleNamespace(
+        tokenizer=think_vocab,
+        reasoning_parser=Glm4ReasoningParser,
+        special_texts=("<|endoftext|>", "</think>", "<sop>"),
+    )
+    params = SamplingParams()
+    parser = parsers_of(serving, "<|assistant|><think>", params)
+    assert params.skip_special_tokens is False
+    parsed = parser.parse("hm<sop></think>4<sop>")
+    assert (parsed.reasoning, parsed.content) == ("hm", "4")
+    params = SamplingParams(skip_special_tokens=False)
+    parsed = parsers_of(serving, "<|assistant|><think>", params).parse("hm<sop></think>4<sop>")
+    assert (parsed.reasoning, parsed.content) == ("hm<sop>", "4<sop>")
+
+
 # ---- the stream, from a stand-in engine's outputs -------------------------------------------------
 def outputs(*steps) -> RequestOutput:
     """One output of a request of two sequences: each step (text, token ids, finish reason)."""
@@ -303,9 +462,11 @@ def outputs(*steps) -> RequestOutput:
     return RequestOutput("r-0", "Hi", [1, 2], choices, finished=all(c[2] for c in steps))
 
 
-def streamed(client, outs: list[RequestOutput], **body) -> list[list[dict]]:
+def streamed(
+    client, outs: list[RequestOutput], parsers=ChatOutputParser, **body
+) -> list[list[dict]]:
     """The choices of each chunk ``_chat_stream`` makes of ``outs`` (the role's chunk left out),
-    and the usage chunk's, if any, as the last."""
+    and the usage chunk's, if any, as the last; ``parsers`` makes each choice's parser."""
 
     async def engine_outputs():
         for out in outs:
@@ -317,7 +478,7 @@ def streamed(client, outs: list[RequestOutput], **body) -> list[list[dict]]:
             client.app.state.serving,
             request,
             None,
-            ChatOutputParser,
+            parsers,
             "chatcmpl-1",
             ("Hi", [1, 2]),
             engine_outputs(),
@@ -343,6 +504,8 @@ def test_each_chat_output_sends_what_it_adds_to_each_choice_as_it_comes(client):
     assert sent == [(0, "He"), (1, "Wo"), (1, "r"), (0, "l"), (1, "")]
     counts = [len(c["logprobs"]["content"]) for chunk in chunks for c in chunk]
     assert counts == [1, 1, 1, 1, 1]  # a held-back token too, as it comes
+    tops = [t["top_logprobs"] for chunk in chunks for c in chunk for t in c["logprobs"]["content"]]
+    assert tops == [[]] * 5  # no top_logprobs asked for: none
 
 
 def test_a_finished_chat_choice_ends_once_while_the_other_goes_on(client):
@@ -363,3 +526,20 @@ def test_a_finished_chat_choice_ends_once_while_the_other_goes_on(client):
 
 def test_a_chat_stream_ended_before_any_output_sends_only_the_roles(client):
     assert streamed(client, [], stream_options={"include_usage": True}) == []
+
+
+def test_a_choice_cut_inside_the_end_of_its_thinking_sends_its_whole_text_as_thinking(client):
+    """A mark held back while it may still complete is sent once the choice is finished: the
+    last chunk's delta reads the text as final, as the whole answer does."""
+    tok = client.app.state.serving.tokenizer
+    parsers = partial(ChatOutputParser, None, Glm4ReasoningParser(tok, "<|assistant|><think>"))
+    chunks = streamed(
+        client,
+        [
+            outputs(("hm</thi", [5, 6], None), ("ok</", [7, 8], None)),
+            outputs(("hm</thi", [5, 6], "length"), ("ok</", [7, 8], "length")),
+        ],
+        parsers,
+    )
+    sent = [(c["index"], c["delta"]["reasoning"], c["finish_reason"]) for ch in chunks for c in ch]
+    assert sent == [(0, "hm", None), (1, "ok", None), (0, "</thi", "length"), (1, "</", "length")]
