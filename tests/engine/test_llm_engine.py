@@ -49,6 +49,7 @@ def engine(shared):
     shared.abort_request(left)  # a failed test leaves the next one a drained engine
     assert left == []
     assert shared.check_invariants() == [] and shared.block_manager.usage == 0
+    assert shared.runner.generators == {}  # an ended sequence's seeded sampler goes too
 
 
 def _drain(engine: LLMEngine) -> dict:
@@ -208,9 +209,12 @@ def test_step_reports_each_group_once_with_the_tokens_it_got(engine):
     assert engine.get_num_unfinished_requests() == 2 and engine.has_unfinished_requests()
     outs = engine.step()
     assert [o.request_id for o in outs] == ["a", "b"]
+    seq = engine.groups["a"].seqs[0]
+    assert seq.num_computed_tokens == 5 and seq.num_tokens == 6  # the new token is not yet
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1]
     advanced = engine.execute_step()
     assert [(g.request_id, i, n) for g, i, n in advanced] == [("a", 0, 1), ("b", 0, 1)]
+    assert seq.num_computed_tokens == 6 and seq.num_tokens == 7
     assert engine.get_num_unfinished_requests() == 1 and list(engine.groups) == ["a"]
     _drain(engine)
     assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()
@@ -228,6 +232,7 @@ def test_a_request_id_in_use_is_refused(engine):
 def test_a_shut_down_engine_takes_no_request(model):
     engine = tiny_engine(model[0], **SETTINGS)
     engine.shutdown()
+    assert engine.structured_output_manager.executor._shutdown  # the grammar thread stops
     engine.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="this engine has been shut down; start a new one"):
         engine.add_request("a", PROMPT, GREEDY)
@@ -339,10 +344,10 @@ def test_the_first_token_time_is_set_once(engine):
 
 # ---- aborts ---------------------------------------------------------------------------------------
 def test_abort_takes_one_id_or_several_and_skips_unknown_ones(engine):
-    for rid in "abc":
+    for rid in ["req-a", "b", "c"]:
         engine.add_request(rid, PROMPT, GREEDY)
     engine.step()
-    engine.abort_request("a")
+    engine.abort_request("req-a")
     assert list(engine.groups) == ["b", "c"]
     engine.abort_request(["zz", "b", "c"])
     assert engine.groups == {}
@@ -617,6 +622,16 @@ def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
     ]
     del frames["ghost"]
     _drain(engine)
+    cached = len(host.frame_to_cached_block)
+    assert cached > 0  # prefix blocks the KV tier evicted
+    assert engine.get_device_stats()["host_pages"] == {
+        "total": 8,
+        "swapped": 0,
+        "cached": cached,
+        "free": 8 - cached,
+        "swap_share": 4,
+        "cache_share": 4,
+    }
     stats = engine.get_stats()
     assert (
         stats["host_prefix_cache_queries_total"] == engine.block_manager.host_prefix_cache_queries
@@ -627,11 +642,16 @@ def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
 
 
 def test_speculative_drafts_are_verified_counted_and_their_pages_trimmed(model):
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 2,
+        "prompt_lookup_min": 1,
+    }
     engine = tiny_engine(model[0], **SETTINGS, speculative_config=spec)
     plain = tiny_engine(model[0], **SETTINGS)
-    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: the proposer finds drafts
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = PROMPT  # greedy repeats tokens: its drafts are partly accepted
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain.add_request("a", prompt, params)
     want = _drain(plain)["a"].outputs[0].token_ids
     engine.add_request("a", prompt, params)
@@ -640,10 +660,19 @@ def test_speculative_drafts_are_verified_counted_and_their_pages_trimmed(model):
     engine.add_request("g", prompt, SamplingParams(structured_outputs=so, max_tokens=2))
     assert engine.groups["g"].seqs[0].draft_state is None  # no drafts under a grammar
     engine.abort_request("g")
-    got = _drain(engine)["a"].outputs[0].token_ids
-    assert got == want
-    s = engine.spec_stats
-    assert s.num_draft_tokens > 0 and s.num_accepted_tokens <= s.num_draft_tokens
+    group = engine.groups["a"]
+    counts = []
+    while engine.has_unfinished_requests():
+        counts += [n for _, _, n in engine.execute_step()]
+        assert engine.check_invariants() == []
+        seq = group.seqs[0]
+        if not seq.status.finished:  # no page past its tokens: a rejected draft's goes back
+            assert len(engine.block_manager.block_tables["a"]) <= -(-seq.num_tokens // BLOCK)
+    assert group.seqs[0].output_token_ids == want
+    assert sum(counts) == 20 and max(counts) > 1  # an accepted draft is one more token a step
+    s = engine.spec_stats  # this model's drafts: 6 of 11 tokens, some rejected
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (6, 11, 8)
+    assert s.accepted_per_pos == [5, 2, 1]
     assert engine.get_device_stats()["speculative"] == {
         "method": "ngram",
         "num_speculative_tokens": 3,
@@ -656,3 +685,87 @@ def test_speculative_drafts_are_verified_counted_and_their_pages_trimmed(model):
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
     engine.shutdown()
     plain.shutdown()
+
+
+def test_describe_names_rank_0_of_a_tensor_parallel_engine(shared, monkeypatch):
+    monkeypatch.setattr(shared.config.parallel, "tensor_parallel_size", 2)
+    assert shared.describe().startswith(
+        f"device {shared.device.describe()} (rank 0 of tensor-parallel size 2); model "
+    )
+
+
+def test_prefix_caching_off_without_a_host_cache_starts(model):
+    engine = tiny_engine(model[0], **SETTINGS, enable_prefix_caching=False)
+    assert engine.block_manager.host is None and engine.get_page_map().get("host") is None
+    engine.shutdown()
+
+
+def test_a_chunked_prompt_gets_every_prompt_logprob_and_forks_once_it_is_computed(model):
+    engine = tiny_engine(model[0], **SETTINGS, max_num_batched_tokens=4)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True)
+    params.prompt_logprobs = 0
+    engine.add_request("a", prompt, params)
+    group = engine.groups["a"]
+    steps = []
+    while group.pending_forks:
+        steps.append(engine.execute_step())
+        assert group.pending_forks == [] or group.seqs[1].num_computed_tokens == 0
+    assert [[(i, n) for _, i, n in adv] for adv in steps] == [[], [], [(0, 1), (1, 1)]]
+    assert group.seqs[1].num_computed_tokens == len(prompt)
+    out = _drain(engine)["a"]
+    ref = _reference_logprobs(model[1], prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i in range(1, len(prompt)):
+        want = ref[i - 1][prompt[i]].item()
+        assert out.prompt_logprobs[i] == {prompt[i]: pytest.approx(want, abs=1e-4)}
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids
+    assert engine.check_invariants() == [] and engine.block_manager.usage == 0
+    engine.shutdown()
+
+
+def test_device_stats_of_a_card_without_a_memory_attr_or_scrubber(engine, monkeypatch):
+    monkeypatch.setattr(engine.device, "kv_memory_attr", None)
+    monkeypatch.setattr(engine.device, "scrubber", None)
+    stats = engine.get_device_stats()
+    assert stats["kv_pages"]["memory_attr"] is None
+    assert stats["weight_pages"]["scrubbed_total"] == 0
+
+
+def test_device_stats_at_tensor_parallel_size_2_are_one_record_per_card(engine, monkeypatch):
+    monkeypatch.setattr(engine.executor, "device_stats", lambda: [{"rank": 0}, {"rank": 1}])
+    cards = engine.get_device_stats()
+    assert [card["rank"] for card in cards] == [0, 1]
+    assert cards[0]["kv_pages"] == cards[1]["kv_pages"] and cards[1]["kv_pages"]["total"] == 32
+
+
+def test_each_step_teaches_the_scheduler_its_forward_and_copy_costs(engine, monkeypatch):
+    seen = []
+
+    class Costs:
+        def observe_copies(self, num_pages, seconds):
+            seen.append(("copies", num_pages, seconds))
+
+        def observe_forward(self, num_tokens, seconds):
+            seen.append(("forward", num_tokens, seconds))
+
+    monkeypatch.setattr(engine.scheduler, "costs", Costs())
+    timings = []
+    run = engine.executor.execute_model
+
+    def timed(sched, forks):
+        result = run(sched, forks)
+        timings.append(result.timing)
+        return result
+
+    monkeypatch.setattr(engine.executor, "execute_model", timed)
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.step()
+    t = timings[0]
+    assert t.num_tokens == 5 and t.forward_seconds > 0
+    assert seen == [
+        ("copies", t.num_pages_moved, t.move_seconds),
+        ("forward", 5, t.forward_seconds),
+    ]
+    monkeypatch.undo()
+    engine.abort_request("a")
