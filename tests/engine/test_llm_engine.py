@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.config import EngineConfig
 from pagedserve.engine import llm_engine as le
 from pagedserve.engine.llm_engine import GRAMMAR_WAIT_S, LLMEngine
 from pagedserve.engine.request import RequestStatus
@@ -128,7 +129,8 @@ def test_a_tokenizer_path_of_its_own_is_loaded(model, tmp_path):
     engine.shutdown()
 
 
-def test_the_eos_ids_are_the_models_and_the_tokenizers(shared):
+def test_the_eos_ids_are_the_models_and_the_tokenizers(model):
+    shared = tiny_engine(model[0], **SETTINGS)  # its own: start-up is mapped to its tests
     expected = set(shared.model_config.eos_token_ids) | set(shared.tokenizer.eos_token_ids)
     assert shared.eos_token_ids == frozenset(expected)
     assert sorted(shared.structured_output_manager.eos_token_ids) == sorted(expected)
@@ -136,24 +138,29 @@ def test_the_eos_ids_are_the_models_and_the_tokenizers(shared):
         shared.tokenizer.model_dir / "tokenizer.json"
     )
     assert shared.runner.structured_output_manager is shared.structured_output_manager
+    shared.shutdown()
 
 
-def test_a_single_card_engine_scrubs_weights_on_its_runner(shared):
+def test_a_single_card_engine_scrubs_weights_on_its_runner(model):
+    shared = tiny_engine(model[0], **SETTINGS)
     assert shared.runner.patrol_scrub == shared.fault_recovery.patrol_scrub
     assert shared.num_kv_pages == 32 and shared.block_size == BLOCK
     assert shared.limits.max_num_seqs == 4 and shared.limits.num_kv_pages == 32
     assert shared.proposer is None and shared.spec_stats.num_speculative_tokens == 0
+    shared.shutdown()
 
 
 def test_a_failed_start_shuts_down_what_it_started(model, monkeypatch):
+    from pagedserve.engine.executor import Executor
+
     stopped = []
 
     def fail(self):
         raise RuntimeError("no card")
 
     monkeypatch.setattr(LLMEngine, "_load", fail)
-    monkeypatch.setattr(LLMEngine, "shutdown", lambda self: stopped.append(self))
-    with pytest.raises(RuntimeError, match="no card"):
+    monkeypatch.setattr(Executor, "shutdown", lambda self: stopped.append(self))
+    with pytest.raises(RuntimeError, match="no card"):  # not a shutdown's error
         tiny_engine(model[0], **SETTINGS)
     assert len(stopped) == 1
 
@@ -234,16 +241,18 @@ def test_a_shut_down_engine_takes_no_request(model):
     engine.shutdown()
     assert engine.structured_output_manager.executor._shutdown  # the grammar thread stops
     engine.shutdown()  # idempotent
-    with pytest.raises(RuntimeError, match="this engine has been shut down; start a new one"):
+    with pytest.raises(RuntimeError) as e:
         engine.add_request("a", PROMPT, GREEDY)
+    assert str(e.value) == "this engine has been shut down; start a new one"
 
 
 def test_a_request_that_can_never_run_is_rejected_before_queueing(engine):
     with pytest.raises(le.RequestRejectedError):
         engine.add_request("a", list(range(70)), GREEDY)
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
-    with pytest.raises(le.RequestRejectedError):
+    with pytest.raises(le.RequestRejectedError) as e:
         engine.add_request("b", PROMPT, bad)
+    assert str(e.value) == str(e.value.__cause__) and "(unclosed" in str(e.value)
     assert engine.groups == {} and engine.stats["prompt_tokens_total"] >= 0
     assert len(engine.scheduler.waiting) == 0
 
@@ -411,6 +420,7 @@ def test_a_grammar_constrains_and_ends_its_output(engine):
     engine.add_request("a", PROMPT, SamplingParams(structured_outputs=so, max_tokens=20))
     out = _drain(engine)["a"].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert not set(out.token_ids) & engine.eos_token_ids  # the grammar's end ends it, no EOS
 
 
 def test_an_idle_step_waits_for_a_compiling_grammar(engine, monkeypatch):
@@ -443,9 +453,14 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(engine, monkeypa
     failed = engine.take_failed()
     assert [rid for rid, _ in failed] == ["a"] and "RuntimeError('kernel')" in failed[0][1]
     assert engine.take_failed() == [] and engine.groups == {}
-    monkeypatch.undo()
     engine.add_request("b", PROMPT, GREEDY)
-    assert len(_drain(engine)["b"].outputs[0].token_ids) == 4
+    engine.execute_step()
+    engine.add_request("c", PROMPT, GREEDY)
+    engine.execute_step()
+    assert [rid for rid, _ in engine.take_failed()] == ["b", "c"]  # kept until taken
+    monkeypatch.undo()
+    engine.add_request("d", PROMPT, GREEDY)
+    assert len(_drain(engine)["d"].outputs[0].token_ids) == 4
 
 
 def test_an_unrecoverable_fault_or_a_lost_rank_stops_the_engine(engine, monkeypatch):
@@ -769,3 +784,55 @@ def test_each_step_teaches_the_scheduler_its_forward_and_copy_costs(engine, monk
     ]
     monkeypatch.undo()
     engine.abort_request("a")
+
+
+def test_an_eos_token_ends_a_sequence_unless_it_ignores_eos(engine):
+    eos = min(engine.eos_token_ids)
+    forced = dict(temperature=0.0, max_tokens=3, logit_bias={eos: 100.0})
+    engine.add_request("a", PROMPT, SamplingParams(**forced))
+    engine.add_request("b", PROMPT, SamplingParams(**forced, ignore_eos=True))
+    out = _drain(engine)
+    assert out["a"].outputs[0].token_ids == [eos] and out["a"].outputs[0].finish_reason == "stop"
+    assert out["b"].outputs[0].token_ids == [eos] * 3
+
+
+def test_a_group_keeps_the_params_its_request_runs_with(engine):
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=None))
+    assert engine.groups["a"].params.max_tokens == 64 - len(PROMPT)
+    engine.abort_request("a")
+
+
+def test_a_preempted_sibling_whose_grammar_failed_rejects_its_whole_request(engine, monkeypatch):
+    so = StructuredOutputsParams(regex="[a-z]+")
+    engine.add_request("a", PROMPT, SamplingParams(n=2, structured_outputs=so, max_tokens=8))
+    group = engine.groups["a"]
+    while group.pending_forks:  # its grammar compiles, then the sibling forks off
+        engine.step()
+    sibling = group.seqs[1]
+    engine.scheduler.preempt(sibling)  # back to the queue, as a fault's recovery does
+    broken = sibling.structured_output
+    monkeypatch.setattr(
+        type(broken), "error", property(lambda self: "bad grammar" if self is broken else None)
+    )
+    engine.step()
+    assert engine.take_rejected() == [("a", "bad grammar")] and engine.groups == {}
+
+
+def test_faults_on_an_emulated_card_are_recovered_and_the_output_unchanged(model):
+    config = EngineConfig.from_kwargs(
+        model=str(model[0]), dtype="float32", device="kunlun-emu", weight_scrub_pages=0, **SETTINGS
+    )
+    engine = LLMEngine(config)
+    engine.add_request("clean", PROMPT, GREEDY)
+    clean = _drain(engine)["clean"].outputs[0].token_ids
+    engine.block_manager.reset_prefix_cache()
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.step()
+    engine.step()
+    engine.inject_fault("kv_page", page=engine.block_manager.get_block_table("a")[0])
+    assert engine.inject_fault("weight_page", "model.norm.weight", 0)["page"] == 0
+    assert engine.scrub_weights() == 1  # restored from the checkpoint on disk
+    assert _drain(engine)["a"].outputs[0].token_ids == clean
+    assert engine.device.faults.to_dict()["kv_page"]["recovered"] == 1
+    assert engine.check_invariants() == [] and engine.block_manager.usage == 0
+    engine.shutdown()
