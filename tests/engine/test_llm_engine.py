@@ -129,16 +129,16 @@ def test_a_tokenizer_path_of_its_own_is_loaded(model, tmp_path):
     engine.shutdown()
 
 
-def test_the_eos_ids_are_the_models_and_the_tokenizers(model):
-    shared = tiny_engine(model[0], **SETTINGS)  # its own: start-up is mapped to its tests
-    expected = set(shared.model_config.eos_token_ids) | set(shared.tokenizer.eos_token_ids)
-    assert shared.eos_token_ids == frozenset(expected)
-    assert sorted(shared.structured_output_manager.eos_token_ids) == sorted(expected)
-    assert shared.structured_output_manager.tokenizer_file == (
-        shared.tokenizer.model_dir / "tokenizer.json"
-    )
-    assert shared.runner.structured_output_manager is shared.structured_output_manager
-    shared.shutdown()
+def test_the_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
+    build_tiny_model_dir(tmp_path, "glm4", eos_token_id=0)  # the tokenizer's: 0, 7 and 9
+    engine = tiny_engine(tmp_path, block_size=BLOCK, num_kv_pages=8, max_model_len=32)
+    assert engine.model_config.eos_token_ids == [0]
+    assert engine.eos_token_ids == frozenset({0, 7, 9})
+    manager = engine.structured_output_manager
+    assert manager.eos_token_ids == [0, 7, 9] and manager.vocab_size == 320
+    assert manager.tokenizer_file == tmp_path / "tokenizer.json"
+    assert engine.runner.structured_output_manager is manager
+    engine.shutdown()
 
 
 def test_a_single_card_engine_scrubs_weights_on_its_runner(model):
@@ -147,6 +147,12 @@ def test_a_single_card_engine_scrubs_weights_on_its_runner(model):
     assert shared.num_kv_pages == 32 and shared.block_size == BLOCK
     assert shared.limits.max_num_seqs == 4 and shared.limits.num_kv_pages == 32
     assert shared.proposer is None and shared.spec_stats.num_speculative_tokens == 0
+    assert shared.detokenize is True
+    assert shared.stats == {"prompt_tokens_total": 0, "generation_tokens_total": 0}
+    assert shared.take_rejected() == [] and shared.take_failed() == []
+    with pytest.raises(le.RequestRejectedError) as e:  # the server's flags, its usage context
+        shared.add_request("x", list(range(70)), SamplingParams())
+    assert str(e.value).endswith("or start the server with a larger --max-model-len")
     shared.shutdown()
 
 
@@ -629,6 +635,9 @@ def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
         "cache_share": 4,
     }
     assert page_map["host"] == engine.block_manager.host_page_map()
+    assert "; host tier 8 page frames (4 swap space, 4 prefix cache); preemption swap; " in (
+        engine.describe()
+    )
     frames = engine.block_manager.host.block_tables
     out = sorted(r.request_id for r in engine.scheduler.swapped)
     frames["ghost"] = []
