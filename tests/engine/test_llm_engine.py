@@ -141,7 +141,7 @@ def test_the_eos_ids_are_the_models_and_the_tokenizers(tmp_path):
     engine.shutdown()
 
 
-def test_a_single_card_engine_scrubs_weights_on_its_runner(model):
+def test_a_fresh_single_card_engine_wires_its_parts_and_starts_empty(model):
     shared = tiny_engine(model[0], **SETTINGS)
     assert shared.runner.patrol_scrub == shared.fault_recovery.patrol_scrub
     assert shared.num_kv_pages == 32 and shared.block_size == BLOCK
@@ -156,7 +156,7 @@ def test_a_single_card_engine_scrubs_weights_on_its_runner(model):
     shared.shutdown()
 
 
-def test_a_failed_start_shuts_down_what_it_started(model, monkeypatch):
+def test_a_start_that_fails_part_way_stops_its_ranks_and_raises_its_error(model, monkeypatch):
     from pagedserve.engine.executor import Executor
 
     stopped = []
@@ -665,7 +665,7 @@ def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
     engine.shutdown()
 
 
-def test_speculative_drafts_are_verified_counted_and_their_pages_trimmed(model):
+def test_drafts_are_verified_counted_and_their_rejected_pages_trimmed(model):
     spec = {
         "method": "ngram",
         "num_speculative_tokens": 3,
@@ -691,6 +691,7 @@ def test_speculative_drafts_are_verified_counted_and_their_pages_trimmed(model):
         assert engine.check_invariants() == []
         seq = group.seqs[0]
         if not seq.status.finished:  # no page past its tokens: a rejected draft's goes back
+            assert seq.num_computed_tokens == seq.num_tokens - 1  # all but the newest token
             assert len(engine.block_manager.block_tables["a"]) <= -(-seq.num_tokens // BLOCK)
     assert group.seqs[0].output_token_ids == want
     assert sum(counts) == 20 and max(counts) > 1  # an accepted draft is one more token a step
