@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
-from pagedserve.config import EngineConfig
+from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine import llm_engine as le
 from pagedserve.engine.llm_engine import GRAMMAR_WAIT_S, LLMEngine
 from pagedserve.engine.request import RequestStatus
@@ -845,4 +845,15 @@ def test_faults_on_an_emulated_card_are_recovered_and_the_output_unchanged(model
     assert _drain(engine)["a"].outputs[0].token_ids == clean
     assert engine.device.faults.to_dict()["kv_page"]["recovered"] == 1
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
+    engine.shutdown()
+
+
+def test_an_llm_class_engine_names_keywords_in_its_rejections(model):
+    config = EngineConfig.from_kwargs(
+        model=str(model[0]), dtype="float32", device="cpu", **SETTINGS
+    )
+    engine = LLMEngine(config, UsageContext.LLM_CLASS)
+    with pytest.raises(le.RequestRejectedError) as e:
+        engine.add_request("x", list(range(70)), SamplingParams())
+    assert str(e.value).endswith("or create the LLM with a larger max_model_len")
     engine.shutdown()
