@@ -248,17 +248,7 @@ MODULES = {
     # SGLang's routes: their tests on an in-process app over the demo model
     "server_sglang_api": (
         "pagedserve/server/sglang_api.py",
-        [
-            "tests/server/test_app.py",
-            *_named(
-                "tests/engine/test_structured_output.py",
-                "test_generate_with_json_schema_regex_and_batch",
-                "test_generate_logprobs_are_sglang_tuples_matching_the_openai_api",
-                "test_generate_max_new_tokens_0_prefills_and_caches_the_prefix",
-                "test_generate_stream_sends_the_text_so_far_and_done",
-                "test_model_and_server_info_and_flush_cache",
-            ),
-        ],
+        ["tests/server/test_sglang_api.py", *_named("tests/server/test_app.py", ROUTE_TEST)],
     ),
     **{
         f"server_{name}": (f"pagedserve/server/{name}.py", ["tests/server/test_app.py"])

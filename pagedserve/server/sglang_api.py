@@ -232,13 +232,14 @@ class SGLangServing:
     ) -> dict[str, Any]:
         token_ids = [] if prefill_only else list(o.token_ids)
         text = "" if prefill_only else o.text
+        now = time.monotonic()
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": self.finish_reason(o, token_ids, prefill_only),
             "prompt_tokens": len(prompt_ids),
             "completion_tokens": len(token_ids),
             "cached_tokens": out.num_cached_tokens,
-            "e2e_latency": time.monotonic() - out.metrics.get("arrival_time", time.monotonic()),
+            "e2e_latency": now - out.metrics.get("arrival_time", now),
         }
         if _per_prompt(body.return_logprob, i):
             self.add_logprobs(meta, body, i, prompt_ids, out, o, prefill_only)

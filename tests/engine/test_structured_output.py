@@ -1,7 +1,7 @@
 """Structured output: every constrained answer of the demo model (which, unconstrained, rarely
-writes valid JSON) follows its schema, regex or choice; through the engine, the OpenAI API and
-SGLang's /generate; bad constraints are 400s naming the problem; preemption and n > 1 keep the
-grammar state right."""
+writes valid JSON) follows its schema, regex or choice, through the engine and the OpenAI API
+(SGLang's /generate: tests/server/test_sglang_api.py); bad constraints are 400s naming the
+problem; preemption and n > 1 keep the grammar state right."""
 
 from __future__ import annotations
 
@@ -435,99 +435,3 @@ def test_bad_constraints_are_400s_naming_the_problem(http, fields, param, words)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"]
-
-
-# ---- SGLang's /generate -----------------------------------------------------------------------
-def test_generate_with_json_schema_regex_and_batch(http):
-    r = http.post(
-        "/generate",
-        json={
-            "text": PROMPTS[:8],
-            "sampling_params": {
-                "max_new_tokens": 200,
-                "temperature": 0.8,
-                "json_schema": json.dumps(SCHEMA),
-            },
-        },
-    )
-    assert r.status_code == 200, r.text
-    results = r.json()
-    assert len(results) == 8
-    for res in results:
-        jsonschema.validate(json.loads(res["text"]), SCHEMA)
-        assert res["meta_info"]["finish_reason"]["type"] == "stop"
-        assert res["meta_info"]["completion_tokens"] == len(res["output_ids"])
-    r = http.post(
-        "/generate",
-        json={"text": "Call", "sampling_params": {"max_new_tokens": 20, "regex": PHONE}},
-    )
-    assert re.fullmatch(PHONE, r.json()["text"])
-    r = http.post("/generate", json={"text": "x", "sampling_params": {"regex": "(("}})
-    assert r.status_code == 400 and "unclosed group" in r.json()["error"]["message"]
-
-
-def test_generate_logprobs_are_sglang_tuples_matching_the_openai_api(http):
-    text = "The quick brown fox"
-    r = http.post(
-        "/generate",
-        json={
-            "text": text,
-            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-            "return_logprob": True,
-            "logprob_start_len": 0,
-            "top_logprobs_num": 2,
-            "return_text_in_logprobs": True,
-        },
-    )
-    meta = r.json()["meta_info"]
-    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
-    assert [e[1] for e in meta["input_token_logprobs"]] == ids
-    assert meta["input_token_logprobs"][0][0] is None  # the first token has no prediction
-    assert [e[1] for e in meta["output_token_logprobs"]] == r.json()["output_ids"]
-    ref = http.post(
-        "/v1/completions",
-        json={"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True},
-    ).json()
-    ref_lps = ref["choices"][0]["logprobs"]["token_logprobs"]
-    ours = [e[0] for e in meta["input_token_logprobs"] + meta["output_token_logprobs"]]
-    assert ours[1:] == pytest.approx(ref_lps[1:], abs=1e-4)
-    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
-
-
-def test_generate_max_new_tokens_0_prefills_and_caches_the_prefix(http):
-    prefix = "A long shared prefix for the agent. " * 20
-    r = http.post("/generate", json={"text": prefix, "sampling_params": {"max_new_tokens": 0}})
-    res = r.json()
-    assert res["text"] == "" and res["output_ids"] == [] and res["meta_info"]["prompt_tokens"] > 64
-    assert res["meta_info"]["completion_tokens"] == 0
-    r = http.post(
-        "/generate", json={"text": prefix + "Next", "sampling_params": {"max_new_tokens": 1}}
-    )
-    assert r.json()["meta_info"]["cached_tokens"] >= 64
-
-
-def test_generate_stream_sends_the_text_so_far_and_done(http):
-    body = {
-        "text": "Hello",
-        "stream": True,
-        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-    }
-    with http.stream("POST", "/generate", json=body) as r:
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    chunks = [json.loads(line) for line in lines[:-1]]
-    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
-    full = http.post("/generate", json={**body, "stream": False}).json()
-    assert chunks[-1]["text"] == full["text"]
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-
-
-def test_model_and_server_info_and_flush_cache(http):
-    info = http.get("/get_model_info").json()
-    assert info["is_generation"] and info["model_path"]
-    assert info["chat_template_roles"]["roles"]["user"][0] == "<|user|>\n"
-    assert http.get("/server_info").json() == http.get("/get_server_info").json() | {
-        "internal_states": http.get("/server_info").json()["internal_states"]
-    }
-    r = http.post("/flush_cache")
-    assert r.status_code == 200 and "flushed" in r.text
