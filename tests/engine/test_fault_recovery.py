@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal.faults import WEIGHT_PAGE_BYTES, DeviceKernelError
-from tests.helpers.models import build_tiny_model_dir, host_tier_gib
+from tests.helpers.models import build_tiny_model_dir, drain, host_tier_gib
 
 BLOCK = 4
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # 2 full blocks and one token
@@ -52,9 +52,8 @@ def _clean(llm: LLM, prompt: list[int]) -> list[int]:
 
 
 def _finish(engine, outputs: list) -> dict[str, list[int]]:
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    return {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
+    """Each finished request's tokens, once the engine has drained."""
+    return {rid: o.outputs[0].token_ids for rid, o in drain(engine, outputs).items() if o.finished}
 
 
 @pytest.mark.faults
@@ -110,7 +109,7 @@ def test_a_failed_step_uncaches_the_blocks_it_wrote_and_keeps_the_prefix_it_foun
     engine = llm.llm_engine
     bm = engine.block_manager
     engine.add_request("first", PROMPT, GREEDY)
-    _finish(engine, [])
+    drain(engine)
     cached = set(bm.cached_block_hash_to_page)  # the first's full blocks: 15 tokens, 3 blocks
     assert len(cached) == 3
     # the first 2 blocks come from the cache; the step writes the third (cached as it is
@@ -127,7 +126,7 @@ def test_each_failed_step_counts_until_a_step_runs(llm):
     engine = llm.llm_engine
     faults = engine.device.faults
     engine.add_request("w", PROMPT, GREEDY)  # a step that runs: earlier failures recovered
-    _finish(engine, [])
+    drain(engine)
     before = faults.to_dict()["step"]
     for rid in ("x", "y"):  # two steps fail in a row: both recovered by the next that runs
         engine.add_request(rid, PROMPT, GREEDY)
@@ -136,7 +135,7 @@ def test_each_failed_step_counts_until_a_step_runs(llm):
     assert [rid for rid, _ in engine.take_failed()] == ["x", "y"]
     assert faults.to_dict()["step"]["recovered"] == before["recovered"]
     engine.add_request("z", PROMPT, GREEDY)
-    _finish(engine, [])
+    drain(engine)
     after = faults.to_dict()["step"]
     assert {k: after[k] - before[k] for k in after} == {
         "injected": 2,
@@ -158,7 +157,7 @@ def test_a_step_whose_patrol_finds_nothing_runs_its_forward_pass_once(llm, monke
     monkeypatch.setattr(engine.config.device, "weight_scrub_pages", 2)
     scrubbed = engine.device.scrubber.num_pages_scrubbed
     engine.add_request("once", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True))
-    _finish(engine, [])
+    drain(engine)
     assert passes == [len(PROMPT), 1]  # the prefill, one decode: no pass twice
     assert engine.device.scrubber.num_pages_scrubbed == scrubbed + 2 * 2  # 2 pages a step
 
@@ -271,7 +270,7 @@ def test_a_step_whose_swap_in_fails_uncaches_the_pages_it_was_copying_into(tmp_p
     assert failed[0] == "r1" and "the copy back from the host tier failed" in failed[1]
     assert len(copied_into) >= 2
     assert not set(copied_into) & set(engine.block_manager.page_to_cached_block)
-    _finish(engine, [])
+    drain(engine)
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
 
 

@@ -10,7 +10,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from pagedserve.engine.request import RequestStatus
 from pagedserve.engine.swap_policy import MIN_PREFILL_TOKENS, PreemptionCosts, should_swap
-from tests.helpers.models import build_tiny_hf_model, host_tier_gib
+from tests.helpers.models import build_tiny_hf_model, drain, host_tier_gib
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -77,11 +77,9 @@ def _run_until_swapped(llm: LLM) -> tuple[list, object]:
 
 
 def _finish(llm: LLM, outputs: list) -> list[list[int]]:
-    engine = llm.llm_engine
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
-    done = {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
-    return [done[f"r{i}"] for i in range(len(PROMPTS))]
+    """Each prompt's tokens, once the engine has drained."""
+    last = drain(llm.llm_engine, outputs)
+    return [last[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))]
 
 
 # ---- swap and the host prefix cache ----------------------------------------------------------
@@ -181,12 +179,10 @@ def test_a_step_whose_swap_out_fails_recomputes_its_victim(tiny_dir, clean, monk
     monkeypatch.setattr(engine.device, "swap_out", fail_once)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, GREEDY)
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    last = drain(engine)
     (failed,) = engine.take_failed()
     assert failed[0] == "r0" and "the copy to the host tier failed" in failed[1]
-    (done,) = [o for o in outputs if o.finished]
+    (done,) = [o for o in last.values() if o.finished]
     assert done.request_id == "r1" and done.outputs[0].token_ids == clean[1]
     assert engine.scheduler.num_swapped_preemptions == 1 and _drained(llm)
     # a failed copy is no fault of the KV pages: nothing counted as one

@@ -17,7 +17,7 @@ from pagedserve.engine.llm_engine import GRAMMAR_WAIT_S, LLMEngine
 from pagedserve.engine.request import RequestStatus
 from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.sampling_params import StructuredOutputsParams
-from tests.helpers.models import build_tiny_model_dir, host_tier_gib, tiny_engine
+from tests.helpers.models import build_tiny_model_dir, drain, host_tier_gib, tiny_engine
 
 BLOCK = 4
 PROMPT = [5, 6, 7, 8, 9]
@@ -51,17 +51,6 @@ def engine(shared):
     assert left == []
     assert shared.check_invariants() == [] and shared.block_manager.usage == 0
     assert shared.runner.generators == {}  # an ended sequence's seeded sampler goes too
-
-
-def _drain(engine: LLMEngine) -> dict:
-    """Step until every request ends: each request id's last output."""
-    last = {}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            return last
-        for out in engine.step():
-            last[out.request_id] = out
-    raise AssertionError("the engine never drained")
 
 
 def _reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
@@ -114,7 +103,7 @@ def test_a_model_without_a_tokenizer_takes_token_ids_only(model, tmp_path):
     assert engine.eos_token_ids == frozenset(engine.model_config.eos_token_ids)
     assert engine.structured_output_manager.tokenizer_file is None
     engine.add_request("a", PROMPT, GREEDY)
-    out = _drain(engine)["a"]
+    out = drain(engine)["a"]
     assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == 4
     engine.shutdown()
 
@@ -197,7 +186,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(engine, model):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=0)
     params.prompt_logprobs = 0
     engine.add_request("a", PROMPT, params, prompt="the prompt")
-    out = _drain(engine)["a"]
+    out = drain(engine)["a"]
     assert out.finished and out.prompt == "the prompt" and out.prompt_token_ids == PROMPT
     seq = out.outputs[0]
     ids = PROMPT + seq.token_ids
@@ -229,7 +218,7 @@ def test_step_reports_each_group_once_with_the_tokens_it_got(engine):
     assert [(g.request_id, i, n) for g, i, n in advanced] == [("a", 0, 1), ("b", 0, 1)]
     assert seq.num_computed_tokens == 6 and seq.num_tokens == 7
     assert engine.get_num_unfinished_requests() == 1 and list(engine.groups) == ["a"]
-    _drain(engine)
+    drain(engine)
     assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()
     assert engine.step() == [] and engine.execute_step() == []
 
@@ -275,7 +264,7 @@ def test_prompt_and_generated_tokens_are_counted(engine):
     assert engine.stats["prompt_tokens_total"] == before["prompt_tokens_total"] + 5
     engine.add_request("b", [3, 4], SamplingParams(n=2, temperature=0.0, max_tokens=3))
     assert engine.stats["prompt_tokens_total"] == before["prompt_tokens_total"] + 7
-    _drain(engine)
+    drain(engine)
     assert engine.stats["generation_tokens_total"] == before["generation_tokens_total"] + 10
     stats = engine.get_stats()
     assert stats["prompt_tokens_total"] == engine.stats["prompt_tokens_total"]
@@ -296,12 +285,12 @@ def test_n_sequences_fork_once_the_prompt_is_computed_with_seeds_one_apart(engin
     assert group.pending_forks == []
     assert [s.num_computed_tokens for s in group.seqs] == [5, 5, 5]
     assert {r.request_id for r in engine.scheduler.running} == {"a", "a#1", "a#2"}
-    out = _drain(engine)["a"]
+    out = drain(engine)["a"]
     assert [len(c.token_ids) for c in out.outputs] == [3, 3, 3]
     # each sibling samples as a lone request with its own seed would
     for index, seed in enumerate([40, 41, 42]):
         engine.add_request("s", PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=3))
-        alone = _drain(engine)["s"].outputs[0].token_ids
+        alone = drain(engine)["s"].outputs[0].token_ids
         assert out.outputs[index].token_ids[:1] == alone[:1]
 
 
@@ -321,14 +310,14 @@ def test_an_arrival_time_given_is_kept(engine):
 def test_a_stop_string_ends_the_text_before_it(engine):
     prompt = [20, 21, 22, 23]  # greedy: "F\x1c\x1cmpmpal..."
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=["mp"]))
-    seq = _drain(engine)["r"].outputs[0]
+    seq = drain(engine)["r"].outputs[0]
     assert seq.text == "F\x1c\x1c" and seq.stop_reason == "mp" and seq.finish_reason == "stop"
     assert len(seq.token_ids) == 4
 
 
 def test_a_sequence_that_ends_without_a_stop_string_flushes_its_held_back_text(engine):
     engine.add_request("r", PROMPT, GREEDY)
-    seq = _drain(engine)["r"].outputs[0]
+    seq = drain(engine)["r"].outputs[0]
     assert seq.token_ids == [70, 151, 246, 246]
     assert seq.text == engine.tokenizer.decode(seq.token_ids) == "]\u044e\ufffd"
 
@@ -337,11 +326,11 @@ def test_without_detokenizing_text_stays_empty_and_stop_ids_still_end(model):
     engine = tiny_engine(model[0], **SETTINGS)
     engine.detokenize = False
     engine.add_request("a", PROMPT, GREEDY)
-    first = _drain(engine)["a"].outputs[0]
+    first = drain(engine)["a"].outputs[0]
     assert first.text == "" and engine.groups == {}
     stop = first.token_ids[1]
     engine.add_request("b", PROMPT, SamplingParams(temperature=0.0, stop_token_ids=[stop]))
-    seq = _drain(engine)["b"].outputs[0]
+    seq = drain(engine)["b"].outputs[0]
     assert seq.token_ids == first.token_ids[:2] and seq.stop_reason == stop
     engine.shutdown()
 
@@ -418,13 +407,13 @@ def test_a_grammar_that_fails_to_compile_rejects_its_request(engine, monkeypatch
     engine.step()
     assert engine.take_rejected() == [("a", "bad grammar")] and engine.take_rejected() == []
     assert list(engine.groups) == ["b"]
-    _drain(engine)
+    drain(engine)
 
 
 def test_a_grammar_constrains_and_ends_its_output(engine):
     so = StructuredOutputsParams(choice=["yes", "no"])
     engine.add_request("a", PROMPT, SamplingParams(structured_outputs=so, max_tokens=20))
-    out = _drain(engine)["a"].outputs[0]
+    out = drain(engine)["a"].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
     assert not set(out.token_ids) & engine.eos_token_ids  # the grammar's end ends it, no EOS
 
@@ -466,7 +455,7 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(engine, monkeypa
     assert [rid for rid, _ in engine.take_failed()] == ["b", "c"]  # kept until taken
     monkeypatch.undo()
     engine.add_request("d", PROMPT, GREEDY)
-    assert len(_drain(engine)["d"].outputs[0].token_ids) == 4
+    assert len(drain(engine)["d"].outputs[0].token_ids) == 4
 
 
 def test_an_unrecoverable_fault_or_a_lost_rank_stops_the_engine(engine, monkeypatch):
@@ -491,7 +480,7 @@ def test_an_unrecoverable_fault_or_a_lost_rank_stops_the_engine(engine, monkeypa
     monkeypatch.undo()
     engine.abort_request("a")
     engine.block_manager.moves_done()
-    _drain(engine)
+    drain(engine)
 
 
 def test_check_invariants_names_a_sequence_that_holds_pages_but_is_not_running(engine):
@@ -574,7 +563,7 @@ def test_stats_while_running_count_requests_pages_and_tokens(engine):
     page_map = engine.get_page_map()
     assert page_map["total"] == 32 and page_map["block_size"] == 4 and "host" not in page_map
     assert page_map["counts"]["used"] == 5
-    _drain(engine)
+    drain(engine)
     done = engine.get_device_stats()["kv_pages"]
     assert done["in_use"] == 0 and done["cached"] + done["free"] == 32 and done["cached"] == 5
 
@@ -645,7 +634,7 @@ def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
         f"host frames are held by {sorted(frames)}, but the swapped-out sequences are {out}"
     ]
     del frames["ghost"]
-    _drain(engine)
+    drain(engine)
     cached = len(host.frame_to_cached_block)
     assert cached > 0  # prefix blocks the KV tier evicted
     assert engine.get_device_stats()["host_pages"] == {
@@ -677,7 +666,7 @@ def test_drafts_are_verified_counted_and_their_rejected_pages_trimmed(model):
     prompt = PROMPT  # greedy repeats tokens: its drafts are partly accepted
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain.add_request("a", prompt, params)
-    want = _drain(plain)["a"].outputs[0].token_ids
+    want = drain(plain)["a"].outputs[0].token_ids
     engine.add_request("a", prompt, params)
     assert engine.groups["a"].seqs[0].draft_state is not None
     so = StructuredOutputsParams(regex="[a-z]+")
@@ -738,7 +727,7 @@ def test_a_chunked_prompt_gets_every_prompt_logprob_and_forks_once_it_is_compute
         assert group.pending_forks == [] or group.seqs[1].num_computed_tokens == 0
     assert [[(i, n) for _, i, n in adv] for adv in steps] == [[], [], [(0, 1), (1, 1)]]
     assert group.seqs[1].num_computed_tokens == len(prompt)
-    out = _drain(engine)["a"]
+    out = drain(engine)["a"]
     ref = _reference_logprobs(model[1], prompt)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for i in range(1, len(prompt)):
@@ -801,7 +790,7 @@ def test_an_eos_token_ends_a_sequence_unless_it_ignores_eos(engine):
     forced = dict(temperature=0.0, max_tokens=3, logit_bias={eos: 100.0})
     engine.add_request("a", PROMPT, SamplingParams(**forced))
     engine.add_request("b", PROMPT, SamplingParams(**forced, ignore_eos=True))
-    out = _drain(engine)
+    out = drain(engine)
     assert out["a"].outputs[0].token_ids == [eos] and out["a"].outputs[0].finish_reason == "stop"
     assert out["b"].outputs[0].token_ids == [eos] * 3
 
@@ -834,7 +823,7 @@ def test_faults_on_an_emulated_card_are_recovered_and_the_output_unchanged(model
     )
     engine = LLMEngine(config)
     engine.add_request("clean", PROMPT, GREEDY)
-    clean = _drain(engine)["clean"].outputs[0].token_ids
+    clean = drain(engine)["clean"].outputs[0].token_ids
     engine.block_manager.reset_prefix_cache()
     engine.add_request("a", PROMPT, GREEDY)
     engine.step()
@@ -842,7 +831,7 @@ def test_faults_on_an_emulated_card_are_recovered_and_the_output_unchanged(model
     engine.inject_fault("kv_page", page=engine.block_manager.get_block_table("a")[0])
     assert engine.inject_fault("weight_page", "model.norm.weight", 0)["page"] == 0
     assert engine.scrub_weights() == 1  # restored from the checkpoint on disk
-    assert _drain(engine)["a"].outputs[0].token_ids == clean
+    assert drain(engine)["a"].outputs[0].token_ids == clean
     assert engine.device.faults.to_dict()["kv_page"]["recovered"] == 1
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
     engine.shutdown()

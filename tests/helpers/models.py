@@ -243,6 +243,18 @@ def tiny_engine(model_dir, **settings):
     return LLMEngine(config)
 
 
+def drain(engine, outputs=(), max_steps: int = 500) -> dict:
+    """Step an ``LLMEngine`` until no request is unfinished: each request id's last output,
+    ``outputs`` (those of earlier steps) included. An engine still busy after ``max_steps`` steps
+    fails the test at once, rather than when pytest's timeout runs out."""
+    last = {o.request_id: o for o in outputs}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return last
+        last.update((o.request_id, o) for o in engine.step())
+    raise AssertionError(f"the engine still has unfinished requests after {max_steps} steps")
+
+
 def host_tier_gib(model_dir, num_frames: int, block_size: int, dtype_bytes: int = 4) -> float:
     """The GiB that make ``num_frames`` host-tier frames of a model's KV pages (for
     ``swap_space`` and ``host_prefix_cache``, which are set in GiB)."""
