@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import SimpleNamespace
@@ -50,12 +49,6 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"ty
 @pytest.fixture(scope="module")
 def engine():
     return demo_engine(max_model_len=512, num_kv_pages=64)
-
-
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator:
-    with served(engine) as c:
-        yield c
 
 
 def chat(client, **body) -> dict:

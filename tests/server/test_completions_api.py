@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -24,12 +23,6 @@ SEEDED = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def engine():
     return demo_engine()
-
-
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator:
-    with served(engine) as c:
-        yield c
 
 
 def complete(client, **body) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Iterator
 
 import pytest
 
@@ -32,12 +31,6 @@ from tests.server.test_tool_grammar import _accepts as accepts
 @pytest.fixture(scope="module")
 def engine():
     return demo_engine(max_model_len=512, num_kv_pages=64)
-
-
-@pytest.fixture(scope="module")
-def client(engine) -> Iterator:
-    with served(engine) as c:
-        yield c
 
 
 @pytest.fixture

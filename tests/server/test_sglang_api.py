@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 
 import jsonschema
 import pytest
@@ -27,7 +26,7 @@ from pagedserve.server.sglang_api import (
     sglang_sampling_params,
 )
 from tests.engine.test_structured_output import PHONE, PROMPTS, SCHEMA
-from tests.helpers.apps import AUTH, demo_engine, served
+from tests.helpers.apps import AUTH, demo_engine
 from tests.server.test_chat_api import WEATHER
 
 VOCAB = 4096  # the demo model's
@@ -39,10 +38,10 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def client(engine) -> Iterator:
-    with served(engine) as c:
-        c.headers.update(AUTH)
-        yield c
+def client(client):
+    """conftest's client, sending the API key with every request."""
+    client.headers.update(AUTH)
+    return client
 
 
 @pytest.fixture
