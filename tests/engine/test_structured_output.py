@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from pagedserve.engine.structured_output.backend_guidance import text_tokenizer
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # every string bounded, so that any answer fits in max_tokens and finishes by its own closing brace
@@ -99,6 +100,18 @@ def test_regex_and_choice_answers_all_match(demo_llm):
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
+def test_the_text_of_a_special_token_in_a_constraint_is_written_as_text(demo_llm):
+    """The regex's literal ``<|assistant|>`` is met by ordinary tokens; the special token of that
+    text is never offered, as the grammar would refuse it (and end the answer there)."""
+    regex = r"a<\|assistant\|>b"
+    constraint = StructuredOutputsParams(regex=regex)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_outputs=constraint)
+    (out,) = demo_llm.generate(["Hi"], params)
+    o = out.outputs[0]
+    assert (o.text, o.finish_reason) == ("a<|assistant|>b", "stop")
+    assert demo_llm.llm_engine.tokenizer.token_to_id("<|assistant|>") not in o.token_ids
+
+
 def test_ebnf_grammar_constrains_the_answer(demo_llm):
     grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
     outs = demo_llm.generate(
@@ -173,7 +186,7 @@ def test_an_object_that_lists_its_properties_takes_no_others_unless_its_schema_s
 def _accepts(grammar: str, text: str) -> bool:
     import llguidance
 
-    tok = llguidance.LLTokenizer(_demo_tokenizer())
+    tok = text_tokenizer(_demo_tokenizer(), 4096, [4086])
     m = llguidance.LLMatcher(tok, grammar, log_level=0)
     return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting()
 

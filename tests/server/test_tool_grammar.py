@@ -7,6 +7,7 @@ from __future__ import annotations
 import llguidance
 import pytest
 
+from pagedserve.engine.structured_output.backend_guidance import text_tokenizer
 from pagedserve.models.tokenizer import Tokenizer
 from pagedserve.presets import demo_model_dir
 from pagedserve.sampling_params import SamplingParams
@@ -38,9 +39,7 @@ def glm45_vocab(tmp_path_factory) -> Tokenizer:
 
 def _matcher(tokenizer: Tokenizer, grammar: str) -> llguidance.LLMatcher:
     eos = [tokenizer.token_to_id(t) for t in STOPS]
-    llg = llguidance.LLTokenizer(
-        str(tokenizer.model_dir / "tokenizer.json"), n_vocab=tokenizer.vocab_size, eos_token=eos
-    )
+    llg = text_tokenizer(tokenizer.model_dir / "tokenizer.json", tokenizer.vocab_size, eos)
     return llguidance.LLMatcher(llg, llguidance.grammar_from("lark", grammar), log_level=0)
 
 

@@ -10,6 +10,7 @@ import json
 from functools import lru_cache
 
 import llguidance
+import tokenizers
 
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -19,6 +20,37 @@ JSON_WHITESPACE = r"[ ]?"
 JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 GRAMMAR_CACHE_SIZE = 256
 _OPEN_OBJECT_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+
+
+def text_tokenizer(tokenizer_file, vocab_size: int, eos_token_ids: list[int]):
+    """The vocabulary as llguidance sees it, built once per engine.
+
+    Loaded by llguidance from tokenizer.json, its tokenization of text turns a special token's
+    text into the special token, and it tokenizes the bytes a grammar forces: a regex holding the
+    literal text ``<|assistant|>`` was offered token 4094, which its grammar then refused. Here
+    text is tokenized with special tokens' text left as text; a special token is still what a
+    grammar names as ``<|assistant|>`` (tool calls do)."""
+    hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    hf.encode_special_tokens = True
+    added = hf.get_added_tokens_decoder()
+    loaded = llguidance.LLTokenizer(str(tokenizer_file), n_vocab=vocab_size)
+    known = hf.get_vocab_size(with_added_tokens=True)
+
+    class Vocabulary:  # what llguidance.TokenizerWrapper reads
+        eos_token_id = eos_token_ids[0]
+        bos_token_id = None
+        special_token_ids = sorted(i for i, t in added.items() if t.special)
+        tokens = [
+            added[i].content.encode() if i in added else loaded.decode_bytes([i]) if i < known
+            else b""  # the model's padding past the tokenizer: no text
+            for i in range(vocab_size)
+        ]  # fmt: skip
+
+        def __call__(self, text: bytes) -> list[int]:
+            return hf.encode(text.decode(), add_special_tokens=False).ids
+
+    wrapper = llguidance.TokenizerWrapper(Vocabulary())
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_token_ids)
 
 
 def strict_schema(schema):

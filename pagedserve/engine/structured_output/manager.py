@@ -27,6 +27,7 @@ from pagedserve.engine.structured_output.backend_guidance import (
     GRAMMAR_CACHE_SIZE,
     check_structured_outputs,
     grammar_for,
+    text_tokenizer,
 )
 from pagedserve.engine.structured_output.request import StructuredOutputRequest
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -59,8 +60,8 @@ class StructuredOutputManager:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    str(self.tokenizer_file), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                self._tokenizer = text_tokenizer(
+                    self.tokenizer_file, self.vocab_size, self.eos_token_ids
                 )
             return self._tokenizer
 
