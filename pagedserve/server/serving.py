@@ -364,17 +364,15 @@ class TextOffsets:
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates take it (HF's conventions): its text, and its tool calls
-    and the id of the call it answers when it has them."""
+    """A message as chat templates take it (HF's conventions): its text, and each field it
+    was sent with (``name``, ``tool_calls``, ``tool_call_id``, ``reasoning_content``, others)."""
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content if part.type == "text")
-    extra = {k: v for k, v in (message.model_extra or {}).items()}
-    out = {**extra, "role": message.role, "content": content or ""}
+    out = message.model_dump(exclude_none=True, exclude={"content", "tool_calls"})
+    out["content"] = content or ""
     if message.tool_calls is not None:
         out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
     return out
 
 

@@ -147,6 +147,8 @@ def test_a_request_that_cannot_run_is_a_400_naming_the_field_at_fault(serving):
 def test_messages_reach_the_template_as_hf_templates_take_them(serving, monkeypatch):
     template = (
         "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% if m.name %}|{{ m.name }}{% endif %}"
+        "{% if m.reasoning_content %}|{{ m.reasoning_content }}{% endif %}"
         "{% if m.tool_calls %}|{{ m.tool_calls[0].function.name }}{% endif %}"
         "{% if m.tool_call_id %}|{{ m.tool_call_id }}{% endif %}"
         "{% if m.lang %}|{{ m.lang }}{% endif %};{% endfor %}"
@@ -155,16 +157,18 @@ def test_messages_reach_the_template_as_hf_templates_take_them(serving, monkeypa
     monkeypatch.setattr(serving.tokenizer, "chat_template", template)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [
-        ChatMessage(role="user", content=[{"type": "text", "text": t} for t in ("a", "", "b")]),
-        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(
+            role="user", content=[{"type": "text", "text": t} for t in ("a", "", "b")], name="ann"
+        ),
+        ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content="hm"),
         ChatMessage(
             role="tool", content="sunny", tool_call_id="c1", lang="en"
         ),  # a field of its own
     ]
     text, ids = serving.chat_prompt(messages, True)
-    assert text == "user:ab;assistant:|f;tool:sunny|c1|en;>"
+    assert text == "user:ab|ann;assistant:|hm|f;tool:sunny|c1|en;>"
     assert ids == serving.tokenizer.encode(text, add_special_tokens=False)
-    assert serving.chat_prompt(messages[:1], False)[0] == "user:ab;"
+    assert serving.chat_prompt(messages[:1], False)[0] == "user:ab|ann;"
 
 
 def test_a_template_that_cannot_render_the_messages_is_a_400_naming_messages(serving, monkeypatch):
