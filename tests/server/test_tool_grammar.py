@@ -234,6 +234,32 @@ def test_glm45_empty_properties_take_any_pairs_where_the_schema_or_auto_leaves_t
 
 
 @pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+@pytest.mark.parametrize(
+    "extra", [None, True, {"type": "boolean"}], ids=["closed", "true", "schema"]
+)
+def test_glm45_takes_pairs_past_the_listed_ones_where_the_schema_does_as_glm4_takes_keys(
+    vocab, extra, request
+):
+    tok = request.getfixturevalue(vocab)
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    if extra is not None:
+        params["additionalProperties"] = extra
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    held = ToolRequest(_tools(weather), "required")
+    city = "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+    g = _grammar(tok, "glm45", held)
+    assert _accepts(tok, g, f"<tool_call>get_weather{city}</tool_call>")
+    assert _accepts(tok, g, f"<tool_call>get_weather{city}{NOW}</tool_call>") == (extra is not None)
+    assert not _accepts(tok, g, f"<tool_call>get_weather{NOW}</tool_call>")  # city is required
+    soon = NOW.replace("true", "soon")  # not a boolean: only a schema that says so refuses it
+    assert _accepts(tok, g, f"<tool_call>get_weather{city}{soon}</tool_call>") == (extra is True)
+    g = _grammar(tok, "glm4", held)
+    assert _accepts(tok, g, 'get_weather\n{"city": "Paris"}')
+    extended = 'get_weather\n{"city": "Paris", "now": true}'
+    assert _accepts(tok, g, extended) == (extra is not None)
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
 def test_glm45_free_text_is_any_text_without_a_calls_tag(vocab, request):
     tok = request.getfixturevalue(vocab)
     parser = ToolParserManager.get_tool_parser("glm45")(tok, _tools(WEATHER))

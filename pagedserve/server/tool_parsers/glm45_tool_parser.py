@@ -119,20 +119,22 @@ class Glm45ToolParser(ToolParser):
 
     def _entries(self, i: int, schema: dict[str, Any], rules: list[str]) -> str:
         """The key/value pairs of ``schema``'s properties, in its order (the required ones
-        required); when it lists none, no pairs if it is closed (``strict_schema`` closes one
-        that lists its properties, even none, unless it says otherwise), else any pairs."""
-        properties = schema.get("properties") or {}
-        if not properties:
-            if schema.get("additionalProperties") is False:
-                return ""
-            rules.append(f"any_{i}: {self._pair('KEY_TEXT', 'value_text')}")
-            return f"any_{i}*"
+        required), then any other pairs unless the schema is closed (``strict_schema`` closes one
+        that lists its properties, even none, unless it says otherwise), their values held to
+        its ``additionalProperties`` schema where it gives one."""
         required = set(schema.get("required") or [])
         parts = []
-        for j, (key, sub) in enumerate(properties.items()):
+        for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
             value = self._value_rule(f"value_{i}_{j}", sub, rules)
             rules.append(f"arg_{i}_{j}: {self._pair(json.dumps(key), value)}")
             parts.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
+        extra = schema.get("additionalProperties")
+        if extra is not False:
+            value = (
+                self._value_rule(f"extra_{i}", extra, rules) if isinstance(extra, dict) else None
+            )
+            rules.append(f"any_{i}: {self._pair('KEY_TEXT', value or 'value_text')}")
+            parts.append(f"any_{i}*")
         return " ".join(parts)
 
     def _pair(self, key: str, value_and_close: str) -> str:
