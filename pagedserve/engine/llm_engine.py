@@ -448,7 +448,7 @@ class LLMEngine:
         seq.num_computed_tokens -= num_drafts - num_accepted
         seq.spec_token_ids = []
         self.spec_stats.observe(num_drafts, num_accepted)
-        seq.draft_state.observe(num_drafts, num_accepted)
+        seq.draft_state.observe(num_accepted)
 
     def _propose_drafts(self, seq: Request) -> None:
         """Drafts for a running sequence's next step, as many as its ``max_tokens`` and the

@@ -36,8 +36,8 @@ class DraftState:
     num_steps: int = 0  # its decode steps so far (the back-off's clock)
     index: NgramIndex | None = None  # its n-grams (built at its first lookup)
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """One verification step's result."""
+    def observe(self, num_accepted: int) -> None:
+        """One verification step's result: how many of its drafts were accepted."""
         if num_accepted:
             self.num_failed, self.cooldown = 0, FIRST_COOLDOWN
             return

@@ -111,11 +111,11 @@ def test_a_request_whose_drafts_keep_failing_backs_off_then_drafts_again():
         may = state.num_steps >= state.resume_at
         drafting.append(may)
         if may:
-            state.observe(3, 0)
+            state.observe(0)
     assert all(drafting[:BACKOFF_AFTER])
     assert not any(drafting[BACKOFF_AFTER : BACKOFF_AFTER + FIRST_COOLDOWN - 1])
     assert sum(drafting) < 15  # the cooldown doubles
-    state.observe(3, 2)  # an accepted draft resets it
+    state.observe(2)  # an accepted draft resets it
     assert state.num_failed == 0 and state.cooldown == FIRST_COOLDOWN
 
 
@@ -126,7 +126,7 @@ def _drafting_steps(proposer: NgramProposer, accepts: list[int], num_steps: int)
     for step in range(1, num_steps + 1):
         drafts = proposer.propose(tokens, state, max_drafts=8)
         if drafts:
-            state.observe(len(drafts), accepts[len(steps)] if len(steps) < len(accepts) else 0)
+            state.observe(accepts[len(steps)] if len(steps) < len(accepts) else 0)
             steps.append(step)
     return steps
 
