@@ -76,9 +76,8 @@ class OpenAIServing:
         self.max_logprobs = max_logprobs
         self.metrics = ServerMetrics()
         self._token_strs: dict[int, str] = {}
-        # tools: auto needs the configured parser; required and named fall back to GLM-4's form
-        self.tool_parser = tool_parser
-        self.forced_tool_parser = tool_parser or Glm4ToolParser
+        # tools: --tool-call-parser's form, else GLM-4's (auto needs the flag; build_app checks)
+        self.tool_parser = tool_parser or Glm4ToolParser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
         self._set_chat_template(chat_template)
@@ -104,7 +103,7 @@ class OpenAIServing:
     def tool_parser_for(self, tools) -> ToolParser:
         """The parser of a request's calls (a ``tools.ToolRequest`` that reads some): that of
         --tool-call-parser, else GLM-4's for a call the grammar forces (auto needs the flag)."""
-        return self.forced_tool_parser(self.require_tokenizer(), tools.tools)
+        return self.tool_parser(self.require_tokenizer(), tools.tools)
 
     @property
     def special_texts(self) -> tuple[str, ...]:

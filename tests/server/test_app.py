@@ -55,22 +55,14 @@ def test_auto_tool_choice_without_a_parser_is_refused(engine):
     assert str(e.value) == "--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. glm4)"
 
 
-def test_the_parsers_are_the_ones_named_and_none_by_default(engine):
+def test_the_parsers_are_the_ones_named_and_glm4s_calls_by_default(engine):
     serving = build_app(engine).state.serving
-    assert (serving.tool_parser, serving.forced_tool_parser, serving.reasoning_parser) == (
-        None,
-        Glm4ToolParser,
-        None,
-    )
+    assert (serving.tool_parser, serving.reasoning_parser) == (Glm4ToolParser, None)
     assert serving.enable_auto_tool_choice is False
     serving = build_app(
         engine, tool_call_parser="glm45", enable_auto_tool_choice=True, reasoning_parser="glm4"
     ).state.serving
-    assert (serving.tool_parser, serving.forced_tool_parser, serving.reasoning_parser) == (
-        Glm45ToolParser,
-        Glm45ToolParser,
-        Glm4ReasoningParser,
-    )
+    assert (serving.tool_parser, serving.reasoning_parser) == (Glm45ToolParser, Glm4ReasoningParser)
     assert serving.enable_auto_tool_choice is True
 
 
