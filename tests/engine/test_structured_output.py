@@ -257,6 +257,35 @@ def _demo_tokenizer() -> str:
     return str(DEMO_MODEL_DIR / "tokenizer.json")
 
 
+def test_the_grammar_vocabulary_keeps_special_tokens_out_of_text():
+    """llguidance's view of the demo vocabulary, padded past the tokenizer as a model's may be:
+    text never becomes a special token; a free grammar offers every text token, the end tokens
+    and no other special token or padding; a grammar that names a special token gets it."""
+    import llguidance
+    import numpy as np
+
+    from pagedserve.engine.structured_output.backend_guidance import grammar_for
+
+    eos = [4086, 4095]
+    tok = text_tokenizer(_demo_tokenizer(), 4200, eos)
+    assert (tok.vocab_size, tok.eos_tokens) == (4200, eos)
+    assert 4093 not in tok.tokenize_str("<|user|>hi")
+    assert tok.decode_bytes(tok.tokenize_str("<|user|>hi")) == b"<|user|>hi"
+
+    def offered(grammar: str, vocabulary=tok) -> set[int]:
+        row = np.zeros((4200 + 31) // 32, dtype=np.int32)
+        matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
+
+    free = grammar_for("regex", "(?s:.*)")
+    loaded = llguidance.LLTokenizer(_demo_tokenizer(), n_vocab=4200, eos_token=eos)
+    text_tokens = {t for t in offered(free, loaded) if t < 4086}  # llguidance's own loader's
+    assert len(text_tokens) > 3000
+    assert offered(free) == text_tokens | set(eos)
+    assert offered("start: <|user|>") == {4093}
+
+
 def test_bad_constraints_are_rejected_offline_with_the_reason(demo_llm):
     (out,) = demo_llm.generate(["x"], _params(json={"not": {"type": "integer"}}), use_tqdm=False)
     assert out.outputs[0].finish_reason == "rejected"

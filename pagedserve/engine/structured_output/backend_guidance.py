@@ -36,15 +36,16 @@ def text_tokenizer(tokenizer_file, vocab_size: int, eos_token_ids: list[int]):
     loaded = llguidance.LLTokenizer(str(tokenizer_file), n_vocab=vocab_size)
     known = hf.get_vocab_size(with_added_tokens=True)
 
+    def token_bytes(i: int) -> bytes:
+        if i in added:
+            return added[i].content.encode()
+        return loaded.decode_bytes([i]) if i < known else b""  # the model's padding: no text
+
     class Vocabulary:  # what llguidance.TokenizerWrapper reads
         eos_token_id = eos_token_ids[0]
         bos_token_id = None
         special_token_ids = sorted(i for i, t in added.items() if t.special)
-        tokens = [
-            added[i].content.encode() if i in added else loaded.decode_bytes([i]) if i < known
-            else b""  # the model's padding past the tokenizer: no text
-            for i in range(vocab_size)
-        ]  # fmt: skip
+        tokens = [token_bytes(i) for i in range(vocab_size)]
 
         def __call__(self, text: bytes) -> list[int]:
             return hf.encode(text.decode(), add_special_tokens=False).ids

@@ -129,11 +129,11 @@ class Glm45ToolParser(ToolParser):
             rules.append(f"arg_{i}_{j}: {self._pair(json.dumps(key), value)}")
             parts.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
         extra = schema.get("additionalProperties")
-        if extra is not False:
-            value = (
-                self._value_rule(f"extra_{i}", extra, rules) if isinstance(extra, dict) else None
-            )
-            rules.append(f"any_{i}: {self._pair('KEY_TEXT', value or 'value_text')}")
+        if extra is not False:  # open
+            value = "value_text"
+            if isinstance(extra, dict):
+                value = self._value_rule(f"extra_{i}", extra, rules)
+            rules.append(f"any_{i}: {self._pair('KEY_TEXT', value)}")
             parts.append(f"any_{i}*")
         return " ".join(parts)
 
