@@ -232,6 +232,8 @@ MODULES = {
             "test_a_constraint_that_cannot_compile_is_refused_naming_its_kind",
             "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
             "test_a_replay_the_grammar_refuses_is_logged",
+            "test_the_grammar_vocabulary_keeps_special_tokens_out_of_text",
+            "test_the_text_of_a_special_token_in_a_constraint_is_written_as_text",
         ),
     ),
     # the request handling every route shares: the in-process API tests (no live server)
