@@ -682,11 +682,33 @@ MATCH_RULES = [
         "at start == num_lost_tokens the count grows by min(start + n, start) - start = 0",
     ),
     (
-        "server_sampling",
-        "sampling_params",
+        "server_(sampling|sglang_api)",
+        "sampling_params|sglang_sampling_params",
         r'split\("=", 1\)\[0\]',
         r'split\("=", ?\d?\)\[0\]',
         "only the first piece is used, the same whatever the split limit",
+    ),
+    (
+        "server_sglang_api",
+        "add_logprobs",
+        r"zip\(lps, o\.token_ids, strict=False\)",
+        r"zip\(lps, o\.token_ids, (strict=None)?\)",
+        "zip's strict is False by default, and None is falsy: the same zip",
+    ),
+    (
+        "server_sglang_api",
+        "chat_template_roles|_role_pieces",
+        r"add_generation_prompt=False",
+        r"add_generation_prompt=None",
+        "the tokenizer hands the flag to the template, which reads it as a truth value (HF's "
+        "templates: {% if add_generation_prompt %}): None is falsy, as False is",
+    ),
+    (
+        "server_sglang_api",
+        "_role_pieces",
+        r"text\.partition\(_SENTINEL\)",
+        r"text\.rpartition\(_SENTINEL\)",
+        "the sentinel is the one message's content, rendered once: both split at the same place",
     ),
     (
         "page_allocator",

@@ -15,7 +15,6 @@ clients run against pagedserve unchanged.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -281,9 +280,8 @@ class SGLangServing:
         ]
         meta["input_top_logprobs"] = [self._top(prompt_lps[p], top_n, with_text) for p in positions]
         lps = [] if prefill_only else (o.logprobs or [])
-        ids = [] if prefill_only else o.token_ids
         meta["output_token_logprobs"] = [
-            self._entry(lp, t, with_text) for lp, t in zip(lps, ids, strict=False)
+            self._entry(lp, t, with_text) for lp, t in zip(lps, o.token_ids, strict=False)
         ]
         meta["output_top_logprobs"] = [self._top(lp, top_n, with_text) for lp in lps]
 
@@ -397,7 +395,6 @@ async def _stream(
             if many:
                 result["index"] = p * n + o.index
             yield f"data: {json.dumps(result)}\n\n"
-            await asyncio.sleep(0)
 
 
 # ---- role blocks ------------------------------------------------------------------------------

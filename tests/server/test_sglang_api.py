@@ -26,7 +26,7 @@ from pagedserve.server.sglang_api import (
     sglang_sampling_params,
 )
 from tests.engine.test_structured_output import PHONE, PROMPTS, SCHEMA
-from tests.helpers.apps import AUTH, demo_engine
+from tests.helpers.apps import AUTH, demo_engine, served
 from tests.server.test_chat_api import WEATHER
 
 VOCAB = 4096  # the demo model's
@@ -140,6 +140,13 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(field, val
     assert (e.status, e.param, e.code) == (400, field, "invalid_structured_output")
 
 
+def test_a_sampler_refusal_names_the_field_even_where_its_rule_holds_an_equals_sign():
+    # past the API's own ranges (which refuse it first): SamplingParams' check, named by field
+    with pytest.raises(APIError) as e:
+        sglang_sampling_params(SGLangSamplingParams.model_construct(temperature=-1.0), VOCAB)
+    assert (e.value.param, e.value.message) == ("temperature", "temperature=-1.0 must be >= 0")
+
+
 def test_two_constraints_are_a_400():
     e = refusal(regex="a", ebnf='root ::= "a"')
     assert (e.param, e.message) == ("sampling_params", "send one of regex, json_schema and ebnf")
@@ -147,6 +154,11 @@ def test_two_constraints_are_a_400():
 
 def test_without_a_constraint_the_output_is_free():
     assert params_of(temperature=0.5).structured_outputs is None
+
+
+def test_logit_bias_is_checked_against_the_served_models_vocabulary(client):
+    error = refused(client, text="Hi", sampling_params={"logit_bias": {"4096": 1.0}})
+    assert error["param"] == "logit_bias" and "4096" in error["message"]
 
 
 def test_an_unknown_sampling_param_is_a_400_naming_it(client):
@@ -278,6 +290,22 @@ def test_n_up_to_max_num_seqs_runs_and_past_it_is_a_400(client):
     assert error["message"] == "n=9 is more than this server's --max-num-seqs 8; lower n"
 
 
+def test_logprobs_are_asked_of_the_engine_for_the_prompt_and_the_output(sgl):
+    assert sgl.params(GenerateReqInput(text="x"), 0).logprobs is None
+    for top in (0, 3):
+        body = GenerateReqInput(text="x", return_logprob=True, top_logprobs_num=top)
+        params = sgl.params(body, 0)
+        assert (params.logprobs, params.prompt_logprobs) == (top, top)
+
+
+def test_top_logprobs_num_is_bounded_by_the_servers_max_logprobs(engine):
+    sgl = SGLangServing(OpenAIServing(engine, "demo", None, max_logprobs=5))
+    assert sgl.params(GenerateReqInput(text="x", return_logprob=True, top_logprobs_num=5), 0)
+    with pytest.raises(APIError) as e:
+        sgl.params(GenerateReqInput(text="x", return_logprob=True, top_logprobs_num=6), 0)
+    assert e.value.param == "top_logprobs_num" and "5" in e.value.message
+
+
 def test_top_logprobs_num_past_the_servers_limit_is_a_400_only_when_logprobs_are_asked(client):
     error = refused(client, text="Hi", return_logprob=True, top_logprobs_num=21)
     assert error["param"] == "top_logprobs_num" and "20" in error["message"]
@@ -348,8 +376,9 @@ def test_e2e_latency_runs_from_the_requests_arrival(sgl):
     assert 5 <= meta["meta_info"]["e2e_latency"] < 6
 
 
-def test_a_prefill_only_answer_has_no_text_and_no_tokens(sgl):
-    res = answer(sgl, output("length"), prefill_only=True)
+@pytest.mark.parametrize("reason", ["length", "stop"])
+def test_a_prefill_only_answer_has_no_text_and_no_tokens(sgl, reason):
+    res = answer(sgl, output(reason, "x" if reason == "stop" else None), prefill_only=True)
     assert (res["text"], res["output_ids"]) == ("", [])
     assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert res["meta_info"]["completion_tokens"] == 0
@@ -404,6 +433,8 @@ def test_logprobs_are_sglang_tuples_matching_the_openai_api(client):
     assert [e[1] for e in meta["input_token_logprobs"]] == ids
     assert meta["input_token_logprobs"][0][0] is None  # the first token has no prediction
     assert meta["input_top_logprobs"][0] is None
+    for top in meta["input_top_logprobs"][1:]:
+        assert len(top) == 2 and all(t[2] == serving.token_str(t[1]) for t in top)
     assert [e[1] for e in meta["output_token_logprobs"]] == res["output_ids"]
     entries = meta["input_token_logprobs"] + meta["output_token_logprobs"]
     assert all(e[2] == serving.token_str(e[1]) for e in entries)
@@ -469,6 +500,9 @@ def test_an_output_without_prompt_logprobs_has_none_for_each_position(sgl):
     assert meta["input_top_logprobs"] == [None, None]
     assert meta["output_token_logprobs"] == [[-0.5, 3, None], [-0.25, 4, None]]
     assert meta["output_top_logprobs"] == [[[-0.5, 3, None]], [[-0.25, 4, None]]]
+    o.logprobs = None  # none came back: no output entries
+    meta = answer(sgl, o, return_logprob=True)["meta_info"]
+    assert (meta["output_token_logprobs"], meta["output_top_logprobs"]) == ([], [])
 
 
 # ---- tools -------------------------------------------------------------------------------------
@@ -492,6 +526,24 @@ def test_every_prompt_of_a_batch_is_held_to_the_tool_choice(client):
     for res in answers:
         names = [c["function"]["name"] for c in res["meta_info"]["tool_calls"]]
         assert names and set(names) == {"get_weather"}
+
+
+def test_without_parallel_tool_calls_each_prompt_makes_one_call(client):
+    body = dict(
+        text=["Hi", "Weather?"], tools=[WEATHER], sampling_params=greedy(80),
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    parallel = generate(client, **body)
+    assert max(len(res["meta_info"]["tool_calls"]) for res in parallel) > 1  # the model would
+    single = generate(client, **body, parallel_tool_calls=False)
+    assert [len(res["meta_info"]["tool_calls"]) for res in single] == [1, 1]
+
+
+def test_auto_tool_choice_where_the_server_enables_it():
+    with served(demo_engine(), tool_call_parser="glm4", enable_auto_tool_choice=True) as c:
+        body = {"text": "Weather?", "tools": [WEATHER], "tool_choice": "auto"}
+        r = c.post("/generate", json={**body, "sampling_params": greedy(4)}, headers=AUTH)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
 
 
 def test_tool_choice_none_reads_no_calls_and_constrains_nothing(client):
@@ -525,6 +577,11 @@ def test_calls_are_read_once_the_output_has_finished(sgl):
     sgl.with_tool_calls(meta, (request, parser), done)
     (call,) = meta["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    two = CompletionOutput(0, text + text.replace("Rome", "Paris"), [1], None, None, "stop")
+    for parallel, count in ((True, 2), (False, 1)):
+        request.parallel = parallel
+        sgl.with_tool_calls(meta, (request, parser), two)
+        assert len(meta["tool_calls"]) == count
 
 
 # ---- streaming ---------------------------------------------------------------------------------
@@ -553,6 +610,18 @@ def test_a_batch_streams_each_sequence_under_its_index(client):
     ids = [last[i]["meta_info"]["id"] for i in range(4)]
     assert ids[0] == ids[1] != ids[2] == ids[3]  # two samples of each prompt
     assert [len(c["output_ids"]) for c in last.values()] == [3] * 4
+
+
+def test_a_stream_takes_each_prompts_own_entry_of_a_list(client):
+    chunks = stream(
+        client, text=["Hi", "Hello"], sampling_params=[greedy(0), greedy(2)],
+        return_logprob=[True, False],
+    )  # fmt: skip
+    last = {c["index"]: c for c in chunks}
+    assert (last[0]["text"], last[0]["output_ids"]) == ("", [])
+    assert last[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert len(last[0]["meta_info"]["input_token_logprobs"]) == 1
+    assert len(last[1]["output_ids"]) == 2 and "input_token_logprobs" not in last[1]["meta_info"]
 
 
 def test_a_streamed_tool_call_arrives_with_the_last_chunk(client):
