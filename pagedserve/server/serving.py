@@ -368,11 +368,7 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content if part.type == "text")
-    out = message.model_dump(exclude_none=True, exclude={"content", "tool_calls"})
-    out["content"] = content or ""
-    if message.tool_calls is not None:
-        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    return out
+    return {**message.model_dump(exclude_none=True), "content": content or ""}
 
 
 def top_logprobs(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:

@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import tokenizers
 
 from pagedserve.engine.structured_output.backend_guidance import text_tokenizer
 from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -262,9 +263,6 @@ def test_the_grammar_vocabulary_keeps_special_tokens_out_of_text():
     text never becomes a special token; a free grammar offers every text token, the end tokens
     and no other special token or padding; a grammar that names a special token gets it."""
     import llguidance
-    import numpy as np
-
-    from pagedserve.engine.structured_output.backend_guidance import grammar_for
 
     eos = [4086, 4095]
     tok = text_tokenizer(_demo_tokenizer(), 4200, eos)
@@ -272,18 +270,46 @@ def test_the_grammar_vocabulary_keeps_special_tokens_out_of_text():
     assert 4093 not in tok.tokenize_str("<|user|>hi")
     assert tok.decode_bytes(tok.tokenize_str("<|user|>hi")) == b"<|user|>hi"
 
-    def offered(grammar: str, vocabulary=tok) -> set[int]:
-        row = np.zeros((4200 + 31) // 32, dtype=np.int32)
-        matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
-        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
-
-    free = grammar_for("regex", "(?s:.*)")
     loaded = llguidance.LLTokenizer(_demo_tokenizer(), n_vocab=4200, eos_token=eos)
-    text_tokens = {t for t in offered(free, loaded) if t < 4086}  # llguidance's own loader's
+    text_tokens = {t for t in _offered(loaded, FREE) if t < 4086}  # llguidance's own loader's
     assert len(text_tokens) > 3000
-    assert offered(free) == text_tokens | set(eos)
-    assert offered("start: <|user|>") == {4093}
+    assert _offered(tok, FREE) == text_tokens | set(eos)
+    assert _offered(tok, "start: <|user|>") == {4093}
+
+
+FREE = "%llguidance {}\nstart: /(?s:.*)/"  # any text
+
+
+def _offered(vocabulary, grammar: str) -> set[int]:
+    """The tokens ``grammar`` allows first."""
+    import llguidance
+    import numpy as np
+
+    row = np.zeros((vocabulary.vocab_size + 31) // 32, dtype=np.int32)
+    matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0)
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    return set(np.nonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))[0].tolist())
+
+
+def test_the_grammar_vocabulary_tokenizes_text_without_the_prompts_prefix(tmp_path):
+    """A tokenizer.json whose post-processor puts ``[gMASK]<sop>`` before a prompt (as GLM-4's
+    do): text a grammar forces gets no prefix, and padding past the tokenizer has no text."""
+    import llguidance
+
+    from tests.helpers.models import build_tiny_tokenizer
+
+    path = build_tiny_tokenizer(tmp_path, prefix_in_post_processor=True) / "tokenizer.json"
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    specials = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    assert specials & set(hf.encode("hi").ids)  # the prefix a prompt gets
+    eos = [hf.token_to_id("<|endoftext|>")]
+    tok = text_tokenizer(path, 320, eos)
+    ids = tok.tokenize_str("hi<|user|>")
+    assert not specials & set(ids) and tok.decode_bytes(ids) == b"hi<|user|>"
+    assert tok.vocab_size == 320
+    loaded = llguidance.LLTokenizer(str(path), n_vocab=320, eos_token=eos)
+    text_tokens = {t for t in _offered(loaded, FREE) if t < 300} - specials
+    assert _offered(tok, FREE) == text_tokens | set(eos)
 
 
 def test_bad_constraints_are_rejected_offline_with_the_reason(demo_llm):

@@ -171,6 +171,13 @@ def test_messages_reach_the_template_as_hf_templates_take_them(serving, monkeypa
     assert serving.chat_prompt(messages[:1], False)[0] == "user:ab|ann;"
 
 
+def test_a_field_a_message_was_sent_without_is_not_in_its_template_dict(serving, monkeypatch):
+    template = "{% for m in messages %}{{ m.keys() | sort | join(',') }};{% endfor %}"
+    monkeypatch.setattr(serving.tokenizer, "chat_template", template)
+    messages = [ChatMessage(role="user", content=None), ChatMessage(role="user", name="ann")]
+    assert serving.chat_prompt(messages, False)[0] == "content,role;content,name,role;"
+
+
 def test_a_template_that_cannot_render_the_messages_is_a_400_naming_messages(serving, monkeypatch):
     monkeypatch.setattr(serving.tokenizer, "chat_template", "{{ raise_exception('no system') }}")
     e = refused(serving.chat_prompt, [ChatMessage(role="user", content="Hi")], True)

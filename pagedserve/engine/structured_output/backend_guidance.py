@@ -33,13 +33,14 @@ def text_tokenizer(tokenizer_file, vocab_size: int, eos_token_ids: list[int]):
     hf = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     hf.encode_special_tokens = True
     added = hf.get_added_tokens_decoder()
-    loaded = llguidance.LLTokenizer(str(tokenizer_file), n_vocab=vocab_size)
-    known = hf.get_vocab_size(with_added_tokens=True)
+    loaded = llguidance.LLTokenizer(str(tokenizer_file))
 
     def token_bytes(i: int) -> bytes:
         if i in added:
             return added[i].content.encode()
-        return loaded.decode_bytes([i]) if i < known else b""  # the model's padding: no text
+        if hf.id_to_token(i) is None:  # the model's padding past the tokenizer: no text
+            return b""
+        return loaded.decode_bytes([i])
 
     class Vocabulary:  # what llguidance.TokenizerWrapper reads
         eos_token_id = eos_token_ids[0]
@@ -51,7 +52,7 @@ def text_tokenizer(tokenizer_file, vocab_size: int, eos_token_ids: list[int]):
             return hf.encode(text.decode(), add_special_tokens=False).ids
 
     wrapper = llguidance.TokenizerWrapper(Vocabulary())
-    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos_token_ids)
+    return llguidance.LLTokenizer(wrapper, eos_token=eos_token_ids)  # vocab_size: len(tokens)
 
 
 def strict_schema(schema):
