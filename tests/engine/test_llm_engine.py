@@ -683,6 +683,7 @@ def test_drafts_are_verified_counted_and_their_rejected_pages_trimmed(model):
             assert seq.num_computed_tokens == seq.num_tokens - 1  # all but the newest token
             assert len(engine.block_manager.block_tables["a"]) <= -(-seq.num_tokens // BLOCK)
     assert group.seqs[0].output_token_ids == want
+    assert group.seqs[0].spec_token_ids == []  # it ended on verified drafts, and holds none
     assert sum(counts) == 20 and max(counts) > 1  # an accepted draft is one more token a step
     s = engine.spec_stats  # this model's drafts: 6 of 11 tokens, some rejected
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (6, 11, 8)

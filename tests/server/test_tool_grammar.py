@@ -260,6 +260,24 @@ def test_glm45_takes_pairs_past_the_listed_ones_where_the_schema_does_as_glm4_ta
 
 
 @pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
+def test_glm45_each_tools_other_pairs_hold_to_its_own_additional_schema(vocab, request):
+    tok = request.getfixturevalue(vocab)
+
+    def tool(name: str, longest: int) -> dict:
+        extra = {"type": "string", "maxLength": longest}
+        params = {"type": "object", "properties": {}, "additionalProperties": extra}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    g = _grammar(tok, "glm45", ToolRequest(_tools(tool("short", 3), tool("long", 5)), "required"))
+
+    def call(name: str, value: str) -> str:
+        return f"<tool_call>{name}<arg_key>k</arg_key><arg_value>{value}</arg_value></tool_call>"
+
+    assert _accepts(tok, g, call("short", "yes")) and not _accepts(tok, g, call("short", "soon"))
+    assert _accepts(tok, g, call("long", "soon")) and not _accepts(tok, g, call("long", "sooner"))
+
+
+@pytest.mark.parametrize("vocab", ["demo", "glm45_vocab"])
 def test_glm45_free_text_is_any_text_without_a_calls_tag(vocab, request):
     tok = request.getfixturevalue(vocab)
     parser = ToolParserManager.get_tool_parser("glm45")(tok, _tools(WEATHER))
