@@ -233,6 +233,7 @@ MODULES = {
             "test_replayed_matcher_allows_the_same_tokens_as_the_live_one",
             "test_a_replay_the_grammar_refuses_is_logged",
             "test_the_grammar_vocabulary_keeps_special_tokens_out_of_text",
+            "test_the_grammar_vocabulary_tokenizes_text_without_the_prompts_prefix",
             "test_the_text_of_a_special_token_in_a_constraint_is_written_as_text",
         ),
     ),
