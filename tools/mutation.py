@@ -266,6 +266,7 @@ MODULES = {
             "test_models_lists_the_served_name_its_root_and_context",
             "test_health_is_200_with_the_engines_figures_while_it_runs",
             "test_health_is_503_once_the_engine_is_dead",
+            "test_health_names_how_the_core_ended_before_the_loop_has_handled_it",
             "test_version_is_the_packages",
             "test_metrics_are_prometheus_text",
         ),

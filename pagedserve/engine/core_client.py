@@ -76,6 +76,10 @@ class CoreClient:
     def is_running(self) -> bool:
         raise NotImplementedError
 
+    def exit_reason(self) -> str:
+        """Why the engine core is not running, as far as this side can tell."""
+        return "it is not running"
+
     def shutdown(self, timeout: float) -> None:
         raise NotImplementedError
 
@@ -186,12 +190,18 @@ class MPCoreClient(CoreClient):
         def exited() -> None:
             loop.remove_reader(self.proc.sentinel)
             self.proc.join(1)
-            on_dead(f"the engine core process exited with code {self.proc.exitcode}")
+            on_dead(self.exit_reason())
 
         loop.add_reader(self.proc.sentinel, exited)
 
     def is_running(self) -> bool:
         return self.proc.is_alive()
+
+    def exit_reason(self) -> str:
+        """Its exit code once the process has exited (known here before the watcher runs)."""
+        if self.proc.exitcode is None:  # not started, or still running
+            return super().exit_reason()
+        return f"the engine core process exited with code {self.proc.exitcode}"
 
     @property
     def pid(self) -> int | None:

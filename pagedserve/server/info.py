@@ -31,7 +31,8 @@ def info_router(serving: OpenAIServing) -> APIRouter:
         counter and the age of its last message), 503 once it is dead."""
         engine = serving.engine
         if not engine.is_alive:
-            reason = engine.dead_error or "it is not running"
+            # a core that has just exited: the client tells how, until the loop has handled it
+            reason = engine.dead_error or engine.client.exit_reason()
             body = error_body(503, f"the engine loop is not running: {reason}", code="engine_dead")
             return JSONResponse(body, 503)
         return JSONResponse(engine.health())

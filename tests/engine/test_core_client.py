@@ -189,6 +189,7 @@ def test_a_client_that_runs_no_core_has_nothing_to_start_or_watch_and_no_lifetim
         client.is_running()
     with pytest.raises(NotImplementedError):
         client.shutdown(10.0)
+    assert client.exit_reason() == "it is not running"
 
 
 # ---- the engine core process ----------------------------------------------------------------
@@ -478,6 +479,15 @@ def test_the_core_process_is_watched_and_its_exit_reported_once_with_its_code():
     asyncio.run(main())
     assert reasons == ["the engine core process exited with code 7"]
     assert process.joins == [1]
+    _within(mp.shutdown)
+
+
+def test_an_exited_core_is_named_by_its_exit_code_before_the_watcher_runs():
+    process = FakeProcess()
+    mp = _mp_client(process)
+    assert mp.exit_reason() == "it is not running"  # no exit code: still running, or not started
+    process.exit(-9)
+    assert mp.exit_reason() == "the engine core process exited with code -9"
     _within(mp.shutdown)
 
 

@@ -324,6 +324,17 @@ def test_health_is_503_once_the_engine_is_dead(engine):
     }
 
 
+def test_health_names_how_the_core_ended_before_the_loop_has_handled_it(engine, monkeypatch):
+    """The core process has exited and the loop's watcher has not run yet: the client's account
+    (its exit code) is the reason, not a bare "not running"."""
+    with served(engine, started=False) as c:
+        core = c.app.state.serving.engine.client
+        monkeypatch.setattr(core, "exit_reason", lambda: "the engine core process exited with -9")
+        r = c.get("/health")
+    reason = "the engine loop is not running: the engine core process exited with -9"
+    assert error_of(r, 503)["message"] == reason
+
+
 def test_version_is_the_packages(client):
     assert client.get("/version").json() == {"version": pagedserve.__version__}
 
