@@ -240,17 +240,7 @@ def test_fault_injection_says_what_it_needs_and_what_it_takes(llm):
 def test_a_step_whose_swap_in_fails_uncaches_the_pages_it_was_copying_into(tmp_path, monkeypatch):
     """The copies back from the host tier may not have run: the pages they were filling leave
     the prefix cache (they were cached as the swap-in was scheduled), and their request ends."""
-    build_tiny_model_dir(tmp_path, "glm4", max_position_embeddings=128)
-    llm = LLM(
-        model=str(tmp_path),
-        dtype="float32",
-        device="cpu",
-        block_size=BLOCK,
-        num_kv_pages=16,
-        swap_space=host_tier_gib(tmp_path, 32, BLOCK),
-        preemption_mode="swap",
-    )
-    engine = llm.llm_engine
+    engine = _host_tier_engine(tmp_path, 32, device="cpu", preemption_mode="swap")
     swap_in, copied_into = engine.device.swap_in, []
 
     def fail_once(moves):
@@ -274,17 +264,16 @@ def test_a_step_whose_swap_in_fails_uncaches_the_pages_it_was_copying_into(tmp_p
     assert engine.check_invariants() == [] and engine.block_manager.usage == 0
 
 
-def _host_tier_engine(tmp_path):
-    """An engine on kunlun-emu with a host tier of 8 frames."""
+def _host_tier_engine(tmp_path, num_frames: int = 8, **settings):
+    """An engine of 16 KV pages with a host tier of ``num_frames`` frames, on kunlun-emu unless
+    ``settings`` say otherwise."""
     build_tiny_model_dir(tmp_path, "glm4", max_position_embeddings=128)
+    settings = {"device": "kunlun-emu", **settings}
+    swap_space = host_tier_gib(tmp_path, num_frames, BLOCK)
     llm = LLM(
-        model=str(tmp_path),
-        dtype="float32",
-        device="kunlun-emu",
-        block_size=BLOCK,
-        num_kv_pages=16,
-        swap_space=host_tier_gib(tmp_path, 8, BLOCK),
-    )
+        model=str(tmp_path), dtype="float32", block_size=BLOCK, num_kv_pages=16,
+        swap_space=swap_space, **settings,
+    )  # fmt: skip
     return llm.llm_engine
 
 
