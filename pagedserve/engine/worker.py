@@ -198,6 +198,7 @@ class Worker:
             "name": dev.card_name,
             "backend": dev.backend,
             "kernels": dev.kernel_set,
+            "native_ops": dev.native_ops(),
             "description": dev.preset.description,
             "tiers": dev.memory_stats(),
         }

@@ -45,6 +45,8 @@ class CpuDevice(Device):
         super().__init__(preset, "cpu")
         self.kernels: KernelChoice = choose_kernels(kernels)
         self.native = self.kernels.module  # None: eager
+        self._refusals: dict[tuple, str] = {}  # (statement, sizes) -> "" (taken) or why not
+        self._op_status: dict[str, str] = {}  # op -> "" (native) or why it runs a fallback
 
     def twin(self) -> CpuDevice:
         return type(self)(self.preset, kernels=self.kernels.name)
@@ -53,6 +55,49 @@ class CpuDevice(Device):
     def kernel_set(self) -> str:
         """The kernels in use: avx512, avx2, portable or eager."""
         return self.kernels.name
+
+    # ---- which ops run natively ---------------------------------------------------------------
+    def _takes(
+        self, op: str, statement: str, *sizes, fallback: str = "the PyTorch reference"
+    ) -> bool:
+        """Whether the native kernel of ``op`` takes ``sizes``, by the kernel's own statement of
+        its limits (``csrc``'s ``<statement>``: the same function the kernel checks its input
+        with), decided once per op and shape: a refusal is logged then, and kept for
+        ``native_ops`` (``smi``, ``/device``)."""
+        if self.native is None:
+            return False
+        key = (op, statement, sizes)
+        why = self._refusals.get(key)
+        if why is None:
+            why = self._refusals[key] = getattr(self.native, statement)(*sizes)
+            self._record(op, why, fallback)
+        return not why
+
+    def _record(self, op: str, why: str, fallback: str = "", log: bool = True) -> None:
+        """Keep what runs ``op`` ("" native, else why not and what runs instead), and say a
+        fallback once."""
+        if not why:
+            self._op_status.setdefault(op, "")
+            return
+        status = f"{why}; {fallback}"
+        if log and status not in self._op_status.values():
+            logger.warning("%s: %s; using %s", op, why, fallback)
+        self._op_status[op] = status
+
+    def plan_kernels(self, dtype: torch.dtype, head_dim: int) -> None:
+        """Decide, as a model loads, which of its ops run natively for its dtype and head dim
+        (each INT4 layer is decided as it is packed): what falls back is said once, now, and not
+        at the first request."""
+        for op in ("rms_norm", "silu_and_mul", "rotary_and_write_kv"):
+            self._takes(op, "rows_rejects", dtype)
+        self._takes("paged_attention_decode", "paged_attention_decode_rejects", head_dim, dtype)
+
+    def native_ops(self) -> dict[str, str]:
+        """The model's ops by name: "native", or why each runs a fallback (``kernels`` eager: every
+        op runs PyTorch's)."""
+        if self.native is None:
+            return {}
+        return {op: why or "native" for op, why in sorted(self._op_status.items())}
 
     def _native_int4_layout(self, abits: int) -> str | None:
         """This target's own INT4 layout for ``abits`` activations; None: PyTorch's kernel."""
@@ -69,13 +114,25 @@ class CpuDevice(Device):
         tag: str,
         abits: int = 16,
     ) -> Int4Linear:
-        """Pack for the target's own int4 kernel, else for PyTorch's
-        (``_weight_int4pack_mm_for_cpu``)."""
+        """Pack for the target's own int4 kernel where it takes the layer's sizes, else for
+        PyTorch's (``_weight_int4pack_mm_for_cpu``) where that takes them, else keep the reference
+        form (dequantized on the fly)."""
         n, k = qcodes.shape
-        if n % 16 or group_size not in (32, 64, 128, 256):
-            return super().prepare_int4(qcodes, scales, zeros, group_size, tag, abits)
-        w = Int4Linear(n, k, group_size, abits)
         layout = self._native_int4_layout(abits)
+        if layout is None:  # the portable target and eager: PyTorch's kernel is theirs
+            why, log = f"the {self.kernel_set} kernels have no INT4 kernel of their own", False
+        else:
+            why, log = self.native.int4_linear_rejects(n, k, group_size), True
+        if not why:
+            self._record("int4_linear", "")
+        elif aten_why := aten_int4_rejects(n, k, group_size):
+            because = f"{self.kernel_set}: {why}; {aten_why}" if log else aten_why
+            self._record("int4_linear", because, "the dequantized reference")
+            return super().prepare_int4(qcodes, scales, zeros, group_size, tag, abits)
+        else:
+            self._record("int4_linear", why, "PyTorch's INT4 kernel", log=log)
+            layout = None
+        w = Int4Linear(n, k, group_size, abits)
         if layout is not None:
             w.layout = layout
             packed, scales_and_zeros = PACKERS[layout](qcodes, scales, zeros, group_size)
@@ -110,9 +167,19 @@ class CpuDevice(Device):
             out = out + b.to(out.dtype)
         return out.view(*x.shape[:-1], w.out_features).to(x.dtype)
 
+    def prepare_int8(
+        self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, tag: str
+    ) -> Int8Linear:
+        """PyTorch's int8 kernel where it takes the layer, else the reference (said once)."""
+        w = super().prepare_int8(qweight, scales, dtype, tag)
+        self._record("int8_linear", aten_int8_rejects(w.in_features), "the reference")
+        return w
+
     def int8_linear(
         self, x: torch.Tensor, w: Int8Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if aten_int8_rejects(w.in_features):
+            return super().int8_linear(x, w, b)
         rows = x.reshape(-1, w.in_features).to(w.scales.dtype).contiguous()
         out = torch._weight_int8pack_mm(rows, w.qweight, w.scales)
         if b is not None:
@@ -133,7 +200,7 @@ class CpuDevice(Device):
     # ---- norms and activations ----------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """The reference's rounding (normalise in fp32, cast, then scale)."""
-        if self._native_rows(x):
+        if self._native_rows("rms_norm", x):
             return self.native.rms_norm(x.contiguous(), w, eps)
         return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
@@ -141,17 +208,18 @@ class CpuDevice(Device):
         self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The native kernel adds ``x`` into ``residual`` in place."""
-        if residual is None or not self._native_rows(x):
+        if residual is None or not self._native_rows("rms_norm", x):
             return super().add_rms_norm(x, residual, w, eps)
         return self.native.add_rms_norm(x.contiguous(), residual, w, eps), residual
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native_rows(x) and x.shape[-1] % 32 == 0:
+        if self._native_rows("silu_and_mul", x):
             return self.native.silu_and_mul(x.contiguous())
         return super().silu_and_mul(x)
 
-    def _native_rows(self, x: torch.Tensor) -> bool:
-        return self.native is not None and x.shape[-1] % 16 == 0 and x.dtype != torch.float64
+    def _native_rows(self, op: str, x: torch.Tensor) -> bool:
+        """The row-wise kernels take rows of any length in the activation dtypes."""
+        return self._takes(op, "rows_rejects", x.dtype)
 
     # ---- rotary and the KV cache --------------------------------------------------------------
     def rotary_at(self, cos_sin: torch.Tensor, positions: torch.Tensor) -> object:
@@ -180,11 +248,7 @@ class CpuDevice(Device):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        if (
-            self.native is None
-            or k_cache.dtype not in (qkv.dtype, torch.int8)
-            or not qkv.is_contiguous()
-        ):
+        if not qkv.is_contiguous() or not self._native_rows("rotary_and_write_kv", qkv):
             return super().rotary_and_write_kv(qkv, num_heads, rope, k_cache, v_cache, slot_mapping)
         cos_sin, positions = rope
         num_kv_heads, head_dim = k_cache.shape[2], qkv.shape[-1]
@@ -206,12 +270,30 @@ class CpuDevice(Device):
         self, weights: object, num_heads: int, num_kv_heads: int, head_dim: int, eps: float
     ) -> Callable | None:
         """Native: the layer's kernels in one call for decode-only steps (``decoder_layer.h``), where
-        every linear is INT4 (the target's layout or PyTorch's) or dense."""
+        every op inside it takes the layer's sizes natively: its rows, its attention, and each
+        linear INT4 (the target's layout or PyTorch's) or dense. Elsewhere the model runs the
+        layer op by op, each op native where it can be."""
+        if self.native is None:
+            return None
+        dtype = weights.input_layernorm.dtype
         linears = [weights.qkv_proj, weights.o_proj, weights.gate_up_proj, weights.down_proj]
-        if self.native is None or not all(map(self._native_linear_ok, linears)):
+        refused = [
+            op
+            for op, takes in (
+                ("rms_norm", self._native_rows("rms_norm", weights.input_layernorm)),
+                ("paged_attention_decode", self._takes(
+                    "paged_attention_decode", "paged_attention_decode_rejects", head_dim, dtype
+                )),
+                ("int4_linear", all(map(self._native_linear_ok, linears))),
+            )
+            if not takes
+        ]  # fmt: skip
+        if refused:
+            self._record(
+                "fused_decoder_layer", f"{', '.join(refused)} not native", "its ops one at a time"
+            )
             return None
-        if head_dim % 16 or head_dim > 128 or weights.input_layernorm.shape[0] % 16:
-            return None
+        self._record("fused_decoder_layer", "")
         n = self.native
         layer = n.GlmDecoderLayer(
             qkv_proj=self._native_linear(weights.qkv_proj, weights.qkv_bias),
@@ -289,7 +371,9 @@ class CpuDevice(Device):
         scale: float,
     ) -> torch.Tensor:
         plan = self._attention_plan(meta)
-        native = self.native is not None and q.shape[-1] % 16 == 0 and q.shape[-1] <= 128
+        native = self._takes(
+            "paged_attention_decode", "paged_attention_decode_rejects", q.shape[-1], q.dtype
+        )
         if plan.all_decode:
             return self._decode_attention(q, k_cache, v_cache, plan, scale, native)
         out = torch.empty_like(q)
@@ -304,7 +388,7 @@ class CpuDevice(Device):
         return out
 
     def _decode_attention(self, q, k_cache, v_cache, plan, scale, native: bool) -> torch.Tensor:
-        if native and k_cache.dtype in (q.dtype, torch.int8):
+        if native:
             return self.native.paged_attention_decode(
                 q.contiguous(), k_cache, v_cache, plan.pages, plan.seq_lens,
                 plan.query_start_loc, scale,
@@ -334,6 +418,26 @@ class CpuDevice(Device):
         if plan is None:
             plan = meta.scratch["cpu"] = _AttentionPlan(meta, self.fused_layer_max_query_rows)
         return plan
+
+
+def aten_int4_rejects(out_features: int, in_features: int, group_size: int) -> str:
+    """What PyTorch's CPU INT4 kernel (``_weight_int4pack_mm_for_cpu``) takes: output rows in
+    whole 16s, a group size of 32, 64, 128 or 256 that divides the input (GLM4.md)."""
+    if group_size not in (32, 64, 128, 256):
+        return f"group size {group_size} is not 32, 64, 128 or 256 (PyTorch's INT4 kernel)"
+    if in_features % group_size:
+        return f"in_features {in_features} is not a multiple of the group size {group_size}"
+    if out_features % 16:
+        return f"out_features {out_features} is not a multiple of 16 (PyTorch's INT4 kernel)"
+    return ""
+
+
+def aten_int8_rejects(in_features: int) -> str:
+    """What PyTorch's CPU int8 kernel (``_weight_int8pack_mm``) takes: inputs in whole 16s (it
+    reads past the end of others, and crashes the process: seen with torch 2.13)."""
+    if in_features % 16:
+        return f"in_features {in_features} is not a multiple of 16 (PyTorch's int8 kernel)"
+    return ""
 
 
 def _complex_rotary(cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -275,6 +275,15 @@ class Device:
         )
 
     # ---- kernels (reference implementations; backends override) -------------------------------
+    def plan_kernels(self, dtype: torch.dtype, head_dim: int) -> None:
+        """Decide, as a model loads, which kernel runs each of its ops (a backend with native
+        kernels says here, once, which ops fall back to the reference and why)."""
+
+    def native_ops(self) -> dict[str, str]:
+        """The loaded model's ops by name: "native", or why each runs a fallback; {} where the
+        backend runs the references (or PyTorch's ops) alone."""
+        return {}
+
     def linear(
         self,
         x: torch.Tensor,

@@ -6,6 +6,8 @@ differ only in GLM-4-0414's sandwich norms after attention and after the MLP.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from pagedserve.models.config import GlmConfig
 from pagedserve.models.loader import layer_of, load_state_dict
 from pagedserve.models.quant_formats import dequantize, load_quantized_linears, quantize_rtn
 from pagedserve.models.tensor_parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 Linear = torch.Tensor | Int4Linear | Int8Linear
 LM_HEAD_QUANTIZATIONS = ("none", "int8", "int4")
@@ -86,12 +90,16 @@ class GlmForCausalLM:
             config.rotary_dim, config.rope_theta, config.max_position_embeddings
         ).to(device.torch_device)
         self.layers: list[DecoderLayerWeights] = []
-        self.fused_layers: list = []  # per layer: the device's one-call kernel, or None
+        self.fused_layers: list = []
+        self.kept_16bit: set[str] = (
+            set()
+        )  # layers quantized at load that stay 16-bit, by kind  # per layer: the device's one-call kernel, or None
 
     # ---- weights ------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Take HF-named tensors (see GLM4.md); q/k/v are fused here into one projection."""
         sd = state_dict
+        self.device.plan_kernels(self.dtype, self.head_dim)
         self._take_quantized(sd)
         self._load_outer(sd)
         self.layers = [self._load_layer(sd, i) for i in range(self.config.num_hidden_layers)]
@@ -185,7 +193,7 @@ class GlmForCausalLM:
         if weight is None:
             assert tied, "checkpoint has no lm_head.weight"
             weight = embed
-        if mode == "int4":  # its activations as the decoder's linears take theirs (W4A8: int8)
+        if mode == "int4" and self._quantizable("lm_head", weight):  # (W4A8: int8 activations)
             q, s, z = quantize_rtn(weight, self.quant_group_size)
             return self.device.prepare_int4(q, s, z, self.quant_group_size, "lm_head", self.abits)
         if mode == "int8":
@@ -208,10 +216,28 @@ class GlmForCausalLM:
         dense = torch.cat(
             [self.tp.take(p + ".weight", self._dense_weight(sd, p)) for p in prefixes]
         )
-        if self.quantize_at_load:
+        if self.quantize_at_load and self._quantizable(tag, dense):
             q, s, z = quantize_rtn(dense, self.quant_group_size)
             return self.device.prepare_int4(q, s, z, self.quant_group_size, tag, self.abits)
         return self._place(dense, tag)
+
+    def _quantizable(self, tag: str, weight: torch.Tensor) -> bool:
+        """Whether a layer quantized at load splits into whole groups along its input; one that
+        does not stays 16-bit, as llama.cpp's quantizer keeps such tensors (said once per kind of
+        layer)."""
+        in_features, group = weight.shape[1], self.quant_group_size
+        if in_features % group == 0:
+            return True
+        kind = re.sub(r"\.\d+\.", ".*.", tag)
+        if kind not in self.kept_16bit:
+            self.kept_16bit.add(kind)
+            logger.warning(
+                "%s: in_features %d is not a multiple of the INT4 group size %d; kept in 16-bit",
+                kind,
+                in_features,
+                group,
+            )
+        return False
 
     def _dense_weight(self, sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         if prefix in self.int4_layers:

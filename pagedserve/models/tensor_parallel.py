@@ -75,8 +75,22 @@ class TensorParallel:
         return self._range(self.padded_vocab_size // self.size)
 
     def check(self, int4_group_size: int | None, flag: str = "--tp-size") -> None:
-        """Raise ``ValueError`` naming why ``size`` cannot split this model evenly."""
-        c, tp = self.config, self.size
+        """Raise ``ValueError`` naming why ``size`` cannot split this model evenly, and the sizes
+        that can."""
+        problems = self.problems(self.size, int4_group_size)
+        if problems:
+            heads = self.config.num_attention_heads
+            fits = [t for t in range(1, heads + 1) if not self.problems(t, int4_group_size)]
+            raise ValueError(
+                f"{flag} {self.size} cannot split this model: {'; '.join(problems)}; use a size "
+                f"that splits it ({', '.join(map(str, fits))})"
+            )
+
+    def problems(self, tp: int, int4_group_size: int | None) -> list[str]:
+        """Why ``tp`` ranks cannot split this model evenly ([]: they can). An INT4 layer's input
+        split must not cut its groups; a layer whose input the group size does not divide stays
+        16-bit (``GlmForCausalLM._linear``), and splits as one."""
+        c = self.config
         heads, kv = c.num_attention_heads, c.num_key_value_heads
         problems = []
         if heads % tp:
@@ -90,17 +104,13 @@ class TensorParallel:
                 ("o_proj", heads * c.head_dim),
                 ("down_proj", c.intermediate_size),
             ):
-                if (columns // tp) % int4_group_size:
+                if columns % int4_group_size == 0 and (columns // tp) % int4_group_size:
                     problems.append(
                         f"it would cut the INT4 groups of {name}: {columns} input columns / {tp} "
                         f"= {columns // tp} per rank, not a multiple of the group size "
                         f"{int4_group_size}"
                     )
-        if problems:
-            raise ValueError(
-                f"{flag} {tp} cannot split this model: {'; '.join(problems)}; use a size that "
-                f"divides them (1, 2, 4 ... of {heads} heads)"
-            )
+        return problems
 
     # ---- which part of a tensor this rank keeps ----------------------------------------------
     def shard(self, name: str) -> Shard | None:

@@ -157,8 +157,8 @@ def test_a_size_that_cannot_split_the_model_is_refused_naming_each_reason():
         TensorParallel(_shapes(), 0, 3).check(None, flag="--tensor-parallel-size")
     assert str(e.value) == (
         "--tensor-parallel-size 3 cannot split this model: it does not divide the 4 attention "
-        "heads; it and the 2 KV heads do not divide one another; use a size that divides them "
-        "(1, 2, 4 ... of 4 heads)"
+        "heads; it and the 2 KV heads do not divide one another; use a size that splits it "
+        "(1, 2, 4)"
     )
     with pytest.raises(ValueError, match=r"^--tp-size 8 cannot split this model: it does not "):
         TensorParallel(_shapes(num_attention_heads=8, intermediate_size=100), 0, 8).check(None)
@@ -170,6 +170,23 @@ def test_a_size_that_cannot_split_the_model_is_refused_naming_each_reason():
         TensorParallel(_shapes(intermediate_size=256), 0, 2).check(64)
     for tp in (1, 2, 4):  # replicated KV heads at 4: a size the KV heads divide
         TensorParallel(_shapes(), 0, tp).check(8)
+
+
+def test_int4_groups_limit_a_split_only_of_layers_whose_input_they_divide():
+    # down_proj's 200 inputs are no whole number of 32-groups: that layer stays 16-bit
+    # (GlmForCausalLM._linear) and splits as one; o_proj's 64 split in 2 cut its 64-group
+    odd = _shapes(intermediate_size=200)
+    for tp in (1, 2):
+        TensorParallel(odd, 0, tp).check(32)
+    with pytest.raises(ValueError) as e:
+        TensorParallel(_shapes(intermediate_size=256), 0, 2).check(
+            64, flag="--tensor-parallel-size"
+        )
+    assert str(e.value) == (
+        "--tensor-parallel-size 2 cannot split this model: it would cut the INT4 groups of "
+        "o_proj: 64 input columns / 2 = 32 per rank, not a multiple of the group size 64; use a "
+        "size that splits it (1)"
+    )
 
 
 def test_only_the_split_projections_and_the_vocabulary_are_sharded():

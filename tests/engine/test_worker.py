@@ -470,9 +470,11 @@ def test_a_single_cards_stats_are_its_name_backend_kernels_and_tiers(tiny_glm4):
         "name": "cpu",
         "backend": d.backend,
         "kernels": d.kernel_set,
+        "native_ops": d.native_ops(),
         "description": d.preset.description,
         "tiers": d.memory_stats(),
     }
+    assert d.native_ops() == {} or d.native_ops()["rms_norm"] == "native"
     assert w.device_stats()["tiers"]["kv"]["used_bytes"] == d.kv_cache.numel() * 4
 
 
@@ -482,5 +484,5 @@ def test_a_ranks_stats_add_its_rank_and_the_bytes_it_sent(tiny_glm4):
     stats = w.device_stats()
     assert stats["name"] == "cpu card 1" and stats["description"] == w.device.preset.description
     assert (stats["tp_rank"], stats["collective_bytes_sent"]) == (1, 1234)
-    assert set(stats) == {"name", "backend", "kernels", "description", "tiers", "tp_rank",
-                          "collective_bytes_sent"}  # fmt: skip
+    assert set(stats) == {"name", "backend", "kernels", "native_ops", "description", "tiers",
+                          "tp_rank", "collective_bytes_sent"}  # fmt: skip

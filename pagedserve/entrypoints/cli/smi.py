@@ -77,6 +77,8 @@ def format_summary(devices: list[dict]) -> str:
             f"  model {d.get('model', '-')}"
         )
         lines.append(f"| {head:<84} |")
+        if d.get("native_ops"):
+            lines.append(f"|     {_native_ops_line(d['native_ops']):<80} |")
         for name, tier in d.get("tiers", {}).items():
             lines.append(f"|     {name + ' tier':<12} {_tier_line(tier):<67} |")
         pages = (
@@ -103,6 +105,14 @@ def format_summary(devices: list[dict]) -> str:
             lines.append(f"|     {sent:<80} |")
         lines.append(bar)
     return "\n".join(lines)
+
+
+def _native_ops_line(ops: dict) -> str:
+    """``ops all native`` or ``ops native but paged_attention_decode, ... (smi -q: why)``."""
+    fallbacks = [op for op, status in ops.items() if status != "native"]
+    if not fallbacks:
+        return "ops all native"
+    return f"ops native but {', '.join(fallbacks)} (smi -q: why)"
 
 
 def _host_pages_line(host: dict) -> str:
@@ -137,8 +147,11 @@ def format_detail(device: dict, index: int) -> str:
         f"    Kernels               : {device.get('kernels', '-')}",
         f"    Description           : {device.get('description', '-')}",
         f"    Model                 : {device.get('model', '-')}",
-        "    Memory tiers",
     ]
+    if device.get("native_ops"):
+        lines.append("    Ops (native, or what runs instead and why)")
+        lines += [f"        {op:<24}: {status}" for op, status in device["native_ops"].items()]
+    lines.append("    Memory tiers")
     for name, tier in device.get("tiers", {}).items():
         lines += [
             f"        {name}",

@@ -4,7 +4,10 @@
 // weighted values, whose weights it takes rounded to bf16 (as a bf16 matmul of them would).
 #pragma once
 
-#include "vec.h"  // first: it defines the targets amx.h tests
+#include <string>
+#include <utility>
+
+#include "elementwise.h"  // rows_rejects; first, with vec.h: it defines the targets amx.h tests
 #include "amx.h"
 
 namespace pagedserve {
@@ -333,18 +336,31 @@ using DecodeTaskFn = void (*)(const T*, int64_t, int64_t, const KT*, const KT*, 
                               int64_t, int64_t, int64_t, int64_t, int64_t, float, T*, int64_t,
                               std::vector<float>&, std::vector<int64_t>&);
 
-template <typename T, typename KT>
-DecodeTaskFn<T, KT> decode_task_for(int64_t D) {
-  switch (D) {
-    case 16: return decode_attention_task<T, KT, 16>;
-    case 32: return decode_attention_task<T, KT, 32>;
-    case 48: return decode_attention_task<T, KT, 48>;
-    case 64: return decode_attention_task<T, KT, 64>;
-    case 80: return decode_attention_task<T, KT, 80>;
-    case 96: return decode_attention_task<T, KT, 96>;
-    case 112: return decode_attention_task<T, KT, 112>;
-    default: return decode_attention_task<T, KT, 128>;
-  }
+// The head dims the decode kernel is compiled for: its loops over a head unroll into registers.
+using DecodeHeadDims = std::integer_sequence<int, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256>;
+
+template <typename T, typename KT, int... Ds>
+DecodeTaskFn<T, KT> decode_task_for(int64_t D, std::integer_sequence<int, Ds...>) {
+  DecodeTaskFn<T, KT> task = nullptr;
+  ((D == Ds ? task = decode_attention_task<T, KT, Ds> : task), ...);
+  return task;
+}
+
+template <int... Ds>
+std::string head_dims_text(std::integer_sequence<int, Ds...>) {
+  std::string text;
+  ((text += (text.empty() ? "" : ", ") + std::to_string(Ds)), ...);
+  return text;
+}
+
+// What paged_attention_decode takes: a compiled head dim, queries in an activation dtype (the
+// caches in that dtype or INT8, as the engine allocates them). The kernel checks its input with
+// it, and the Python dispatch (CpuDevice) asks it when a model loads.
+inline std::string paged_attention_decode_rejects(int64_t head_dim, at::ScalarType dtype) {
+  if (decode_task_for<float, float>(head_dim, DecodeHeadDims{}) == nullptr)
+    return "head_dim " + std::to_string(head_dim) + " is not one the kernel is compiled for (" +
+           head_dims_text(DecodeHeadDims{}) + ")";
+  return rows_rejects(dtype);
 }
 
 // The most query rows per sequence this kernel takes (a decode row and its draft tokens); longer
@@ -361,7 +377,8 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
   const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(D % 16 == 0 && D <= 128, "paged_attention_decode: head_dim must be 16..128, x16");
+  const std::string why = paged_attention_decode_rejects(D, q.scalar_type());
+  TORCH_CHECK(why.empty(), "paged_attention_decode: ", why);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == B + 1,
               "paged_attention_decode: block_tables, seq_lens, query_start_loc [B + 1]: int64");
@@ -384,7 +401,7 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
       using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
       const auto* qp = q.data_ptr<scalar_t>();
       auto* op = out.data_ptr<scalar_t>();
-      const auto task = decode_task_for<scalar_t, KT>(D);
+      const auto task = decode_task_for<scalar_t, KT>(D, DecodeHeadDims{});
       at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
         thread_local std::vector<float> scores;
         thread_local std::vector<int64_t> offsets;

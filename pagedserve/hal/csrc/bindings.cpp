@@ -11,6 +11,8 @@
 //     (these are written once against the vector API)
 //   int4_avx512.h           INT4 GEMMs per target, each with its own packed layout (int4.py)
 //   int4_avx2.h
+//   int4_limits.h           what the INT4 kernels take (each op states its limits beside it:
+//                           rows_rejects, paged_attention_decode_rejects, int4_linear_rejects)
 //   linear.h                one linear layer: the target's INT4 kernel, PyTorch's, or dense
 //   decoder_layer.h         one GLM-4 decoder layer for a decode step, in one call
 //
@@ -42,6 +44,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("AVX_VNNI") = true;
 #else
   m.attr("AVX_VNNI") = false;
+#endif
+  // What each op takes (its own statement, next to it): "" where it takes these sizes, else why
+  // not. CpuDevice asks before it runs an op natively; the kernels check their input with them.
+  m.def("rows_rejects", &rows_rejects);
+  m.def("paged_attention_decode_rejects", &paged_attention_decode_rejects);
+#if PAGEDSERVE_HAS_INT4
+  m.def("int4_linear_rejects", [](int64_t out_features, int64_t in_features, int64_t group_size) {
+    return int4_linear_rejects(out_features, in_features, group_size, kTileRows);
+  });
 #endif
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);

@@ -3,10 +3,26 @@
 #pragma once
 
 #include <algorithm>
+#include <string>
 
 #include "vec.h"
 
 namespace pagedserve {
+
+// What the row-wise kernels (rms_norm, add_rms_norm, silu_and_mul, rotary_and_write_kv) take:
+// rows of any length (whole vectors, then a shorter tail), in the activation dtypes. The kernels
+// check their input with it, and the Python dispatch (CpuDevice) asks it when a model loads.
+inline std::string rows_rejects(at::ScalarType dtype) {
+  if (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) return "";
+  const std::string name = dtype == at::kDouble ? "float64" : c10::toString(dtype);
+  return "activations in " + name + " (the kernels take float32, bfloat16 and float16)";
+}
+
+inline void check_rows(const char* op, const at::Tensor& x) {
+  const std::string why = rows_rejects(x.scalar_type());
+  TORCH_CHECK(why.empty(), op, ": ", why);
+  TORCH_CHECK(x.is_contiguous(), op, ": rows must be contiguous");
+}
 
 // ---- RMSNorm, with the residual add fused -------------------------------------------------------
 
@@ -15,17 +31,19 @@ template <typename T>
 void rms_norm_row(const T* x, const T* w, int64_t H, float eps, T* y) {
   Vec ss = vec::zero();
   for (int64_t i = 0; i < H; i += kLanes) {
-    const Vec v = vec::load(x + i);
+    const Vec v = load_n(x + i, lanes_at(i, H));
     ss = vec::fmadd(v, v, ss);
   }
   const Vec r = vec::set1(1.f / std::sqrt(vec::reduce_add(ss) / H + eps));
-  for (int64_t i = 0; i < H; i += kLanes)
-    vec::store(y + i, vec::mul(vec::load(w + i), round_to<T>(vec::mul(vec::load(x + i), r))));
+  for (int64_t i = 0; i < H; i += kLanes) {
+    const int64_t n = lanes_at(i, H);
+    store_n(y + i, vec::mul(load_n(w + i, n), round_to<T>(vec::mul(load_n(x + i, n), r))), n);
+  }
 }
 
 inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t H = x.size(-1), T_ = x.numel() / H;
-  TORCH_CHECK(H % 16 == 0 && x.is_contiguous(), "rms_norm: contiguous rows of a multiple of 16");
+  check_rows("rms_norm", x);
   auto y = at::empty_like(x);
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rms_norm", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
@@ -42,8 +60,8 @@ inline at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double
 inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                                double eps) {
   const int64_t H = x.size(-1), T_ = x.numel() / H;
-  TORCH_CHECK(H % 16 == 0 && x.is_contiguous() && residual.is_contiguous(),
-              "add_rms_norm: contiguous rows of a multiple of 16");
+  check_rows("add_rms_norm", x);
+  check_rows("add_rms_norm", residual);
   auto y = at::empty_like(x);
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "add_rms_norm", [&] {
     const auto* xp = x.data_ptr<scalar_t>();
@@ -52,8 +70,10 @@ inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const 
     auto* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, T_, 64, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t i = 0; i < H; i += kLanes)
-          vec::store(rp + t * H + i, vec::add(vec::load(xp + t * H + i), vec::load(rp + t * H + i)));
+        for (int64_t i = 0; i < H; i += kLanes) {
+          const int64_t n = lanes_at(i, H);
+          store_n(rp + t * H + i, vec::add(load_n(xp + t * H + i, n), load_n(rp + t * H + i, n)), n);
+        }
         rms_norm_row(rp + t * H, wp, H, float(eps), yp + t * H);
       }
     });
@@ -66,7 +86,7 @@ inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const 
 // [T, 2I] -> [T, I]: silu(gate) * up, each op rounded to the dtype as PyTorch's two ops are.
 inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);
-  TORCH_CHECK(I % 16 == 0 && gate_up.is_contiguous(), "silu_and_mul: contiguous, I % 16 == 0");
+  check_rows("silu_and_mul", gate_up);
   auto out = at::empty({T_, I}, gate_up.options());
   DISPATCH_ACTIVATION_TYPES(gate_up.scalar_type(), "silu", [&] {
     const auto* gp = gate_up.data_ptr<scalar_t>();
@@ -75,10 +95,11 @@ inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const Vec one = vec::set1(1.f);
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t i = 0; i < I; i += kLanes) {
-          const Vec g = vec::load(gp + t * 2 * I + i);
+          const int64_t n = lanes_at(i, I);
+          const Vec g = load_n(gp + t * 2 * I + i, n);
           const Vec silu = vec::div(g, vec::add(one, vec::exp(vec::sub(vec::zero(), g))));
-          vec::store(op + t * I + i,
-                     vec::mul(round_to<scalar_t>(silu), vec::load(gp + t * 2 * I + I + i)));
+          store_n(op + t * I + i,
+                  vec::mul(round_to<scalar_t>(silu), load_n(gp + t * 2 * I + I + i, n)), n);
         }
     });
   });
@@ -109,7 +130,8 @@ inline void rotary_and_write_kv(at::Tensor& qkv, const at::Tensor& positions,
   const int64_t T_ = qkv.size(0), rot = cos_sin.size(1), half = rot / 2;
   const int64_t row = (num_heads + 2 * num_kv_heads) * head_dim;
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(qkv.is_contiguous() && qkv.numel() == T_ * row, "rotary_and_write_kv: qkv shape");
+  check_rows("rotary_and_write_kv", qkv);
+  TORCH_CHECK(qkv.numel() == T_ * row, "rotary_and_write_kv: qkv shape");
   TORCH_CHECK(int8_cache || k_cache.scalar_type() == qkv.scalar_type(),
               "rotary_and_write_kv: the caches are in qkv's dtype or INT8");
   const auto* pos = positions.data_ptr<int64_t>();

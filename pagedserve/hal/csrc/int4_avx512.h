@@ -11,6 +11,7 @@
 #pragma once
 
 #include "amx.h"
+#include "int4_limits.h"
 #include "vec.h"
 
 namespace pagedserve {
@@ -186,10 +187,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
 inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                           const at::Tensor& scales_zeros, int64_t group_size,
                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous [M, K]");
+  check_int4("int4_linear", x, packed, group_size, kTileRows);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 8 == K, "int4_linear: packed weight is for K=", packed.size(1) * 8,
-              ", x has K=", K);
   const int64_t num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;
   thread_local std::vector<float> xsum;
@@ -324,10 +323,8 @@ void quantize_rows_int8(const T* x, int64_t M, int64_t K, int64_t group_size, in
 inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scales_zeros, int64_t group_size,
                                const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_int8_linear: x must be a contiguous [M, K]");
+  check_int4("int4_int8_linear", x, packed, group_size, kTileRows);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  TORCH_CHECK(packed.size(1) * 8 == K, "int4_int8_linear: packed weight is for K=",
-              packed.size(1) * 8, ", x has K=", K);
   const int64_t num_groups = K / group_size;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> row_scale, xqsum;

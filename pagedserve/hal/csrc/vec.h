@@ -7,6 +7,9 @@
 //   add sub mul div max fmadd fnmadd exp                       lane-wise arithmetic
 //   reduce_add reduce_max sum_lanes nan_lanes equal_lanes      across lanes
 //   load_pairs dot_pairs                                       bf16 dot products (vdpbf16ps)
+//
+// and, for every target alike (below): load_n store_n, the n <= kLanes values at a pointer, so
+// that a row of any length is whole vectors and one shorter tail.
 #pragma once
 
 // ATen's tensor with its methods and operators, dispatch, parallel_for, and only the free
@@ -22,6 +25,7 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/round.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -51,6 +55,28 @@ namespace pagedserve {
 
 using vec::Vec;
 using vec::kLanes;
+
+// The first n <= kLanes values at p as a vector (the other lanes zero), and a vector's first n
+// lanes stored at p: a row's tail past its last whole vector. Through a buffer on the stack
+// whose whole vector the target's own load and store convert, so every dtype and target rounds
+// a tail exactly as it rounds the rest of the row.
+template <typename T>
+inline Vec load_n(const T* p, int64_t n) {
+  if (n == kLanes) return vec::load(p);
+  alignas(64) T buf[kLanes] = {};
+  std::memcpy(buf, p, n * sizeof(T));
+  return vec::load(buf);
+}
+template <typename T>
+inline void store_n(T* p, Vec v, int64_t n) {
+  if (n == kLanes) return vec::store(p, v);
+  alignas(64) T buf[kLanes];
+  vec::store(buf, v);
+  std::memcpy(p, buf, n * sizeof(T));
+}
+
+// The lanes of the vector that starts at i of a row of `len` values.
+inline int64_t lanes_at(int64_t i, int64_t len) { return std::min<int64_t>(kLanes, len - i); }
 
 // Rounds through the storage dtype, as PyTorch does between two ops (no-op for float).
 template <typename T>

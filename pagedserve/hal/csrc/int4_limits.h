@@ -1,0 +1,39 @@
+// What the targets' INT4 kernels (int4_linear, int4_int8_linear; int4_<target>.h) take, stated
+// once: whole tiles of output rows, and groups of a multiple of 32 values that divide the input.
+// The kernels check their weights with it, and CpuDevice.prepare_int4 asks it for each layer when
+// a model loads (a layer it refuses runs PyTorch's kernel or the reference).
+#pragma once
+
+#include <string>
+
+#include "elementwise.h"  // rows_rejects
+
+namespace pagedserve {
+
+inline std::string int4_linear_rejects(int64_t out_features, int64_t in_features,
+                                       int64_t group_size, int64_t tile_rows) {
+  if (group_size <= 0 || group_size % 32)
+    return "group size " + std::to_string(group_size) + " is not a multiple of 32";
+  if (in_features % group_size)
+    return "in_features " + std::to_string(in_features) + " is not a multiple of the group size " +
+           std::to_string(group_size);
+  if (out_features % tile_rows)
+    return "out_features " + std::to_string(out_features) + " is not a multiple of " +
+           std::to_string(tile_rows);
+  return "";
+}
+
+// An INT4 kernel's arguments against the statement above: x [M, K] contiguous in an activation
+// dtype, the packed weight's K equal to x's.
+inline void check_int4(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                       int64_t group_size, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
+  const int64_t K = x.size(1), N = packed.size(0) * tile_rows;
+  TORCH_CHECK(packed.size(1) * 8 == K, op, ": the packed weight is for K=", packed.size(1) * 8,
+              ", x has K=", K);
+  std::string why = int4_linear_rejects(N, K, group_size, tile_rows);
+  if (why.empty()) why = rows_rejects(x.scalar_type());
+  TORCH_CHECK(why.empty(), op, ": ", why);
+}
+
+}  // namespace pagedserve
