@@ -8,7 +8,9 @@ recovered), so that no fault costs more than a recompute:
 - a weight page whose checksum fails (the patrol scrub between a step's forward pass and its
   sampling, or a scrub on demand) is restored from the checkpoint on disk, and the step computed
   again;
-- a forward pass that raises ends the requests it computed, and only those.
+- a forward pass that raises ends the requests it computed, and only those: a device's kernel
+  error (``DeviceKernelError``) as a fault it recovers from, any other exception as a bug, with
+  its traceback logged once (the server answers those requests 500, ``LLM.generate`` raises).
 
 The device counts what its checks detected; here a fault counts as recovered once the check that
 recovery worked passes (no cache or running request holds a bad page any more, a restored weight
@@ -30,11 +32,16 @@ from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.request import Request
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.hal import Device
-from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.hal.faults import DeviceKernelError, UnrecoverableFaultError
 from pagedserve.models.glm4 import GlmForCausalLM
 from pagedserve.models.loader import layer_of
 
 logger = logging.getLogger(__name__)
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether a failed forward pass is the device's (a kernel error it reports), not a bug."""
+    return isinstance(error, DeviceKernelError)
 
 
 class FaultRecovery:
@@ -108,10 +115,20 @@ class FaultRecovery:
     ) -> list[tuple[str, str]]:
         """A forward pass that raised ends the requests it computed, and only those, with an
         error that says so; the others (waiting, or not in this batch) go on. The KV this step
-        wrote may be half written, so those pages leave the prefix cache. (request id, why) of
-        each request ended."""
-        logger.error("an engine step failed: %r; ending its requests", error, exc_info=error)
-        self.device.faults.detected["step"] += 1
+        wrote may be half written, so those pages leave the prefix cache. A device's kernel error
+        is a fault (counted, and recovered once a step runs); any other exception is a bug, whose
+        traceback is logged here, once. (request id, why) of each request ended."""
+        device_fault = is_device_fault(error)
+        if device_fault:
+            logger.error("a device kernel failed mid-step: %r; ending the step's requests", error)
+            self.device.faults.detected["step"] += 1
+        else:
+            logger.error(
+                "a forward pass raised %r: a bug, not a device fault (the traceback follows); "
+                "ending the step's requests and serving the others",
+                error,
+                exc_info=error,
+            )
         if not self.enabled:
             raise error
         block_size = self.block_manager.block_size
@@ -129,10 +146,13 @@ class FaultRecovery:
         why = (
             f"the engine step computing this request failed ({error!r}); the engine goes on "
             "serving: send the request again"
+            if device_fault
+            else f"the engine failed computing this request: {error!r} (a bug in pagedserve, not "
+            "in the request: the server log has its traceback); the engine goes on serving"
         )
         failed = [(rid, why) for rid in request_ids]
         abort_request(request_ids)
-        self.failed_steps += 1
+        self.failed_steps += device_fault
         return failed
 
     def step_done(self) -> None:

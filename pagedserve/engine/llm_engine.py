@@ -16,7 +16,7 @@ from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.executor import create_executor
-from pagedserve.engine.fault_recovery import FaultRecovery
+from pagedserve.engine.fault_recovery import FaultRecovery, is_device_fault
 from pagedserve.engine.limits import EngineLimits, RequestRejectedError  # noqa: F401 - re-exported
 from pagedserve.engine.model_runner import ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
@@ -116,6 +116,8 @@ class LLMEngine:
         self.runner.structured_output_manager = self.structured_output_manager
         self.rejected: list[tuple[str, str]] = []  # (request id, why) found after admission
         self.failed: list[tuple[str, str]] = []  # (request id, why): a step failed under them
+        self.step_error: Exception | None = None  # the last forward pass's bug, until taken
+        self.num_step_errors = 0  # forward passes that raised for another cause than the device
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
         spec = config.speculative
         self.proposer = NgramProposer(spec) if spec is not None else None
@@ -327,6 +329,9 @@ class LLMEngine:
             if self.executor.failed is not None:
                 raise  # a tensor-parallel rank is gone: the engine stops
             self.failed += self.fault_recovery.fail_step(sched, e, self.abort_request)
+            if not is_device_fault(e):
+                self.step_error = e
+                self.num_step_errors += 1
             return []
         finally:
             self.block_manager.moves_done()
@@ -336,6 +341,12 @@ class LLMEngine:
     def take_failed(self) -> list[tuple[str, str]]:
         failed, self.failed = self.failed, []
         return failed
+
+    def take_step_error(self) -> Exception | None:
+        """The exception of the last forward pass that failed for another cause than the device
+        (a bug), once: ``LLM.generate`` raises it."""
+        error, self.step_error = self.step_error, None
+        return error
 
     # ---- device faults ------------------------------------------------------------------------
     def scrub_weights(self, num_pages: int | None = None) -> int:
@@ -513,6 +524,7 @@ class LLMEngine:
             "recomputed_tokens_total": self.scheduler.num_recomputed_tokens,
             **self._host_tier_stats(),
             "device_faults_total": dict(self.device.faults.detected),
+            "engine_step_errors_total": self.num_step_errors,
             "collective_bytes_sent_total": self.device.collective_bytes_sent,
             **self.spec_stats.to_dict(),
             **self.stats,

@@ -13,6 +13,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.llm_engine import LLMEngine, RequestRejectedError
+from pagedserve.engine.output_processor import EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -94,7 +95,10 @@ class LLM:
         A prompt that can never run (longer than ``max_model_len``, larger than the whole KV
         cache, empty, or with ids outside the vocabulary) does not stop the others: its output has
         ``finish_reason == "rejected"`` in every choice and the reason in ``error``, and a warning
-        is logged."""
+        is logged. A forward pass that fails on the device (a fault the engine recovers from)
+        ends the requests it computed with ``finish_reason == "error"`` and the reason in
+        ``error``; one that raises for any other cause is a bug: ``EngineStepError`` names the
+        requests and the cause, once the call's other requests are aborted."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
@@ -177,10 +181,23 @@ class LLM:
                 for rid, why in engine.take_rejected():  # a constraint that failed to compile
                     finished[rid] = _rejected_output(rid, None, [], SamplingParams(), why)
                     bar.update(1)
-                for rid, why in engine.take_failed():  # a step failed under it
+                failed = engine.take_failed()  # a step failed under them
+                error = engine.take_step_error()
+                if error is not None:  # a bug, not the device: no output can be trusted
+                    self._abort_unfinished(request_ids, finished)
+                    ids = ", ".join(rid for rid, _ in failed)
+                    raise EngineStepError(
+                        f"the engine failed computing request(s) {ids}: {error!r} (a bug in "
+                        "pagedserve: its traceback is logged above); the other requests of this "
+                        "call were aborted"
+                    ) from error
+                for rid, why in failed:  # a device fault: the engine recovered
                     finished[rid] = _rejected_output(rid, None, [], SamplingParams(), why, "error")
                     bar.update(1)
         return [finished[rid] for rid in request_ids]
+
+    def _abort_unfinished(self, request_ids: list[str], finished: dict) -> None:
+        self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
 
 
 def _rejected_output(

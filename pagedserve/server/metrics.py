@@ -38,6 +38,8 @@ COUNTERS = {
     "prompt_tokens_total": "Prompt tokens admitted.",
     "generation_tokens_total": "Tokens generated.",
     "collective_bytes_sent_total": "Bytes rank 0's card sent through tensor-parallel collectives.",
+    "engine_step_errors_total": "Forward passes that raised for another cause than a device "
+    "fault (a bug, logged with its traceback); their requests were answered 500.",
     "spec_decode_num_drafts_total": "Verification steps of a sequence that had drafts.",
     "spec_decode_num_draft_tokens_total": "Draft tokens proposed and verified.",
     "spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",

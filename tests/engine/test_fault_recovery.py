@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.engine.output_processor import EngineStepError
 from pagedserve.hal.faults import WEIGHT_PAGE_BYTES, DeviceKernelError
 from tests.helpers.models import build_tiny_model_dir, drain, host_tier_gib
 
@@ -298,3 +299,47 @@ def test_a_host_fault_injected_by_default_hits_the_first_frame_a_swapped_request
     host.release("second")
     assert engine.step() == [] and first[0] == 0
     assert engine.device.faults.to_dict()["kv_page"]["recovered"] == 1
+
+
+def test_a_forward_pass_that_raises_for_another_cause_makes_generate_raise_naming_it(
+    llm, monkeypatch
+):
+    # not a device fault but a bug: no output of that call can be trusted, so generate raises,
+    # naming the requests the failing step computed and the cause, once the others are aborted;
+    # the engine serves the next call
+    model = llm.llm_engine.model
+    forward, calls = model.forward, []
+    boom = IndexError("index 2047 is out of bounds for dimension 1 with size 1025")
+
+    def second_step_raises(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise boom
+        return forward(*args)
+
+    monkeypatch.setattr(model, "forward", second_step_raises)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": OTHER}]
+    with pytest.raises(EngineStepError) as raised:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert raised.value.__cause__ is boom
+    n = llm._counter
+    assert str(raised.value) == (
+        f"the engine failed computing request(s) {n - 2}, {n - 1}: {boom!r} (a bug in "
+        "pagedserve: its traceback is logged above); the other requests of this call were aborted"
+    )
+    monkeypatch.undo()
+    assert llm.llm_engine.get_stats()["engine_step_errors_total"] >= 1
+    (out,) = llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_a_device_fault_under_generate_ends_its_requests_with_an_error_and_no_raise(llm):
+    # the device's kernel error is a fault the engine recovers from: the call returns, the
+    # requests of the failed step say why, the others are served
+    engine = llm.llm_engine
+    engine.inject_fault("step")
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": OTHER}], GREEDY, use_tqdm=False
+    )
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    assert all("injected kernel fault" in o.error for o in outs)

@@ -15,7 +15,7 @@ from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine import llm_engine as le
 from pagedserve.engine.llm_engine import GRAMMAR_WAIT_S, LLMEngine
 from pagedserve.engine.request import RequestStatus
-from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.hal.faults import DeviceKernelError, UnrecoverableFaultError
 from pagedserve.sampling_params import StructuredOutputsParams
 from tests.helpers.models import build_tiny_model_dir, drain, host_tier_gib, tiny_engine
 
@@ -44,6 +44,7 @@ def shared(model):
 def engine(shared):
     shared.block_manager.reset_prefix_cache()
     shared.take_failed()
+    shared.take_step_error()
     shared.take_rejected()
     yield shared
     left = list(shared.groups)
@@ -568,19 +569,36 @@ def test_stats_while_running_count_requests_pages_and_tokens(engine):
     assert done["in_use"] == 0 and done["cached"] + done["free"] == 32 and done["cached"] == 5
 
 
-def test_a_device_fault_is_counted_in_the_stats(engine, monkeypatch):
+@pytest.mark.parametrize(
+    "error,device_fault",
+    [(DeviceKernelError("xpu"), True), (RuntimeError("kernel"), False), (IndexError("i"), False)],
+)
+def test_a_failed_step_counts_as_a_device_fault_only_when_the_device_raised_it(
+    engine, monkeypatch, error, device_fault
+):
     engine.add_request("a", PROMPT, GREEDY)
 
     def boom(sched, forks):
-        raise RuntimeError("kernel")
+        raise error
 
     monkeypatch.setattr(engine.executor, "execute_model", boom)
-    before = engine.get_stats()["device_faults_total"]["step"]
+    before = engine.get_stats()
     engine.execute_step()
     monkeypatch.undo()
-    engine.take_failed()
-    assert engine.get_stats()["device_faults_total"]["step"] == before + 1
-    assert engine.get_device_stats()["faults"]["step"]["detected"] == before + 1
+    ((rid, why),) = engine.take_failed()
+    assert rid == "a" and repr(error) in why
+    after = engine.get_stats()
+    faults = after["device_faults_total"]["step"] - before["device_faults_total"]["step"]
+    bugs = after["engine_step_errors_total"] - before["engine_step_errors_total"]
+    assert (faults, bugs) == ((1, 0) if device_fault else (0, 1))
+    assert (
+        engine.get_device_stats()["faults"]["step"]["detected"]
+        == after["device_faults_total"]["step"]
+    )
+    # a bug's exception waits for LLM.generate to raise it, once; a device fault's does not
+    assert engine.take_step_error() is (None if device_fault else error)
+    assert engine.take_step_error() is None
+    assert ("send the request again" in why) == device_fault
 
 
 def test_the_host_tier_is_reported_in_stats_device_stats_and_page_map(model):
