@@ -19,7 +19,7 @@ class Int4Linear:
     out_features: int
     in_features: int
     group_size: int
-    abits: int = 16  # 8: each input row is quantized to int8 on the fly (W4A8)
+    abits: int = 16  # 8: each input is quantized to int8 on the fly, per block of 32 (W4A8)
     # the reference form (base Device)
     qcodes: torch.Tensor | None = None
     scales: torch.Tensor | None = None
@@ -44,11 +44,34 @@ def dequantize(w: Int4Linear) -> torch.Tensor:
     return ((codes - w.zeros.float().unsqueeze(-1)) * w.scales.float().unsqueeze(-1)).view(n, k)
 
 
+# W4A8's activations are int8 in blocks of this many values of a row, each with its own scale
+# (llama.cpp's Q8_0): a group of the weights is one or more whole blocks.
+ACTIVATION_BLOCK = 32
+
+
 def quantize_activations_int8(x: torch.Tensor) -> torch.Tensor:
-    """W4A8: dynamic per-token symmetric int8, returned dequantized (an exact emulation)."""
+    """W4A8: dynamic symmetric int8 per block of ``ACTIVATION_BLOCK`` values of each row
+    (``round(x / scale)``, ``scale = max(|x|, 1e-8) / 127`` over the block), returned
+    dequantized (an exact emulation of what the kernels multiply). A last block shorter than the
+    others takes its own scale."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
-    return (torch.round(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
+    k = xf.shape[-1]
+    pad = -k % ACTIVATION_BLOCK
+    blocks = torch.nn.functional.pad(xf, (0, pad)).unflatten(-1, (-1, ACTIVATION_BLOCK))
+    scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127.0
+    codes = torch.round(blocks / scale).clamp(-127, 127)
+    return (codes * scale).flatten(-2)[..., :k].to(x.dtype)
+
+
+def quantize_activations_int16(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The native targets' W4A16 activations (``csrc/int4_<target>.h``): each group of a row
+    rounded to int16 with a power-of-two scale, ``2^(e - 15)`` for a group whose largest magnitude
+    is below ``2^e``; returned dequantized (an exact emulation). A bf16 value within 2^7 of its
+    group's largest is kept exactly; smaller ones are rounded at 2^-16 of that largest."""
+    groups = x.float().unflatten(-1, (-1, group_size))
+    exponent = torch.frexp(groups.abs().amax(-1, keepdim=True))[1]
+    scale = torch.ldexp(torch.ones_like(groups[..., :1]), exponent - 15)
+    return (torch.round(groups / scale).clamp(-32767, 32767) * scale).flatten(-2).to(x.dtype)
 
 
 def int4_linear_reference(

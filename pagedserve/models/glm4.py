@@ -47,7 +47,7 @@ class GlmForCausalLM:
 
     Linear layers are INT4 when the checkpoint is quantized (``quantization_config``) or when
     ``quantization="int4"`` asks for load-time round-to-nearest quantization (``"w4a8"``: the same,
-    with each linear's input rounded to int8 per token, as W4A8 checkpoints ask); embeddings, norms and
+    with each linear's input rounded to int8 per block of 32 values, as W4A8 checkpoints ask); embeddings, norms and
     biases stay 16-bit. lm_head is as the checkpoint has it unless ``quantize_lm_head`` says
     ``none``, ``int8`` (per-channel) or ``int4`` (group-wise, the decoder's group size).
 
@@ -79,7 +79,7 @@ class GlmForCausalLM:
         self.quant_group_size = quant_group_size
         self.abits = int((config.quantization_config or {}).get("abits", 16))
         if self.quantize_at_load and quantization == "w4a8":
-            self.abits = 8  # each linear's input rounded to int8 per token, on the fly
+            self.abits = 8  # each linear's input rounded to int8 per block of 32, on the fly
         self.tp = tp or TensorParallel(config)
         self.num_heads = self.tp.num_heads  # this rank's heads
         self.num_kv_heads = self.tp.num_kv_heads

@@ -1,7 +1,8 @@
 """A self-contained GLM-4 / GLM-4-0414 forward over a plain HF-named state dict, for calibration
 and evaluation: fp32, full causal attention over a [B, T] batch, no paging, layer by layer.
 
-``act_bits=8`` emulates W4A8: each quantized linear's input is quantized per token, symmetric int8.
+``act_bits=8`` emulates W4A8: each quantized linear's input is quantized to symmetric int8 per block
+of 32 values, as the kernels do (``hal.int4.quantize_activations_int8``).
 ``kv_cache_dtype="int8"`` emulates an INT8 KV cache: every key (after its rotation, as the cache
 holds it) and value is rounded to int8 codes and a scale per token and head and read back, by the
 HAL's own ``quantize_kv`` / ``dequantize_kv``.
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from pagedserve.hal.int4 import quantize_activations_int8
 from pagedserve.hal.kernels import (
     apply_rotary,
     dequantize_kv,
@@ -32,12 +34,6 @@ LINEARS = (
     "mlp.down_proj",
 )
 Capture = Callable[[str, torch.Tensor], None]
-
-
-def quantize_activation_int8(x: torch.Tensor) -> torch.Tensor:
-    """Dynamic per-token symmetric int8 fake quantization."""
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 127
-    return torch.round(x / scale).clamp(-127, 127) * scale
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +71,7 @@ class ReferenceGlm:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.sd["model.norm.weight"].float(), self.config.rms_norm_eps)
         if self.act_bits == 8 and "lm_head" in self.quantized:  # an INT4 lm_head under W4A8
-            h = quantize_activation_int8(h)
+            h = quantize_activations_int8(h)
         return h @ self.sd["lm_head.weight"].float().T
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -95,7 +91,7 @@ class ReferenceGlm:
             if capture is not None:
                 capture(name, x)
             if self.act_bits == 8 and f"{i}.{name}" in self.quantized:
-                x = quantize_activation_int8(x)
+                x = quantize_activations_int8(x)
             return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
 
         attn = self.attention(w, rms_norm(h, w["input_layernorm.weight"], eps), linear)

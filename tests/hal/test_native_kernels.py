@@ -10,7 +10,12 @@ import torch.nn.functional as F
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device, kernels, native
-from pagedserve.hal.int4 import Int4Linear, dequantize, quantize_activations_int8
+from pagedserve.hal.int4 import (
+    Int4Linear,
+    dequantize,
+    quantize_activations_int8,
+    quantize_activations_int16,
+)
 from pagedserve.models.quant_formats import quantize_rtn
 from tests.helpers.kernels import paged_batch
 
@@ -313,15 +318,17 @@ INT4_TARGETS = [p for p in TARGETS if p.values[0] in ("avx512", "avx2")]
 def test_int4_few_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(
     unit, group_size, rows
 ):
-    # W4A16 of 1 to 16 rows on avx512: on an AMX CPU the tile unit's pass, else the vector one;
-    # both multiply bf16 exactly and sum in fp32, so they equal the dequantized weights up to
-    # summation order (avx2's int16 activations round otherwise: the test above bounds them)
+    # W4A16 of 1 to 16 rows on avx512: on an AMX CPU the tile unit's pass, which multiplies bf16
+    # exactly, else the vector one, whose int16 activations int4.quantize_activations_int16
+    # emulates; both sum in fp32, so they equal the dequantized weights up to summation order
     g = torch.Generator().manual_seed(rows)
     q, s, z = quantize_rtn(torch.randn(64, 192, generator=g), group_size)
     x = torch.randn(rows, 192, generator=g)
     layer = unit.prepare_int4(q, s, z, group_size, f"w{group_size}-{rows}")
     reference = Int4Linear(64, 192, group_size, qcodes=q, scales=s, zeros=z)
-    expected = x.to(torch.bfloat16).float() @ dequantize(reference).T
+    amx = unit.native.amx_enabled()
+    xr = x.to(torch.bfloat16).float() if amx else quantize_activations_int16(x, group_size)
+    expected = xr @ dequantize(reference).T
     torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 
@@ -329,13 +336,16 @@ def test_int4_few_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(
 @pytest.mark.parametrize("rows", [17, 40, 180])
 def test_int4_prompt_rows_equal_the_dequantized_weights_with_vectors_and_with_amx(unit, rows):
     # past 16 rows AMX takes them 16 at a time, over panels of 128 rows and 4 output tiles at a
-    # time (N = 96: six tiles, three a thread); 17 and 40 rows end in a partial block
+    # time (N = 96: six tiles, three a thread), the vector passes 8 at a time; 17 and 40 rows end
+    # in a partial block
     g = torch.Generator().manual_seed(rows)
     q, s, z = quantize_rtn(torch.randn(96, 192, generator=g), 32)
     x = torch.randn(rows, 192, generator=g)
     layer = unit.prepare_int4(q, s, z, 32, f"w-prompt-{rows}")
     reference = Int4Linear(96, 192, 32, qcodes=q, scales=s, zeros=z)
-    expected = x.to(torch.bfloat16).float() @ dequantize(reference).T
+    amx = unit.native.amx_enabled()
+    xr = x.to(torch.bfloat16).float() if amx else quantize_activations_int16(x, 32)
+    expected = xr @ dequantize(reference).T
     torch.testing.assert_close(unit.linear(x, layer), expected, atol=1e-4, rtol=1e-5)
 
 

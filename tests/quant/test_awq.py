@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from pagedserve.entrypoints.cli.quantize import add_quantize_args, glm4_quantize_main, run_quantize
+from pagedserve.hal.int4 import quantize_activations_int8
 from pagedserve.models.config import load_config
 from pagedserve.models.loader import load_state_dict
 from pagedserve.quant.awq import LayerQuantizer, QuantizeSettings, resolve_skip_layers
 from pagedserve.quant.calib import random_blocks
 from pagedserve.quant.evaluate import distribution_metrics, load_reference_model, sample_blocks
-from pagedserve.quant.forward import ReferenceGlm, layer_weights, quantize_activation_int8
+from pagedserve.quant.forward import ReferenceGlm, layer_weights
 from tests.helpers.models import build_tiny_hf_model, build_tiny_tokenizer
 
 OUTLIERS = [3, 17, 40, 77]
@@ -166,9 +167,12 @@ def test_glm4_quantize_accepts_the_seed_flags(tmp_path):
     )
 
 
-def test_int8_activation_quantization_is_per_token_and_within_half_a_step():
+def test_int8_activation_quantization_is_per_block_of_32_and_within_half_a_step():
+    # each row's two blocks of 32 on scales 100 times apart: each block takes its own step
     x = torch.randn(5, 64) * torch.tensor([1.0, 10.0, 0.1, 3.0, 100.0]).unsqueeze(1)
-    xq = quantize_activation_int8(x)
-    step = x.abs().amax(-1, keepdim=True) / 127
-    assert ((xq - x).abs() <= step / 2 + 1e-6).all()
-    assert torch.equal(quantize_activation_int8(x[2:3]), xq[2:3])
+    x[:, 32:] /= 100
+    xq = quantize_activations_int8(x)
+    step = x.unflatten(-1, (2, 32)).abs().amax(-1, keepdim=True) / 127
+    assert ((xq - x).unflatten(-1, (2, 32)).abs() <= step / 2 + 1e-6).all()
+    assert torch.equal(quantize_activations_int8(x[2:3]), xq[2:3])
+    assert torch.equal(quantize_activations_int8(x[:, 32:]), xq[:, 32:])

@@ -41,7 +41,12 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     a("--group-size", type=int, default=32, help="weights per scale/zero group: 32, 64 or 128")
     a("--wbits", type=int, default=4, help="weight bits (only 4)")
-    a("--abits", type=int, default=16, help="8: W4A8 (dynamic per-token int8 inputs); 16: W4A16")
+    a(
+        "--abits",
+        type=int,
+        default=16,
+        help="8: W4A8 (dynamic int8 inputs per block of 32); 16: W4A16",
+    )
     a(
         "--skip-layers",
         default="",

@@ -92,7 +92,8 @@ def _add_model_args(a: Callable[..., argparse.Action]) -> None:
         "-q",
         default=None,
         help="weight quantization at load: int4 (group-wise round-to-nearest, bf16 activations) "
-        "or w4a8 (the same weights, activations rounded to int8 per token: integer dot products, "
+        "or w4a8 (the same weights, activations rounded to int8 per block of 32, as llama.cpp's "
+        "Q8_0: integer dot products, "
         "about twice the arithmetic rate) (default: the checkpoint's own, so none for a 16-bit "
         "checkpoint)",
     )

@@ -1,7 +1,8 @@
 // The AVX2 target's INT4 GEMMs over tiles of 8 output rows, both with integer products of the
-// unsigned codes and the zero point applied per group: W4A16 with int16 activations through
-// vpmaddwd, and W4A8 with int8 activations through vpmaddubsw + vpmaddwd (llama.cpp's Q4_0 x Q8_0
-// scheme), vpdpbusd where the CPU has AVX-VNNI.
+// unsigned codes and the zero point applied once per group (int4_gemm.h walks them over an
+// [M, N] product): W4A16 with int16 activations through vpmaddwd, and W4A8 with int8 activations
+// per block of 32 values (llama.cpp's Q8_0) through vpmaddubsw summed in int16, then vpmaddwd;
+// vpdpbusd and vpdpwssd where the CPU has AVX-VNNI.
 //
 // Layout "tiles8" (W4A16, pack_tiles8 in int4.py): a tile's K/8 chunks of 32 bytes each hold
 // k = 8c .. 8c+7 of its 8 rows; splitting a chunk's nibbles and interleaving each byte with a zero
@@ -13,6 +14,7 @@
 // Both: per tile and group, 8 fp16 scales then 8 fp16 zero points plus 128.
 #pragma once
 
+#include "int4_gemm.h"
 #include "int4_limits.h"
 #include "vec.h"
 
@@ -21,9 +23,11 @@ namespace pagedserve {
 constexpr const char* kInt4Layout = "tiles8";
 constexpr const char* kInt4A8Layout = "tiles8_a8";
 constexpr int kTileRows = 8;
-// Rows of activations one pass over a tile serves: their accumulators and the unpacked codes
-// share the 16 ymm registers.
-constexpr int kMaxRowsPerPass = 4;
+// Activation rows one pass over a tile serves, their sums and accumulators beside the unpacked
+// codes in the 16 ymm registers (W4A16: 4 code vectors, 2 registers a row; W4A8: 2 code vectors,
+// 2 registers a row).
+constexpr int kInt16RowsPerPass = 4;
+constexpr int kInt8RowsPerPass = 5;
 // How far ahead of the chunk being multiplied its thread asks for weight bytes. A decode step
 // streams every weight from memory once, and the hardware prefetchers stop at each 4 KiB page,
 // so without this every page starts with a wait; 1 KiB ahead measured fastest of 256 B to 2 KiB at
@@ -41,15 +45,14 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// Every (tile, pass of up to kMaxRowsPerPass activation rows) of an [M, N] product; the tiles are
-// split between the threads.
-template <typename Pass>
-void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
-  at::parallel_for(0, N / kTileRows, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += kMaxRowsPerPass)
-        pass(t, m, std::min<int64_t>(kMaxRowsPerPass, M - m));
-  });
+// A tile's 8 fp16 scales and 8 fp16 (zero + 128) of group g: (scale, scale * zero).
+struct GroupScales {
+  __m256 scale, scaled_zero;
+};
+inline GroupScales group_scales(const Half* sz, int64_t g) {
+  const __m256 scale = vec::load(sz + g * 16).v;
+  const __m256 zero = _mm256_sub_ps(vec::load(sz + g * 16 + 8).v, _mm256_set1_ps(128.f));
+  return {scale, _mm256_mul_ps(scale, zero)};
 }
 
 // ---- W4A16: 16-bit integer activations, integer products -----------------------------------------
@@ -62,14 +65,25 @@ void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
 // 0x43 trick of the avx512 target): 25.7 vs 20.5 GB/s at one row on 2 Zen 3 cores, and no more
 // rounding than FMAs with that offset have (benchmarks/linear_paths.py).
 
-// One tile of 8 output rows for MB activation rows: xi holds int16 pairs as int32 (row stride
-// x_stride pairs), xscale and xsum each row's per-group scale and sum of its int16 values.
+#if defined(__AVXVNNI__)
+inline __m256i add_pair_products(__m256i dot, __m256i pairs, int32_t x) {
+  return _mm256_dpwssd_avx_epi32(dot, pairs, _mm256_set1_epi32(x));
+}
+#else
+inline __m256i add_pair_products(__m256i dot, __m256i pairs, int32_t x) {
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi32(x)));
+}
+#endif
+
+// One tile of 8 output rows for MB activation rows from row m0.
 template <int MB, typename T>
-inline void int4_tile(const uint8_t* w, const Half* sz, const int32_t* xi, int64_t x_stride,
-                      const float* xscale, const float* xsum, int64_t num_groups,
-                      int64_t group_size, const T* bias, T* out, int64_t out_stride) {
+inline void int4_tile(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), zero_bytes = _mm256_setzero_si256();
-  const int64_t chunks_per_group = group_size / 8;
+  const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
+  const uint8_t* w = op.w + t * K * 4;
+  const Half* sz = op.sz + t * num_groups * 16;
+  // int16 pairs as int32
+  const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
@@ -86,38 +100,38 @@ inline void int4_tile(const uint8_t* w, const Half* sz, const int32_t* xi, int64
           _mm256_unpacklo_epi8(hi, zero_bytes), _mm256_unpackhi_epi8(hi, zero_bytes)};
 #pragma GCC unroll 4
       for (int m = 0; m < MB; ++m) {
-        const int32_t* xk = xi + m * x_stride + 4 * c;
-        for (int p = 0; p < 4; ++p)
-          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[p], _mm256_set1_epi32(xk[p])));
+        const int32_t* xk = x + m * K / 2 + 4 * c;
+        for (int p = 0; p < 4; ++p) dot[m] = add_pair_products(dot[m], pairs[p], xk[p]);
       }
     }
-    const __m256 scale = vec::load(sz + g * 16).v;
-    const __m256 zero = _mm256_sub_ps(vec::load(sz + g * 16 + 8).v, _mm256_set1_ps(128.f));
+    const GroupScales s = group_scales(sz, g);
     for (int m = 0; m < MB; ++m) {
-      const int64_t i = m * num_groups + g;
-      const __m256 d = _mm256_fnmadd_ps(zero, _mm256_set1_ps(xsum[i]), _mm256_cvtepi32_ps(dot[m]));
-      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xscale[i])), d, acc[m]);
+      const int64_t i = (m0 + m) * num_groups + g;
+      const __m256 d = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[i]),
+                                        _mm256_mul_ps(s.scale, _mm256_cvtepi32_ps(dot[m])));
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(op.xscale[i]), d, acc[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, Vec{acc[m]}, bias);
+  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+  for (int m = 0; m < MB; ++m)
+    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
 }
 
-template <typename T>
-struct Int4Tiles {
-  using Fn = void (*)(const uint8_t*, const Half*, const int32_t*, int64_t, const float*,
-                      const float*, int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {nullptr, int4_tile<1, T>, int4_tile<2, T>,
-                                                      int4_tile<3, T>, int4_tile<4, T>};
+template <int Rows, typename T>
+struct Int4Tile {
+  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m) {
+    int4_tile<Rows, T>(op, t, m);
+  }
 };
 
-// x [M, K] -> int16 per (row, group) with a power-of-two scale, the scales, and the per-group
-// sums of the int16 values.
+// x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale, the scales, and the
+// per-group sums of the int16 values.
 template <typename T>
-void quantize_rows_int16(const T* x, int64_t M, int64_t K, int64_t group_size, int16_t* xi,
-                         float* xscale, float* xsum) {
+void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
+                         int16_t* xi, float* xscale, float* xsum) {
   const int64_t num_groups = K / group_size;
   const __m256 sign = _mm256_set1_ps(-0.f), lim = _mm256_set1_ps(32767.f);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t k0 = m * K + g * group_size, k1 = k0 + group_size;
       __m256 amax = _mm256_setzero_ps();
@@ -142,170 +156,132 @@ void quantize_rows_int16(const T* x, int64_t M, int64_t K, int64_t group_size, i
     }
 }
 
-inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales_zeros, int64_t group_size,
-                              const c10::optional<at::Tensor>& bias) {
-  check_int4("int4_linear", x, packed, group_size, kTileRows);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kTileRows;
-  const int64_t num_groups = K / group_size;
-  thread_local std::vector<int16_t> xi;
-  thread_local std::vector<float> xscale, xsum;
-  xi.resize(M * K);
-  xscale.resize(M * num_groups);
-  xsum.resize(M * num_groups);
-  auto out = at::empty({M, N}, x.options());
-  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_linear", [&] {
-    quantize_rows_int16(x.data_ptr<scalar_t>(), M, K, group_size, xi.data(), xscale.data(),
-                        xsum.data());
-    const auto* w = packed.data_ptr<uint8_t>();
-    const auto* sz = reinterpret_cast<const Half*>(scales_zeros.data_ptr<at::Half>());
-    // (the buffers are this thread's: the workers get plain pointers)
-    const auto* xp = reinterpret_cast<const int32_t*>(xi.data());
-    const float *xsc = xscale.data(), *xs = xsum.data();
-    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    auto* o = out.data_ptr<scalar_t>();
-    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
-      Int4Tiles<scalar_t>::by_rows[rows](w + t * K * 4, sz + t * num_groups * 16, xp + m * K / 2,
-                                         K / 2, xsc + m * num_groups, xs + m * num_groups,
-                                         num_groups, group_size, b ? b + t * kTileRows : nullptr,
-                                         o + m * N + t * kTileRows, N);
-    });
-  });
-  return out;
-}
-
-// ---- W4A8: int8 activations, integer products ---------------------------------------------------
+// ---- W4A8: int8 activations per block of 32, integer products -----------------------------------
 
 // The integer dot products of one chunk (8 k of the tile's 8 rows) with broadcast int8
 // activations. Without AVX-VNNI: vpmaddubsw multiplies the unsigned codes (0..15) with the signed
-// activations and adds pairs into 16 int16 lanes, which cannot saturate (2 * 15 * 127 < 2^15);
-// four chunks fit in int16 before vpmaddwd widens them to the 8 rows. With AVX-VNNI: vpdpbusd
+// activations and adds pairs into 16 int16 lanes; the eight of a block of 32 fit in int16
+// (8 x 2 x 15 x 127 < 2^15) before vpmaddwd widens them to the 8 rows. With AVX-VNNI: vpdpbusd
 // does all three steps into the 8 int32 lanes.
 #if defined(__AVXVNNI__)
-constexpr int kChunksPerFlush = 1 << 30;  // int32 lanes: no flush needed within a group
 inline __m256i add_chunk_products(__m256i sums, __m256i lo, __m256i hi, const int32_t* x) {
   sums = _mm256_dpbusd_avx_epi32(sums, lo, _mm256_set1_epi32(x[0]));
   return _mm256_dpbusd_avx_epi32(sums, hi, _mm256_set1_epi32(x[1]));
 }
-inline __m256 chunk_sums_to_float(__m256i sums) { return _mm256_cvtepi32_ps(sums); }
+inline __m256 block_sums_to_float(__m256i sums) { return _mm256_cvtepi32_ps(sums); }
 #else
-constexpr int kChunksPerFlush = 4;
 inline __m256i add_chunk_products(__m256i sums16, __m256i lo, __m256i hi, const int32_t* x) {
   sums16 = _mm256_add_epi16(sums16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[0])));
   return _mm256_add_epi16(sums16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[1])));
 }
-inline __m256 chunk_sums_to_float(__m256i sums16) {
+inline __m256 block_sums_to_float(__m256i sums16) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, _mm256_set1_epi16(1)));
 }
 #endif
 
+// One tile of 8 output rows for MB activation rows from row m0: per block of 32 values, each
+// row's integer sums times the weights' scale and the block's; the zero point once per group, as
+// scale * zero * (the group's scaled activation sum).
 template <int MB, typename T>
-inline void int4_int8_tile(const uint8_t* w, const Half* sz, const int32_t* xq, int64_t x_stride,
-                           const float* xqsum, const float* row_scale, int64_t num_groups,
-                           int64_t group_size, const T* bias, T* out, int64_t out_stride) {
+inline void int4_int8_tile(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const int64_t chunks_per_group = group_size / 8;
+  const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
+  const uint8_t* w = op.w + t * K * 4;
+  const Half* sz = op.sz + t * num_groups * 16;
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
-    const __m256 scale = vec::load(sz + g * 16).v;
-    for (int64_t c0 = g * chunks_per_group; c0 < (g + 1) * chunks_per_group; c0 += kChunksPerFlush) {
+    const GroupScales s = group_scales(sz, g);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       __m256i sums[MB];
       for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
-      for (int64_t c = c0; c < std::min<int64_t>(c0 + kChunksPerFlush, (g + 1) * chunks_per_group); ++c) {
+      for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
         prefetch_weights(w + c * 32);
         const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
         const __m256i lo = _mm256_and_si256(codes, low_nibbles);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
         for (int m = 0; m < MB; ++m)
-          sums[m] = add_chunk_products(sums[m], lo, hi, xq + m * x_stride + 2 * c);
+          sums[m] = add_chunk_products(
+              sums[m], lo, hi, reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c));
       }
       for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm256_fmadd_ps(scale, chunk_sums_to_float(sums[m]), acc[m]);
+        const __m256 scale = _mm256_mul_ps(s.scale, _mm256_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
+        acc[m] = _mm256_fmadd_ps(scale, block_sums_to_float(sums[m]), acc[m]);
       }
     }
-    // the zero point, once per group: scale * zero * sum(x)
-    const __m256 zero = _mm256_sub_ps(vec::load(sz + g * 16 + 8).v, _mm256_set1_ps(128.f));
-    const __m256 scaled_zero = _mm256_mul_ps(scale, zero);
     for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_fnmadd_ps(scaled_zero, _mm256_set1_ps(xqsum[m * num_groups + g]), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
+                                acc[m]);
   }
+  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
   for (int m = 0; m < MB; ++m)
-    store_output(out + m * out_stride, Vec{_mm256_mul_ps(acc[m], _mm256_set1_ps(row_scale[m]))},
-                 bias);
+    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
 }
 
-template <typename T>
-struct Int4Int8Tiles {
-  using Fn = void (*)(const uint8_t*, const Half*, const int32_t*, int64_t, const float*,
-                      const float*, int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr Fn by_rows[kMaxRowsPerPass + 1] = {
-      nullptr, int4_int8_tile<1, T>, int4_int8_tile<2, T>, int4_int8_tile<3, T>,
-      int4_int8_tile<4, T>};
+template <int Rows, typename T>
+struct Int4Int8Tile {
+  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m) {
+    int4_int8_tile<Rows, T>(op, t, m);
+  }
 };
 
-// x [M, K] -> int8 per row (round(x / scale), scale = max(amax, 1e-8) / 127, as
-// quantize_activations_int8), the scales, and per-group sums of the int8 values.
+// x rows [m0, m1) -> int8 per block of 32 (round(x / scale), scale = max(amax, 1e-8) / 127, as
+// int4.quantize_activations_int8), each block's scale, and per group the sum over its blocks of
+// scale * sum(int8).
 template <typename T>
-void quantize_rows_int8(const T* x, int64_t M, int64_t K, int64_t group_size, int8_t* xq,
-                        float* row_scale, float* xqsum) {
-  const int64_t num_groups = K / group_size;
+void quantize_rows_int8(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
+                        int8_t* xq, float* xscale, float* xsum) {
+  const int64_t blocks = K / 32, blocks_per_group = group_size / 32;
   const __m256 sign = _mm256_set1_ps(-0.f), lim = _mm256_set1_ps(127.f);
-  for (int64_t m = 0; m < M; ++m) {
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8)
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, vec::load(x + m * K + k).v));
-    const float scale = std::max(vec::reduce_max(Vec{amax}), 1e-8f) / 127.f;
-    row_scale[m] = scale;
-    const __m256 s = _mm256_set1_ps(scale);
-    for (int64_t g = 0; g < num_groups; ++g) {
-      __m256i sum = _mm256_setzero_si256();
-      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 8) {
-        __m256 q = _mm256_round_ps(_mm256_div_ps(vec::load(x + k).v, s),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm256_min_ps(_mm256_max_ps(q, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
-        const __m256i qi = _mm256_cvtps_epi32(q);
-        sum = _mm256_add_epi32(sum, qi);
-        // 8 x int32 -> 8 x int8 (the packs work within 128-bit halves)
-        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + k), _mm_packs_epi16(w16, w16));
+  for (int64_t m = m0; m < m1; ++m) {
+    float group_sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = m * K + 32 * b;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = vec::load(x + k0 + 8 * i).v;
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
       }
-      xqsum[m * num_groups + g] = float(hsum_epi32(sum));
+      const float scale = std::max(vec::reduce_max(Vec{amax}), 1e-8f) / 127.f;
+      const __m256 s = _mm256_set1_ps(scale);
+      __m256i q32[4], sum = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        __m256 q = _mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+        q32[i] = _mm256_cvtps_epi32(q);
+        sum = _mm256_add_epi32(sum, q32[i]);
+      }
+      // 32 x int32 -> 32 x int8: the packs work within 128-bit halves; put the halves in order
+      const __m256i w16 = _mm256_packs_epi32(q32[0], q32[1]), w16b = _mm256_packs_epi32(q32[2], q32[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, w16b),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + k0), bytes);
+      xscale[m * blocks + b] = scale;
+      group_sum += scale * float(hsum_epi32(sum));
+      if ((b + 1) % blocks_per_group == 0) {
+        xsum[m * (K / group_size) + b / blocks_per_group] = group_sum;
+        group_sum = 0.f;
+      }
     }
   }
+}
+
+// ---- the calls ----------------------------------------------------------------------------------
+
+inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales_zeros, int64_t group_size,
+                              const c10::optional<at::Tensor>& bias) {
+  return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
+      "int4_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / group_size,
+      [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); });
 }
 
 inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                    const at::Tensor& scales_zeros, int64_t group_size,
                                    const c10::optional<at::Tensor>& bias) {
-  check_int4("int4_int8_linear", x, packed, group_size, kTileRows);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * kTileRows;
-  const int64_t num_groups = K / group_size;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> row_scale, xqsum;
-  xq.resize(M * K);
-  row_scale.resize(M);
-  xqsum.resize(M * num_groups);
-  auto out = at::empty({M, N}, x.options());
-  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_int8_linear", [&] {
-    quantize_rows_int8(x.data_ptr<scalar_t>(), M, K, group_size, xq.data(), row_scale.data(),
-                       xqsum.data());
-    const auto* w = packed.data_ptr<uint8_t>();
-    const auto* sz = reinterpret_cast<const Half*>(scales_zeros.data_ptr<at::Half>());
-    const auto* xp = reinterpret_cast<const int32_t*>(xq.data());
-    const float* xs = xqsum.data();
-    const float* rs = row_scale.data();
-    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    auto* o = out.data_ptr<scalar_t>();
-    for_each_tile_pass(M, N, [&](int64_t t, int64_t m, int64_t rows) {
-      Int4Int8Tiles<scalar_t>::by_rows[rows](w + t * K * 4, sz + t * num_groups * 16,
-                                             xp + m * K / 4, K / 4, xs + m * num_groups, rs + m,
-                                             num_groups, group_size,
-                                             b ? b + t * kTileRows : nullptr,
-                                             o + m * N + t * kTileRows, N);
-    });
-  });
-  return out;
+  return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass>(
+      "int4_int8_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / 32,
+      [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); });
 }
 
 }  // namespace pagedserve

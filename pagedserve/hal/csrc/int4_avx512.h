@@ -1,16 +1,23 @@
-// The AVX-512 target's INT4 GEMMs over tiles of 16 rows: W4A16 through vdpbf16ps, W4A8 through
-// VNNI's vpdpbusd.
+// The AVX-512 target's INT4 GEMMs over tiles of 16 output rows, both with integer products of the
+// unsigned codes and the zero point applied once per group, walked over an [M, N] product by
+// int4_gemm.h: W4A16 with int16 activations through VNNI's vpdpwssd, W4A8 with int8 activations
+// per block of 32 values (llama.cpp's Q8_0) through vpdpbusd. On a CPU with the AMX tile unit,
+// W4A16 takes its bf16 tiles instead (below).
 //
 // The INT4 layout, "tiles of 16": an [N, K] layer is N/16 tiles of 16 output rows. A tile stores
 // K/8 chunks of 64 bytes, each holding k = 8c .. 8c+7 of its 16 rows as four k-pairs (see
 // pack_tiles16 in int4.py for the byte order). Splitting a chunk's nibbles and interleaving each
-// byte with 0x43 (vpunpck{l,h}bw) gives four vectors of 32 bf16 words in which word j is the pair
-// element (row j/2, j%2) that one vdpbf16ps lane multiplies with a broadcast activation pair: the
-// 16 lanes of the accumulator are the tile's 16 output rows, with no horizontal sum. Per tile and
-// group: 16 fp16 scales then 16 fp16 (zero + 128).
+// byte with a zero byte (vpunpck{l,h}bw) gives four vectors of 16 int32 lanes, lane r holding row
+// r's two codes of one k-pair as int16: one vpdpwssd with a broadcast activation pair adds two
+// products to each of the 16 rows, with no horizontal sum. (The tile unit's pass interleaves them
+// with 0x43 instead, which makes each code the bf16 number 128 + q.) Layout "tiles16_a8" (W4A8,
+// pack_tiles16_a8): byte 4r + j of chunk c holds row r, k = 8c + j in its low nibble and
+// k = 8c + 4 + j in its high one, so each 32-bit lane of a vpdpbusd sums four products of row r.
+// Per tile and group: 16 fp16 scales then 16 fp16 (zero + 128).
 #pragma once
 
 #include "amx.h"
+#include "int4_gemm.h"
 #include "int4_limits.h"
 #include "vec.h"
 
@@ -20,85 +27,192 @@ namespace pagedserve {
 constexpr const char* kInt4Layout = "tiles16";
 constexpr const char* kInt4A8Layout = "tiles16_a8";
 constexpr int kTileRows = 16;
+// Activation rows a pass over a tile serves: their sums and accumulators beside the unpacked codes
+// in the 32 zmm registers (W4A16: 4 code vectors, W4A8: 2; 2 registers a row).
+constexpr int kInt16RowsPerPass = 8;
+constexpr int kInt8RowsPerPass = 8;
 
+// A tile's 16 fp16 scales and 16 fp16 (zero + 128) of group g: (scale, scale * zero).
+struct GroupScales {
+  __m512 scale, scaled_zero;
+};
+inline GroupScales group_scales(const Half* sz, int64_t g) {
+  const __m512 scale = vec::load(sz + g * 32).v;
+  const __m512 zero = _mm512_sub_ps(vec::load(sz + g * 32 + 16).v, _mm512_set1_ps(128.f));
+  return {scale, _mm512_mul_ps(scale, zero)};
+}
 
-// One tile of 16 output rows for MB activation rows. x holds bf16 pairs as uint32; xsum the sum of
-// each activation row's bf16 values per group. A code q becomes the bf16 number 128 + q when its
-// byte gets 0x43 as the high byte (exact: bf16 steps by 1 in [128, 256)), so the products are
-// exact and the kernel subtracts (zero + 128) * sum(x) per group instead of converting each code.
+// A vpdpwssd or vpdpbusd takes several cycles to finish: a pass of one or two rows sums each
+// row's products into two chains, so that the next product need not wait for the last (the sums
+// are integers: the split changes no bit).
+template <int MB>
+constexpr int kChains = MB <= 2 ? 2 : 1;
+
+// ---- W4A16: 16-bit integer activations (int4_avx2.h has why), integer products -------------------
+
+// One tile of 16 output rows for MB activation rows from row m0.
 template <int MB, typename T>
-inline void int4_tile(const uint8_t* w, const at::Half* sz, const uint32_t* x, int64_t x_stride,
-                      const float* xsum, int64_t num_groups, int64_t group_size, const T* bias,
-                      T* out, int64_t out_stride) {
-  // A vdpbf16ps takes several cycles to finish: each row sums into four independent chains (one
-  // per k-pair slot) so that the next product need not wait for the last. The chains are the same
-  // for any MB, so a row's bits do not depend on the rows beside it in a pass (fp32 sums round,
-  // unlike W4A8's integer ones): a decode row, and the same row verified beside drafts or batched
-  // with other requests, get the same bits, and a seed the same tokens.
-  constexpr int kChains = 4;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const __m512i bf16_128 = _mm512_set1_epi8(0x43);
-  const int64_t chunks_per_group = group_size / 8;
+inline void int4_tile(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
+  constexpr int C = kChains<MB>;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), zero_bytes = _mm512_setzero_si512();
+  const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
+  const uint8_t* w = op.w + t * K * 8;
+  const Half* sz = op.sz + t * num_groups * 32;
+  const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 dot[MB][kChains];
+    __m512i dot[MB][C];
     for (int m = 0; m < MB; ++m)
-      for (int c = 0; c < kChains; ++c) dot[m][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       const __m512i codes = _mm512_loadu_si512(w + c * 64);
       const __m512i lo = _mm512_and_si512(codes, low_nibbles);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
-      const __m512bh pairs[4] = {(__m512bh)_mm512_unpacklo_epi8(lo, bf16_128),
-                                 (__m512bh)_mm512_unpackhi_epi8(lo, bf16_128),
-                                 (__m512bh)_mm512_unpacklo_epi8(hi, bf16_128),
-                                 (__m512bh)_mm512_unpackhi_epi8(hi, bf16_128)};
+      const __m512i pairs[4] = {
+          _mm512_unpacklo_epi8(lo, zero_bytes), _mm512_unpackhi_epi8(lo, zero_bytes),
+          _mm512_unpacklo_epi8(hi, zero_bytes), _mm512_unpackhi_epi8(hi, zero_bytes)};
       for (int m = 0; m < MB; ++m) {
-        const uint32_t* xm = x + m * x_stride + 4 * c;
+        const int32_t* xk = x + m * K / 2 + 4 * c;
         for (int p = 0; p < 4; ++p)
-          dot[m][p % kChains] = _mm512_dpbf16_ps(dot[m][p % kChains], pairs[p],
-                                                 (__m512bh)_mm512_set1_epi32(xm[p]));
+          dot[m][p % C] = _mm512_dpwssd_epi32(dot[m][p % C], pairs[p], _mm512_set1_epi32(xk[p]));
       }
     }
-    const __m512 scale = vec::load(sz + g * 32).v;
-    const __m512 zero128 = vec::load(sz + g * 32 + 16).v;
+    const GroupScales s = group_scales(sz, g);
     for (int m = 0; m < MB; ++m) {
-      __m512 d = dot[m][0];
-      for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[m][c]);
-      const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero128, xs, d), acc[m]);
+      const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][C - 1]) : dot[m][0];
+      const int64_t i = (m0 + m) * num_groups + g;
+      const __m512 scaled = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[i]),
+                                             _mm512_mul_ps(s.scale, _mm512_cvtepi32_ps(d)));
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]), scaled, acc[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) store_output(out + m * out_stride, Vec{acc[m]}, bias);
+  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+  for (int m = 0; m < MB; ++m)
+    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
 }
 
-// Pointers to int4_tile<1..4, T>: one pass over a tile serves up to 4 activation rows (4 x 4
-// chains, 4 accumulators and the unpacked codes stay in the 32 zmm registers). Passes of 8 rows
-// in one chain each unpacked the codes half as often, 5-15% less time at 8-64 rows on a 2-core
-// Zen 4, but one row needs its four chains (one chain: 10-30% more time) and every count of rows
-// the same order; we keep the decode row fast (linear_paths_1b_avx512_zen4_gemv.json).
-constexpr int kInt4RowsPerPass = 4;
-template <typename T>
-struct Int4Tiles {
-  using Fn = void (*)(const uint8_t*, const at::Half*, const uint32_t*, int64_t, const float*,
-                      int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr int kMaxRows = kInt4RowsPerPass;
-  static constexpr Fn by_rows[kMaxRows + 1] = {nullptr, int4_tile<1, T>, int4_tile<2, T>,
-                                               int4_tile<3, T>, int4_tile<4, T>};
+template <int Rows, typename T>
+struct Int4Tile {
+  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m) {
+    int4_tile<Rows, T>(op, t, m);
+  }
 };
 
-// Every (tile of 16 output rows, pass of up to Tiles::kMaxRows activation rows) of an [M, N]
-// product; the tiles are split between the threads.
-template <typename Tiles, typename Pass>
-void for_each_tile_pass(int64_t M, int64_t N, const Pass& pass) {
-  at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m = 0; m < M; m += Tiles::kMaxRows)
-        pass(t, m, std::min<int64_t>(Tiles::kMaxRows, M - m));
-  });
+// x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale (as int4_avx2.h), the
+// scales, and the per-group sums of the int16 values.
+template <typename T>
+void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
+                         int16_t* xi, float* xscale, float* xsum) {
+  const int64_t num_groups = K / group_size;
+  const __m512 lim = _mm512_set1_ps(32767.f);
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t k0 = m * K + g * group_size, k1 = k0 + group_size;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = k0; k < k1; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(vec::load(x + k).v));
+      int e = 0;
+      std::frexp(_mm512_reduce_max_ps(amax), &e);  // largest < 2^e (0 for an all-zero group)
+      const __m512 inv = _mm512_set1_ps(std::ldexp(1.f, 15 - e));  // exact: a power of two
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t k = k0; k < k1; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(vec::load(x + k).v, inv), _MM_FROUND_TO_NEAREST_INT);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        sum = _mm512_add_epi32(sum, qi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xi + k), _mm512_cvtepi32_epi16(qi));
+      }
+      xscale[m * num_groups + g] = std::ldexp(1.f, e - 15);
+      xsum[m * num_groups + g] = float(_mm512_reduce_add_epi32(sum));
+    }
 }
 
-// x [M, K] -> bf16 pairs and per-group sums of the rounded values (group_size % 16 == 0).
+// ---- W4A8: int8 activations per block of 32 (int4_avx2.h has the scheme), VNNI ------------------
+
+// One tile of 16 output rows for MB activation rows from row m0.
+template <int MB, typename T>
+inline void int4_int8_tile(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
+  constexpr int C = kChains<MB>;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
+  const uint8_t* w = op.w + t * K * 8;
+  const Half* sz = op.sz + t * num_groups * 32;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const GroupScales s = group_scales(sz, g);
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512i dot[MB][C];
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
+      for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
+        const __m512i codes = _mm512_loadu_si512(w + c * 64);
+        const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* xm = reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c);
+          dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
+          dot[m][C - 1] = _mm512_dpbusd_epi32(dot[m][C - 1], hi, _mm512_set1_epi32(xm[1]));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
+        const __m512 scale = _mm512_mul_ps(s.scale, _mm512_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
+        acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(d), acc[m]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
+                                acc[m]);
+  }
+  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+  for (int m = 0; m < MB; ++m)
+    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
+}
+
+template <int Rows, typename T>
+struct Int4Int8Tile {
+  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m) {
+    int4_int8_tile<Rows, T>(op, t, m);
+  }
+};
+
+// x rows [m0, m1) -> int8 per block of 32 (as int4.quantize_activations_int8), each block's
+// scale, and per group the sum over its blocks of scale * sum(int8).
+template <typename T>
+void quantize_rows_int8(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
+                        int8_t* xq, float* xscale, float* xsum) {
+  const int64_t blocks = K / 32, blocks_per_group = group_size / 32;
+  const __m512 lim = _mm512_set1_ps(127.f);
+  for (int64_t m = m0; m < m1; ++m) {
+    float group_sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = m * K + 32 * b;
+      const __m512 v[2] = {vec::load(x + k0).v, vec::load(x + k0 + 16).v};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const __m512 s = _mm512_set1_ps(std::max(amax, 1e-8f) / 127.f);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < 2; ++i) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k0 + 16 * i), _mm512_cvtepi32_epi8(qi));
+        sum = _mm512_add_epi32(sum, qi);
+      }
+      const float scale = std::max(amax, 1e-8f) / 127.f;
+      xscale[m * blocks + b] = scale;
+      group_sum += scale * float(_mm512_reduce_add_epi32(sum));
+      if ((b + 1) % blocks_per_group == 0) {
+        xsum[m * (K / group_size) + b / blocks_per_group] = group_sum;
+        group_sum = 0.f;
+      }
+    }
+  }
+}
+
+// ---- W4A16 on the AMX tile unit ------------------------------------------------------------------
+
+// x [M, K] -> bf16 and per-group sums of the rounded values, for the tile unit's pass.
 template <typename T>
 void prepare_activations(const T* x, int64_t M, int64_t K, int64_t group_size, BFloat16* xb,
                          float* xsum) {
@@ -185,11 +299,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
 }
 
 inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                          const at::Tensor& scales_zeros, int64_t group_size,
-                          const c10::optional<at::Tensor>& bias) {
+                              const at::Tensor& scales_zeros, int64_t group_size,
+                              const c10::optional<at::Tensor>& bias) {
+  // On the tile unit: every count of rows, one row too, so that a row's sums do not depend on
+  // the rows beside it (the vector pass rounds its activations otherwise): a decode row and the
+  // same position verified beside drafts, or batched with other requests, get the same bits. One
+  // row costs more there than in a vector pass, where the codes' unpacking is the work and tile
+  // B's round trip through memory only adds to it (1408 x 256 in cache: 31 us against 18 us, 2
+  // threads; a whole demo-model step streams its weights from L3, and loses less). A prompt's
+  // rows take the same kernel 16 rows at a time: each thread walks its output tiles four at a
+  // time, their codes in L1, over a panel of rows that stays in L2. Up to 16 rows, one call
+  // takes all of the thread's tiles.
+  const int64_t M = x.size(0), K = x.size(1);
+  if (!(amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0))
+    return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
+        "int4_linear", x, packed, scales_zeros, group_size, bias, K / group_size,
+        [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); });
   check_int4("int4_linear", x, packed, group_size, kTileRows);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  const int64_t num_groups = K / group_size;
+  const int64_t N = packed.size(0) * kTileRows, num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;
   thread_local std::vector<float> xsum;
   xb.resize(M * K);
@@ -200,157 +327,29 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
     const auto* w = packed.data_ptr<uint8_t>();
     const auto* sz = scales_zeros.data_ptr<at::Half>();
     // (the buffers are this thread's: the workers get plain pointers)
-    const auto* xp = reinterpret_cast<const uint32_t*>(xb.data());
     const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
     auto* o = out.data_ptr<scalar_t>();
-    // every count of rows up to 16 on the tile unit, one row too, so that a row's sums do not
-    // depend on the rows beside it (int4_tile sums in another order than the tile unit): a
-    // decode row and the same position verified beside drafts, or batched with other requests,
-    // get the same bits. One row costs more there than in int4_tile, where the codes' unpacking
-    // is the work and tile B's round trip through memory only adds to it (1408 x 256 in cache:
-    // 31 us against 18 us, 2 threads; a whole demo-model step streams its weights from L3, and
-    // loses less).
-    // A prompt's rows take the same kernel 16 rows at a time (so a row's bits are still those of
-    // a decode step), where a pass of int4_tile takes 4 and its products cost 16 times as many
-    // instructions: each thread walks its output tiles four at a time, their codes in L1, over a
-    // panel of rows that stays in L2. Up to 16 rows, one call takes all of the thread's tiles.
-    if (amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0) {
-      const int64_t tiles_at_once = M <= amx::kMaxRows ? N / 16 : 4;
-      const BFloat16* xrows = xb.data();
-      at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t p0 = 0; p0 < M; p0 += amx::kPanelRows)
-          for (int64_t c0 = t0; c0 < t1; c0 += tiles_at_once)
-            for (int64_t m0 = p0; m0 < std::min(M, p0 + amx::kPanelRows); m0 += amx::kMaxRows)
-              int4_tiles_amx(w, sz, xrows + m0 * K, K, xs + m0 * num_groups, num_groups,
-                             group_size, std::min(amx::kMaxRows, M - m0), c0,
-                             std::min(t1, c0 + tiles_at_once), b, o + m0 * N, N);
-      });
-      return;
-    }
-    for_each_tile_pass<Int4Tiles<scalar_t>>(M, N, [&](int64_t t, int64_t m, int64_t rows) {
-      Int4Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
-                                         xp + m * K / 2, K / 2, xs + m * num_groups, num_groups,
-                                         group_size, b ? b + t * 16 : nullptr, o + m * N + t * 16,
-                                         N);
+    const int64_t tiles_at_once = M <= amx::kMaxRows ? N / 16 : 4;
+    const BFloat16* xrows = xb.data();
+    at::parallel_for(0, N / 16, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t p0 = 0; p0 < M; p0 += amx::kPanelRows)
+        for (int64_t c0 = t0; c0 < t1; c0 += tiles_at_once)
+          for (int64_t m0 = p0; m0 < std::min(M, p0 + amx::kPanelRows); m0 += amx::kMaxRows)
+            int4_tiles_amx(w, sz, xrows + m0 * K, K, xs + m0 * num_groups, num_groups,
+                           group_size, std::min(amx::kMaxRows, M - m0), c0,
+                           std::min(t1, c0 + tiles_at_once), b, o + m0 * N, N);
     });
   });
   return out;
-}
-
-// ---- W4A8: INT4 weights x int8 activations (VNNI) ------------------------------------------------
-//
-// The W4A8 mode quantizes each activation row to int8 on the fly (symmetric, one scale per row:
-// amax / 127), so the products can be integer: vpdpbusd multiplies 64 unsigned codes with 64
-// signed activation bytes per instruction, twice the multiply-adds of vdpbf16ps, and needs no
-// conversion of the codes beyond splitting the nibbles. Layout "tiles16_a8" (pack_tiles16_a8 in
-// int4.py): byte 4r + j of chunk c holds row r of the tile, k = 8c + j in its low nibble and
-// k = 8c + 4 + j in its high one, so each 32-bit lane sums four products of one row.
-
-template <int MB, typename T>
-inline void int4_int8_tile(const uint8_t* w, const at::Half* sz, const int32_t* xq,
-                           int64_t x_stride, const float* xqsum, const float* row_scale,
-                           int64_t num_groups, int64_t group_size, const T* bias, T* out,
-                           int64_t out_stride) {
-  constexpr int kChains = MB == 1 ? 2 : 1;  // independent sums while a vpdpbusd finishes
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const int64_t chunks_per_group = group_size / 8;
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m512i dot[MB][2];
-    for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      const __m512i codes = _mm512_loadu_si512(w + c * 64);
-      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
-      for (int m = 0; m < MB; ++m) {
-        const int32_t* xm = xq + m * x_stride + 2 * c;
-        dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
-        dot[m][kChains - 1] =
-            _mm512_dpbusd_epi32(dot[m][kChains - 1], hi, _mm512_set1_epi32(xm[1]));
-      }
-    }
-    const __m512 scale = vec::load(sz + g * 32).v;
-    const __m512 zero = _mm512_sub_ps(vec::load(sz + g * 32 + 16).v, _mm512_set1_ps(128.f));
-    for (int m = 0; m < MB; ++m) {
-      const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
-      const __m512 xs = _mm512_set1_ps(xqsum[m * num_groups + g]);
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(zero, xs, _mm512_cvtepi32_ps(d)), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    store_output(out + m * out_stride, Vec{_mm512_mul_ps(acc[m], _mm512_set1_ps(row_scale[m]))}, bias);
-}
-
-template <typename T>
-struct Int4Int8Tiles {
-  using Fn = void (*)(const uint8_t*, const at::Half*, const int32_t*, int64_t, const float*,
-                      const float*, int64_t, int64_t, const T*, T*, int64_t);
-  static constexpr int kMaxRows = 8;  // 8 x 2 integer chains, exact sums in any pass
-  static constexpr Fn by_rows[kMaxRows + 1] = {
-      nullptr,
-      int4_int8_tile<1, T>, int4_int8_tile<2, T>, int4_int8_tile<3, T>, int4_int8_tile<4, T>,
-      int4_int8_tile<5, T>, int4_int8_tile<6, T>, int4_int8_tile<7, T>, int4_int8_tile<8, T>};
-};
-
-// x [M, K] -> int8 per row (round(x / scale), scale = max(amax, 1e-8) / 127, as
-// quantize_activations_int8), the scales, and per-group sums of the int8 values.
-template <typename T>
-void quantize_rows_int8(const T* x, int64_t M, int64_t K, int64_t group_size, int8_t* xq,
-                        float* row_scale, float* xqsum) {
-  const int64_t num_groups = K / group_size;
-  for (int64_t m = 0; m < M; ++m) {
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(vec::load(x + m * K + k).v));
-    const float scale = std::max(_mm512_reduce_max_ps(amax), 1e-8f) / 127.f;
-    row_scale[m] = scale;
-    const __m512 s = _mm512_set1_ps(scale), lim = _mm512_set1_ps(127.f);
-    for (int64_t g = 0; g < num_groups; ++g) {
-      __m512i sum = _mm512_setzero_si512();
-      for (int64_t k = m * K + g * group_size; k < m * K + (g + 1) * group_size; k += 16) {
-        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(vec::load(x + k).v, s), _MM_FROUND_TO_NEAREST_INT);
-        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
-        const __m512i qi = _mm512_cvtps_epi32(q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + k), _mm512_cvtepi32_epi8(qi));
-        sum = _mm512_add_epi32(sum, qi);
-      }
-      xqsum[m * num_groups + g] = float(_mm512_reduce_add_epi32(sum));
-    }
-  }
 }
 
 inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                               const at::Tensor& scales_zeros, int64_t group_size,
-                               const c10::optional<at::Tensor>& bias) {
-  check_int4("int4_int8_linear", x, packed, group_size, kTileRows);
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  const int64_t num_groups = K / group_size;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> row_scale, xqsum;
-  xq.resize(M * K);
-  row_scale.resize(M);
-  xqsum.resize(M * num_groups);
-  auto out = at::empty({M, N}, x.options());
-  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_int8_linear", [&] {
-    quantize_rows_int8(x.data_ptr<scalar_t>(), M, K, group_size, xq.data(), row_scale.data(),
-                       xqsum.data());
-    const auto* w = packed.data_ptr<uint8_t>();
-    const auto* sz = scales_zeros.data_ptr<at::Half>();
-    // (the buffers are this thread's: the workers get plain pointers)
-    const auto* xp = reinterpret_cast<const int32_t*>(xq.data());
-    const float* xs = xqsum.data();
-    const float* rs = row_scale.data();
-    const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
-    auto* o = out.data_ptr<scalar_t>();
-    for_each_tile_pass<Int4Int8Tiles<scalar_t>>(M, N, [&](int64_t t, int64_t m, int64_t rows) {
-      Int4Int8Tiles<scalar_t>::by_rows[rows](w + t * (K / 8) * 64, sz + t * num_groups * 32,
-                                             xp + m * K / 4, K / 4, xs + m * num_groups, rs + m,
-                                             num_groups, group_size, b ? b + t * 16 : nullptr,
-                                             o + m * N + t * 16, N);
-    });
-  });
-  return out;
+                                   const at::Tensor& scales_zeros, int64_t group_size,
+                                   const c10::optional<at::Tensor>& bias) {
+  return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass>(
+      "int4_int8_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / 32,
+      [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); });
 }
 
 }  // namespace pagedserve

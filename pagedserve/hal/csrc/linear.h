@@ -26,12 +26,12 @@ constexpr const char* kInt4Layout = "";  // no INT4 kernel of its own: PyTorch's
 constexpr const char* kInt4A8Layout = "";
 #endif
 
-// W4A8's activations as PyTorch rounds them (int4.quantize_activations_int8): int8 per row, then
-// back to the input dtype.
+// W4A8's activations as PyTorch rounds them (int4.quantize_activations_int8): int8 per block of 32
+// values of each row, then back to the input dtype (the INT4 layers' K is whole blocks).
 inline at::Tensor quantize_activations_int8(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor scale = xf.abs().amax({-1}, true).clamp_min(1e-8) / 127.0;
-  return (at::round(xf / scale).clamp(-127, 127) * scale).to(x.scalar_type());
+  const at::Tensor blocks = x.to(at::kFloat).view({x.size(0), x.size(1) / 32, 32});
+  const at::Tensor scale = blocks.abs().amax({-1}, true).clamp_min(1e-8) / 127.0;
+  return (at::round(blocks / scale).clamp(-127, 127) * scale).view_as(x).to(x.scalar_type());
 }
 
 // A dense layer, by the one rule the fused decoder layer and CpuDevice.linear share: bf16 rows
