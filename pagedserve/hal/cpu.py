@@ -90,7 +90,8 @@ class CpuDevice(Device):
         at the first request."""
         for op in ("rms_norm", "silu_and_mul", "rotary_and_write_kv"):
             self._takes(op, "rows_rejects", dtype)
-        self._takes("paged_attention_decode", "paged_attention_decode_rejects", head_dim, dtype)
+        for op in ("paged_attention_decode", "paged_attention_prefill"):
+            self._takes(op, f"{op}_rejects", head_dim, dtype)
 
     def native_ops(self) -> dict[str, str]:
         """The model's ops by name: "native", or why each runs a fallback (``kernels`` eager: every
@@ -381,6 +382,19 @@ class CpuDevice(Device):
             out[plan.decode_rows] = self._decode_attention(
                 q[plan.decode_rows], k_cache, v_cache, plan, scale, native
             )
+        if native and self._takes(
+            "paged_attention_prefill", "paged_attention_prefill_rejects", q.shape[-1], q.dtype
+        ):
+            prefill = plan.prefill
+            rows = q if prefill.rows is None else q[prefill.rows]
+            got = self.native.paged_attention_prefill(
+                rows.contiguous(), k_cache, v_cache, prefill.pages, prefill.seq_lens,
+                prefill.query_start_loc, scale,
+            )  # fmt: skip
+            if prefill.rows is None:
+                return got
+            out[prefill.rows] = got
+            return out
         for sl, table, ctx in plan.prefills:
             k = gather_context(k_cache, table, ctx)
             v = gather_context(v_cache, table, ctx)
@@ -454,7 +468,9 @@ class _AttentionPlan:
     def __init__(self, meta: AttentionMetadata, decode_query_rows: int = 1):
         qs = meta.query_start_loc
         query_lens = meta.query_lens
+        self.meta = meta
         decode = [i for i, n in enumerate(query_lens) if n <= decode_query_rows]
+        self.prefill_indices = [i for i, n in enumerate(query_lens) if n > decode_query_rows]
         self.prefills = [
             (slice(qs[i], qs[i + 1]), meta.block_tables[i], meta.seq_lens[i])
             for i, n in enumerate(query_lens)
@@ -477,6 +493,11 @@ class _AttentionPlan:
             self.pages = meta.block_tables[decode]
 
     @cached_property
+    def prefill(self) -> _PrefillPlan:
+        """The prefill sequences as one sub-batch for the native kernel."""
+        return _PrefillPlan(self.meta, self.prefill_indices)
+
+    @cached_property
     def max_ctx(self) -> int:
         return int(self.seq_lens.max())
 
@@ -488,6 +509,28 @@ class _AttentionPlan:
     def allowed(self) -> torch.Tensor:
         """[B, 1, 1, C]: which context positions each decoding sequence may attend to."""
         return (torch.arange(self.max_ctx) < self.seq_lens.unsqueeze(1))[:, None, None, :]
+
+
+class _PrefillPlan:
+    """The prefill sequences of a batch as the native prefill kernel takes them: their rows of q
+    (None: every row), pages, context lengths and query starts."""
+
+    def __init__(self, meta: AttentionMetadata, indices: list[int]):
+        qs = meta.query_start_loc
+        every = len(indices) == meta.num_seqs
+        self.rows = (
+            None
+            if every
+            else torch.tensor(
+                [r for i in indices for r in range(qs[i], qs[i + 1])], dtype=torch.long
+            )
+        )
+        starts = [0]
+        for i in indices:
+            starts.append(starts[-1] + qs[i + 1] - qs[i])
+        self.query_start_loc = torch.tensor(starts, dtype=torch.long)
+        self.seq_lens = torch.tensor([meta.seq_lens[i] for i in indices], dtype=torch.long)
+        self.pages = meta.block_tables if every else meta.block_tables[indices]
 
 
 def decode_attention(

@@ -110,26 +110,32 @@ def test_rotary_and_the_kv_write_take_any_head(
 @EXAMPLES
 @given(
     seqs=st.lists(
-        st.tuples(st.integers(1, 90), st.sampled_from([1, 1, 2, 8, 20])), min_size=1, max_size=5
+        st.tuples(st.integers(1, 150), st.sampled_from([1, 1, 2, 8, 20, 70])),
+        min_size=1,
+        max_size=5,
     ),
     head_dim=HEAD_DIMS,
     kv_heads=st.integers(1, 2),
     group=GQA,
     block_size=st.sampled_from([1, 4, 16, 64]),
+    int8_cache=st.booleans(),
     dtype=DTYPES,
     seed=st.integers(0, 2**16),
 )
 def test_paged_attention_takes_any_head_dim_gqa_and_block_size(
-    kernel_set, seqs, head_dim, kv_heads, group, block_size, dtype, seed
+    kernel_set, seqs, head_dim, kv_heads, group, block_size, int8_cache, dtype, seed
 ):
-    # decode rows (1), drafts (2, 8) and prefill chunks (20) of contexts up to 90 tokens
+    # decode rows (1), drafts (2, 8) and prefill chunks (20, 70: several blocks of queries and
+    # of keys) of contexts up to 150 tokens, over caches in q's dtype or INT8
     seq_lens = [max(ctx, q) for ctx, q in seqs]
     query_lens = [q for _, q in seqs]
+    cache_dtype = torch.int8 if int8_cache else None
     q, kc, vc, meta = paged_batch(
-        seq_lens, query_lens, block_size, kv_heads * group, kv_heads, head_dim, dtype, seed
-    )
+        seq_lens, query_lens, block_size, kv_heads * group, kv_heads, head_dim, dtype, seed,
+        cache_dtype,
+    )  # fmt: skip
     got = _device(kernel_set).paged_attention(q, kc, vc, meta, head_dim**-0.5)
-    expected = kernels.paged_attention(q.float(), kc.float(), vc.float(), meta, head_dim**-0.5)
+    expected = kernels.paged_attention(q.float(), kc, vc, meta, head_dim**-0.5)
     _close(got, expected.to(dtype))
 
 

@@ -6,6 +6,7 @@
 //   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax,
 //                           the random draw
 //   attention.h             paged attention for decoding rows, straight from the pages
+//   prefill_attention.h     paged causal attention for prefill chunks (online softmax)
 //   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit, and
 //                           there a GEMM for a prompt's rows)
 //     (these are written once against the vector API)
@@ -26,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "decoder_layer.h"
+#include "prefill_attention.h"
 
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
 #define PAGEDSERVE_TARGET_NAME "avx512"
@@ -49,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // not. CpuDevice asks before it runs an op natively; the kernels check their input with them.
   m.def("rows_rejects", &rows_rejects);
   m.def("paged_attention_decode_rejects", &paged_attention_decode_rejects);
+  m.def("paged_attention_prefill_rejects", &paged_attention_prefill_rejects);
 #if PAGEDSERVE_HAS_INT4
   m.def("int4_linear_rejects", [](int64_t out_features, int64_t in_features, int64_t group_size) {
     return int4_linear_rejects(out_features, in_features, group_size, kTileRows);
@@ -60,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_write_kv", &rotary_and_write_kv);
   m.attr("FEW_QUERY_ROWS") = kFewQueryRows;
   m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("paged_attention_prefill", &paged_attention_prefill);
   m.def("argmax_rows", &argmax_rows);
   m.def("categorical_rows", &categorical_rows);
 #if PAGEDSERVE_HAS_INT4

@@ -1,0 +1,242 @@
+// Paged causal attention for the query rows of prefill chunks (a prompt, or a part of one after
+// its cached prefix), straight from the pages; written once against the vector API.
+//
+// A task is one (sequence, KV head, block of query positions): the block's positions times the
+// KV head's group of query heads make one matrix of query vectors that reads each key and value
+// of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock: a block's keys are
+// transposed into fp32 columns, the scores of every query vector with them are a small GEMM
+// (register tiles of rows x 4 vectors of keys), an online softmax keeps each row's running
+// maximum and sum (FlashAttention's), and the weighted values add into fp32 outputs (register
+// tiles of rows x up to 8 vectors of the head). Row i of a chunk of L rows in a context of C
+// tokens sees keys 0 .. C - L + i. Threads take the tasks, longest context first.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "attention.h"  // DecodeHeadDims, kv_row_width, token_offsets, rows_rejects
+
+namespace pagedserve {
+
+constexpr int kKeyBlock = 4 * kLanes;  // a score tile's width: 4 vectors
+constexpr int64_t kPrefillRows = 16;   // query positions a task takes
+
+// What paged_attention_prefill takes: the head dims decode attention is compiled for, queries in
+// an activation dtype. The kernel checks its input with it, and the Python dispatch (CpuDevice)
+// asks it when a model loads.
+inline std::string paged_attention_prefill_rejects(int64_t head_dim, at::ScalarType dtype) {
+  return paged_attention_decode_rejects(head_dim, dtype);
+}
+
+// The per-thread scratch of one task.
+struct PrefillScratch {
+  std::vector<float> q, keys, scores, out, row_max, row_sum;
+  std::vector<int64_t> offsets;
+};
+
+// scores[r][0 .. kKeyBlock) = q[r] . keys[:, j] for R query vectors (q: [R][D], scaled; keys: the
+// block transposed, [D][kKeyBlock]), RB rows at a time in registers.
+template <int D>
+inline void block_scores(const float* q, int64_t R, const float* keys, float* scores) {
+  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - 4) / 4);  // beside the 4 keys
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) {
+    Vec acc[RB][4];
+    for (int i = 0; i < RB; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = vec::zero();
+    for (int d = 0; d < D; ++d) {
+      Vec k[4];
+      for (int v = 0; v < 4; ++v) k[v] = vec::load(keys + d * kKeyBlock + v * kLanes);
+      for (int i = 0; i < RB; ++i) {
+        const Vec qv = vec::set1(q[(r + i) * D + d]);
+        for (int v = 0; v < 4; ++v) acc[i][v] = vec::fmadd(qv, k[v], acc[i][v]);
+      }
+    }
+    for (int i = 0; i < RB; ++i)
+      for (int v = 0; v < 4; ++v) vec::store(scores + (r + i) * kKeyBlock + v * kLanes, acc[i][v]);
+  }
+  for (; r < R; ++r) {
+    Vec acc[4] = {vec::zero(), vec::zero(), vec::zero(), vec::zero()};
+    for (int d = 0; d < D; ++d) {
+      const Vec qv = vec::set1(q[r * D + d]);
+      for (int v = 0; v < 4; ++v)
+        acc[v] = vec::fmadd(qv, vec::load(keys + d * kKeyBlock + v * kLanes), acc[v]);
+    }
+    for (int v = 0; v < 4; ++v) vec::store(scores + r * kKeyBlock + v * kLanes, acc[v]);
+  }
+}
+
+// out[r] = out[r] * rescale[r] + sum_j p[r][j] v_j for R rows, over the n <= kKeyBlock values of
+// the block (value j at v_cache + offsets[j], a scale per row from an INT8 cache folded into p).
+template <typename KT, int D>
+inline void add_weighted_values(const float* p, const float* rescale, int64_t R, const KT* v_cache,
+                                const int64_t* offsets, int64_t n, float* out) {
+  constexpr int DV = D / kLanes, DC = largest_divisor_at_most(DV, vec::kRegisters / 4);
+  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - DC) / DC);  // beside the values
+  for (int d0 = 0; d0 < DV; d0 += DC) {
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      const int64_t rows = std::min<int64_t>(RB, R - r0);
+      Vec acc[RB][DC];
+      for (int i = 0; i < RB; ++i) {
+        if (i >= rows) break;
+        const Vec c = vec::set1(rescale[r0 + i]);
+        for (int d = 0; d < DC; ++d)
+          acc[i][d] = vec::mul(vec::load(out + (r0 + i) * D + (d0 + d) * kLanes), c);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        Vec vv[DC];
+        for (int d = 0; d < DC; ++d) vv[d] = vec::load(v_cache + offsets[j] + (d0 + d) * kLanes);
+        for (int i = 0; i < RB; ++i) {
+          if (i >= rows) break;
+          const Vec w = vec::set1(p[(r0 + i) * kKeyBlock + j]);
+          for (int d = 0; d < DC; ++d) acc[i][d] = vec::fmadd(w, vv[d], acc[i][d]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) {
+        if (i >= rows) break;
+        for (int d = 0; d < DC; ++d) vec::store(out + (r0 + i) * D + (d0 + d) * kLanes, acc[i][d]);
+      }
+    }
+  }
+}
+
+// One task: `rows` query positions from chunk row `row0` of a sequence whose chunk of `chunk`
+// rows ends its context of seq_len tokens, times the `group` query heads of KV head kv_head.
+// q and out: the chunk's first row, `stride` elements a row (all heads).
+template <typename T, typename KT, int D>
+void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, int64_t rows,
+                            int64_t chunk, const KT* k_cache, const KT* v_cache,
+                            const int64_t* pages, int64_t seq_len, int64_t block_size,
+                            int64_t num_kv_heads, int64_t kv_head, int64_t group, float scale,
+                            PrefillScratch& s) {
+  const int64_t R = rows * group, first_pos = seq_len - chunk + row0;
+  const int64_t visible = first_pos + rows;  // the last row's keys: 0 .. visible - 1
+  s.q.resize(R * D), s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock);
+  s.keys.resize(D * kKeyBlock), s.row_max.assign(R, -INFINITY), s.row_sum.assign(R, 0.f);
+  std::vector<float> rescale(R);
+  token_offsets(pages, visible, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), s.offsets);
+  // query vector r: position row0 + r / group, head kv_head * group + r % group
+  for (int64_t r = 0; r < R; ++r) {
+    const T* qr = q + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
+    for (int d = 0; d < D; d += kLanes)
+      vec::store(s.q.data() + r * D + d, vec::mul(vec::load(qr + d), vec::set1(scale)));
+  }
+  for (int64_t k0 = 0; k0 < visible; k0 += kKeyBlock) {
+    const int64_t n = std::min<int64_t>(kKeyBlock, visible - k0);
+    for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as columns (zeros past n)
+      const KT* kj = j < n ? k_cache + s.offsets[k0 + j] : nullptr;
+      const float ks = kj && std::is_same_v<KT, int8_t> ? kv_row_scale(
+          reinterpret_cast<const int8_t*>(kj), D) : 1.f;
+      for (int d = 0; d < D; ++d) s.keys[d * kKeyBlock + j] = kj ? float(kj[d]) * ks : 0.f;
+    }
+    block_scores<D>(s.q.data(), R, s.keys.data(), s.scores.data());
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s.scores.data() + r * kKeyBlock;
+      const int64_t seen = std::min(n, first_pos + r / group + 1 - k0);  // causal, and the block
+      std::fill(sr + std::max<int64_t>(seen, 0), sr + kKeyBlock, -INFINITY);
+      float m = s.row_max[r];
+      for (int64_t j = 0; j < seen; ++j) m = std::max(m, sr[j]);
+      const float correction = std::exp(s.row_max[r] - m);  // 0 for the first block
+      float sum = 0.f;
+      for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
+        const Vec e = vec::exp(vec::sub(vec::load(sr + j), vec::set1(m)));
+        const Vec kept = vec::keep_first(e, int(std::clamp<int64_t>(seen - j, 0, kLanes)));
+        vec::store(sr + j, kept);
+        sum += vec::reduce_add(kept);
+      }
+      if constexpr (std::is_same_v<KT, int8_t>)  // each value row's scale, into its weight
+        for (int64_t j = 0; j < seen; ++j) sr[j] *= kv_row_scale(v_cache + s.offsets[k0 + j], D);
+      s.row_sum[r] = s.row_sum[r] * correction + sum;
+      s.row_max[r] = m;
+      rescale[r] = correction;
+    }
+    add_weighted_values<KT, D>(s.scores.data(), rescale.data(), R, v_cache, s.offsets.data() + k0,
+                               n, s.out.data());
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* o = out + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
+    const Vec inv = vec::set1(1.f / s.row_sum[r]);
+    for (int d = 0; d < D; d += kLanes) vec::store(o + d, vec::mul(vec::load(s.out.data() + r * D + d), inv));
+  }
+}
+
+template <typename T, typename KT>
+using PrefillTaskFn = void (*)(const T*, T*, int64_t, int64_t, int64_t, int64_t, const KT*,
+                               const KT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                               int64_t, float, PrefillScratch&);
+
+template <typename T, typename KT, int... Ds>
+PrefillTaskFn<T, KT> prefill_task_for(int64_t D, std::integer_sequence<int, Ds...>) {
+  PrefillTaskFn<T, KT> task = nullptr;
+  ((D == Ds ? task = prefill_attention_task<T, KT, Ds> : task), ...);
+  return task;
+}
+
+// q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], the last
+// positions of its context of seq_lens[b] tokens (all of them a prefill chunk's). The caches are
+// in q's dtype, or INT8 rows (codes and scale) read as they are.
+inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache,
+                                          const at::Tensor& v_cache,
+                                          const at::Tensor& block_tables,
+                                          const at::Tensor& seq_lens,
+                                          const at::Tensor& query_start_loc, double scale) {
+  const int64_t H = q.size(1), D = q.size(2), B = seq_lens.size(0);
+  const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const std::string why = paged_attention_prefill_rejects(D, q.scalar_type());
+  TORCH_CHECK(why.empty(), "paged_attention_prefill: ", why);
+  TORCH_CHECK(q.is_contiguous() && (int8_cache || q.scalar_type() == k_cache.scalar_type()) &&
+                  k_cache.size(3) == (int8_cache ? D + kKvScaleBytes : D),
+              "paged_attention_prefill: contiguous q, caches in q's dtype or INT8");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == B + 1,
+              "paged_attention_prefill: block_tables, seq_lens, query_start_loc [B + 1]: int64");
+  const auto* tables = block_tables.data_ptr<int64_t>();
+  const auto* lens = seq_lens.data_ptr<int64_t>();
+  const auto* starts = query_start_loc.data_ptr<int64_t>();
+  // the tasks, longest context first (the threads take them in order: the long ones start early)
+  struct Task {
+    int64_t b, kv_head, row0, rows, keys;
+  };
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t chunk = starts[b + 1] - starts[b];
+    TORCH_CHECK(chunk >= 1 && chunk <= lens[b], "paged_attention_prefill: 1 to seq_len rows");
+    for (int64_t row0 = 0; row0 < chunk; row0 += kPrefillRows)
+      for (int64_t h = 0; h < KV; ++h)
+        tasks.push_back({b, h, row0, std::min(kPrefillRows, chunk - row0),
+                         lens[b] - chunk + std::min(kPrefillRows, chunk - row0) + row0});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& a, const Task& b) { return a.keys > b.keys; });
+  auto out = at::empty_like(q);
+  const int64_t max_blocks = block_tables.size(1), group = H / KV;
+  DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "prefill_attn", [&] {
+    const auto run = [&](const auto* kc, const auto* vc) {
+      using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
+      const auto task = prefill_task_for<scalar_t, KT>(D, DecodeHeadDims{});
+      const auto* qp = q.data_ptr<scalar_t>();
+      auto* op = out.data_ptr<scalar_t>();
+      std::atomic<int64_t> next{0};  // each thread takes the next task when it is done
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        thread_local PrefillScratch scratch;
+        for (int64_t i; (i = next++) < int64_t(tasks.size());) {
+          const Task& t = tasks[i];
+          const int64_t start = starts[t.b], chunk = starts[t.b + 1] - start;
+          task(qp + start * H * D, op + start * H * D, H * D, t.row0, t.rows, chunk, kc, vc,
+               tables + t.b * max_blocks, lens[t.b], block_size, KV, t.kv_head, group,
+               float(scale), scratch);
+        }
+      });
+    };
+    if (int8_cache)
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+    else
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+}  // namespace pagedserve
