@@ -8,10 +8,16 @@
 --isa picks the instruction set both systems run: `native` (the default) is pagedserve's best
 kernels for this CPU (--kernels auto) against llama.cpp built for this CPU (GGML_NATIVE); `avx2`
 is pagedserve's avx2 kernels against llama.cpp built for AVX2 + FMA + F16C only (GGML_NATIVE=OFF,
-AVX-512 and AVX-VNNI off), so that the AVX2 comparison can be made on an AVX-512 machine too.
+AVX-512 and AVX-VNNI off), so that the AVX2 comparison can be made on an AVX-512 machine too:
+pagedserve's workers then see this CPU's flags without AVX-512, AVX-VNNI and AMX
+($PAGEDSERVE_CPU_FLAGS), so that their avx2 kernels are built as on a Zen 3.
 
 Measures (each figure the median of 5 timed repetitions after a warm-up; with --runs N the whole
 comparison repeats N times and the report gives the median and the range):
+- prompt processing (`prompt_<model>`): one 512-token prompt computed in one step (llama.cpp:
+  n_batch 512), tokens/s = 512 / seconds to its first token;
+- decode at a long context (`decode_long_122m`): 64 greedy tokens after a 1,536-token prompt,
+  tokens/s = 64 / seconds from the first token to the last;
 - batch 1: a 32-token prompt then 64 greedy tokens, whole time, tokens/s = 64 / seconds;
   pagedserve INT4 (group 32; W4A16 `int4` and W4A8 `w4a8`; lm_head as --lm-head says, INT4 by
   default as llama.cpp's Q4_0 files quantize theirs, to Q6_K) against llama.cpp Q4_0
@@ -45,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]  # where `python -m benchmarks.compar
 LLAMA_VERSION = "0.3.36"
 PROMPT_LEN, NEW_TOKENS, REPEATS = 32, 64, 5
 OFFLINE_PROMPTS = 16
+PP_TOKENS = 512  # prompt processing: one prompt of this many tokens, in one step
+LONG_CONTEXT = 1536  # decode after a prompt of this many tokens
 
 
 # ---- workers (each runs in its own process: `compare.py --worker NAME ...`) ---------------------
@@ -71,6 +79,8 @@ def timed_median(run, repeats: int = REPEATS) -> float:
 def worker_pagedserve(
     model: str, quantization: str, lm_head: str, batch: str, kernels: str
 ) -> float:
+    """tokens/s of one measure: ``batch`` is "1" or "16" (whole generations), "pp" (a 512-token
+    prompt's first token) or "long" (64 tokens after a 1,536-token prompt)."""
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(
@@ -80,13 +90,39 @@ def worker_pagedserve(
         quantize_lm_head=lm_head,
         kernels=kernels,
         max_model_len=2048,
+        max_num_batched_tokens=2048,  # a prompt of up to 2,048 tokens in one step
         enable_prefix_caching=False,  # every repetition computes its prompts, as the peers do
     )
+    if batch == "pp":
+        first = SamplingParams(temperature=0.0, max_tokens=1)
+        prompt = [{"prompt_token_ids": long_prompt(PP_TOKENS)}]
+        return PP_TOKENS / timed_median(lambda: llm.generate(prompt, first, use_tqdm=False))
+    if batch == "long":
+        return NEW_TOKENS / timed_median(lambda: decode_seconds(llm, long_prompt(LONG_CONTEXT)))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [batch1_prompt()] if batch == "1" else offline_prompts()
     inputs = [{"prompt_token_ids": p} for p in prompts]
     seconds = timed_median(lambda: llm.generate(inputs, params, use_tqdm=False))
     return len(prompts) * NEW_TOKENS / seconds
+
+
+def long_prompt(n: int) -> list[int]:
+    return [(7 * i + 3) % 7000 + 20 for i in range(n)]
+
+
+def decode_seconds(llm, prompt: list[int]) -> float:
+    """Seconds from a request's first token (its prompt computed) to its NEW_TOKENS-th."""
+    from pagedserve import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.add_request("long", prompt, params)
+    while not any(o.outputs[0].token_ids for o in engine.step()):
+        pass
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (time.perf_counter() - start) * NEW_TOKENS / (NEW_TOKENS - 1)
 
 
 def fastest_transformers_dtype() -> str:
@@ -125,20 +161,29 @@ def worker_transformers(model: str, dtype: str) -> float:
 LLAMA_WORKER = """
 import statistics, sys, time
 from llama_cpp import Llama
-path, prompt_len, new_tokens, repeats = sys.argv[1], *map(int, sys.argv[2:5])
-llm = Llama(model_path=path, n_ctx=256, n_threads=2, n_batch=256, verbose=False)
-prompt = list(range(10, 10 + prompt_len))
+path, measure, prompt_len, new_tokens, repeats = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+n_batch = min(prompt_len, 512)
+llm = Llama(model_path=path, n_ctx=prompt_len + new_tokens + 8, n_threads=2, n_batch=n_batch,
+            n_ubatch=n_batch, verbose=False)
+if measure == "batch1":
+    prompt = list(range(10, 10 + prompt_len))
+else:  # compare.long_prompt
+    prompt = [(7 * i + 3) % 7000 + 20 for i in range(prompt_len)]
 def run():
     llm.reset()
+    start = time.perf_counter()
     llm.eval(prompt)
+    if measure == "pp":
+        return prompt_len / (time.perf_counter() - start)
+    if measure == "long":
+        start = time.perf_counter()
     for i in range(new_tokens):
         llm.eval([(prompt[-1] + i) % 600 + 5])
+    return new_tokens / (time.perf_counter() - start)
 run()
-times = []
-for _ in range(repeats):
-    start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
-print(new_tokens / statistics.median(times))
+print(statistics.median(run() for _ in range(repeats)))
 """
+LLAMA_PROMPT_LEN = {"batch1": PROMPT_LEN, "pp": PP_TOKENS, "long": LONG_CONTEXT}
 
 
 # ---- llama.cpp: setup and conversion -------------------------------------------------------------
@@ -240,64 +285,84 @@ def gguf_q4_0(model: Path, root: Path, isa: str) -> Path:
     return out
 
 
-def llama_batch1(gguf: Path, root: Path, isa: str) -> float:
+def llama_rate(gguf: Path, root: Path, isa: str, measure: str) -> float:
+    """llama.cpp's tokens/s of ``measure``: batch1, pp or long (as worker_pagedserve's)."""
     venv, _ = llama_paths(root, isa)
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", LLAMA_WORKER, str(gguf), str(PROMPT_LEN),
-         str(NEW_TOKENS), str(REPEATS)],
+        [str(venv / "bin" / "python"), "-c", LLAMA_WORKER, str(gguf), measure,
+         str(LLAMA_PROMPT_LEN[measure]), str(NEW_TOKENS), str(REPEATS)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return float(out.stdout.strip().splitlines()[-1])
 
 
 # ---- the comparison ------------------------------------------------------------------------------
-def run_worker(*args: str) -> float:
+def worker_env(isa: str) -> dict:
+    """The environment of pagedserve's workers: under --isa avx2, this CPU's flags without
+    AVX-512, AVX-VNNI and AMX, so that the avx2 kernels build and run as on a Zen 3 (the llama.cpp
+    they meet is built without them too)."""
+    if isa != "avx2":
+        return dict(os.environ)
+    from pagedserve.hal.native import cpu_flags
+
+    newer = ("avx512", "avx_vnni", "amx")
+    flags = sorted(f for f in cpu_flags() if not f.startswith(newer))
+    return {**os.environ, "PAGEDSERVE_CPU_FLAGS": " ".join(flags)}
+
+
+def run_worker(isa: str, *args: str) -> float:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.compare", "--worker", *args],
         cwd=ROOT,
         check=True,
         capture_output=True,
         text=True,
+        env=worker_env(isa),
     )
     return float(out.stdout.strip().splitlines()[-1])
+
+
+# measure -> (models it runs on, pagedserve's worker argument, llama.cpp's measure)
+LLAMA_MEASURES = {"prompt": ("pp", "pp"), "batch1": ("1", "batch1")}
 
 
 def one_run(args: argparse.Namespace, root: Path) -> dict:
     rows = {}
     kernels = PAGEDSERVE_KERNELS[args.isa]
-    for name in args.models:
+    llama_measures = [(f"{m}_{name}", name, *LLAMA_MEASURES[m]) for m in args.measures
+                      if m in LLAMA_MEASURES for name in args.models]  # fmt: skip
+    if "long" in args.measures and "122m" in args.models:
+        llama_measures.append(("decode_long_122m", "122m", "long", "long"))
+    for key, name, ours, theirs in llama_measures:
         model = build_model(name)
-        key = f"batch1_{name}"
         rows[key] = {}
         for q in args.quantization:
             print(f"[{key}] pagedserve {q} (lm_head {args.lm_head}) ...", flush=True)
             rows[key][f"pagedserve {q}"] = run_worker(
-                "pagedserve", str(model), q, args.lm_head, "1", kernels
+                args.isa, "pagedserve", str(model), q, args.lm_head, ours, kernels
             )
         if not args.skip_llama:
             print(f"[{key}] llama.cpp Q4_0 ...", flush=True)
-            rows[key]["llama.cpp"] = llama_batch1(gguf_q4_0(model, root, args.isa), root, args.isa)
-    if "122m" in args.models:
+            gguf = gguf_q4_0(model, root, args.isa)
+            rows[key]["llama.cpp"] = llama_rate(gguf, root, args.isa, theirs)
+    if "offline" in args.measures and "122m" in args.models:
         model = build_model("122m")
         rows["offline_122m"] = {}
         for q in args.quantization:
             print(f"[offline_122m] pagedserve {q} ...", flush=True)
             rows["offline_122m"][f"pagedserve {q}"] = run_worker(
-                "pagedserve", str(model), q, args.lm_head, "16", kernels
+                args.isa, "pagedserve", str(model), q, args.lm_head, "16", kernels
             )
         if not args.skip_transformers:
             print(f"[offline_122m] transformers {args.transformers_dtype} ...", flush=True)
             rows["offline_122m"]["transformers"] = run_worker(
-                "transformers", str(model), args.transformers_dtype
+                args.isa, "transformers", str(model), args.transformers_dtype
             )
     for row in rows.values():
         ours = [k for k in row if k.startswith("pagedserve")]
         peers = [k for k in row if not k.startswith("pagedserve")]
         row["ratio"] = {f"{o} / {p}": row[o] / row[p] for o in ours for p in peers}
     return rows
-
-
-PEER = {"batch1": "llama.cpp", "offline": "transformers"}
 
 
 def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build: str) -> dict:
@@ -345,6 +410,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="repeat the whole comparison N times")
     ap.add_argument("--models", nargs="+", default=["122m", "1b"], choices=["122m", "1b"])
     ap.add_argument(
+        "--measures",
+        nargs="+",
+        default=["prompt", "batch1", "long", "offline"],
+        choices=["prompt", "batch1", "long", "offline"],
+        help="what to measure (default: all; long and offline run on the ~122M model only)",
+    )
+    ap.add_argument(
         "--quantization",
         nargs="+",
         default=["int4", "w4a8"],
@@ -373,6 +445,7 @@ def main() -> None:
     args.transformers_dtype = args.transformers_dtype or fastest_transformers_dtype()
     from pagedserve.hal.native import choose_kernels
 
+    os.environ.update(worker_env(args.isa))  # (the kernels the workers will choose)
     kernels = choose_kernels(PAGEDSERVE_KERNELS[args.isa]).name
     llama_build = "" if args.skip_llama else llama_system_info(venv)
     print(f"pagedserve kernels: {kernels}; llama.cpp: {llama_build or 'skipped'}", flush=True)

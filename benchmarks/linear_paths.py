@@ -15,7 +15,10 @@
 
 Each call reads a different copy of the layer, with 64 MB of copies in all, so that the weights
 come from memory as in a decode step of a whole model, not from the last-level cache. Prints
-microseconds per call and GFLOP/s, and writes both to benchmarks/results/NAME.json (default
+microseconds per call and GFLOP/s, and for the native INT4 paths their multiply-adds a cycle a
+core against the int8 peak of the target's instructions (``benchmarks.cpu_clock``: the clock
+measured here, the peak from the microarchitecture), and writes them all to
+benchmarks/results/NAME.json (default
 linear_paths_MODEL_KERNELS; give a run of other rows its own NAME, so that it does not replace the
 full run the README quotes).
 """
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.bench_models import SHAPES
+from benchmarks.cpu_clock import clock_ghz, int8_peak_macs_per_cycle, microarchitecture
 from benchmarks.results import write_result
 from pagedserve.hal import get_device
 from pagedserve.hal.int4 import cpu_int4_scales_and_zeros
@@ -126,23 +130,37 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernels = get_device("cpu", kernels=args.kernels).kernel_set
-    print(f"{kernels} kernels, {args.threads} threads; microseconds per call (GFLOP/s)")
+    ghz, peak = clock_ghz(), int8_peak_macs_per_cycle(kernels)
+    print(f"{kernels} kernels, {args.threads} threads, {microarchitecture()} at {ghz:.2f} GHz "
+          f"(int8 peak {peak} MACs a cycle a core); microseconds per call (GFLOP/s)")  # fmt: skip
     print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
     table = {}
     for name, n, k in layer_shapes(args.model):
-        table[name] = {"n": n, "k": k, "rows": {}, "gflops": {}}
+        table[name] = {"n": n, "k": k, "rows": {}, "gflops": {}, "macs_per_cycle_per_core": {}}
         for m, t in measure(n, k, args.rows, kernels).items():
             gflops = {p: round(2 * m * n * k / us / 1e3, 1) for p, us in t.items()}
             table[name]["rows"][m] = {p: round(us, 1) for p, us in t.items()}
             table[name]["gflops"][m] = gflops
             cells = [f"{t[p]:9.0f} ({gflops[p]:5.0f})" if p in t else "-" for p in PATHS]
-            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells), flush=True)
+            per_cycle = {
+                p: round(m * n * k / (t[p] * 1e3 * ghz * args.threads), 2)
+                for p in ("native int4", "native w4a8")
+                if p in t
+            }
+            table[name]["macs_per_cycle_per_core"][m] = per_cycle
+            of_peak = "  ".join(f"{p[7:]} {v:.1f} ({100 * v / peak:.0f}%)" for p, v in
+                                per_cycle.items()) if peak else ""  # fmt: skip
+            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells) + f"  {of_peak}",
+                  flush=True)  # fmt: skip
     path = write_result(
         args.output or f"linear_paths_{args.model}_{kernels}",
         {
             "model": args.model,
             "kernels": kernels,
             "threads": args.threads,
+            "microarchitecture": microarchitecture(),
+            "clock_ghz": round(ghz, 3),
+            "int8_peak_macs_per_cycle_per_core": peak,
             "group_size": GROUP,
             "us_per_call": table,
         },

@@ -32,8 +32,11 @@ def machine() -> dict:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    from benchmarks.cpu_clock import microarchitecture
+
     return {
         "cpu": model,
+        "microarchitecture": microarchitecture(),
         "cores": os.cpu_count(),
         "isa_flags": [f for f in ISA_FLAGS if f in flags],
         "system": platform.platform(),

