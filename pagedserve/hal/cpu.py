@@ -29,6 +29,7 @@ from pagedserve.hal.int4 import (
     PACKERS,
     Int4Linear,
     cpu_int4_scales_and_zeros,
+    pad_rows,
     quantize_activations_int8,
 )
 from pagedserve.hal.int8 import Int8Linear
@@ -123,7 +124,7 @@ class CpuDevice(Device):
         if layout is None:  # the portable target and eager: PyTorch's kernel is theirs
             why, log = f"the {self.kernel_set} kernels have no INT4 kernel of their own", False
         else:
-            why, log = self.native.int4_linear_rejects(n, k, group_size), True
+            why, log = self.native.int4_linear_rejects(k, group_size), True
         if not why:
             self._record("int4_linear", "")
         elif aten_why := aten_int4_rejects(n, k, group_size):
@@ -136,7 +137,9 @@ class CpuDevice(Device):
         w = Int4Linear(n, k, group_size, abits)
         if layout is not None:
             w.layout = layout
-            packed, scales_and_zeros = PACKERS[layout](qcodes, scales, zeros, group_size)
+            packed, scales_and_zeros = PACKERS[layout](
+                *pad_rows(qcodes, scales, zeros, self.native.INT4_TILE_ROWS), group_size
+            )
         else:
             w.layout = "aten"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qcodes.to(torch.int32), 1)
@@ -157,7 +160,9 @@ class CpuDevice(Device):
         if w.layout in PACKERS:
             kernel = self.native.int4_int8_linear if w.abits == 8 else self.native.int4_linear
             bias = None if b is None else b.to(x.dtype)
-            out = kernel(rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias)
+            out = kernel(
+                rows.contiguous(), w.packed, w.scales_and_zeros, w.group_size, bias, w.out_features
+            )
             return out.view(*x.shape[:-1], w.out_features)
         if w.abits == 8:
             rows = quantize_activations_int8(rows)
@@ -338,9 +343,10 @@ class CpuDevice(Device):
     def _native_linear(self, w: torch.Tensor | Int4Linear, bias: torch.Tensor | None = None):
         if isinstance(w, Int4Linear):
             return self.native.NativeLinear(
-                w.layout, w.packed, w.scales_and_zeros, w.group_size, w.abits == 8, None, bias
-            )
-        return self.native.NativeLinear("dense", None, None, 0, False, w, bias)
+                w.layout, w.packed, w.scales_and_zeros, w.group_size, w.abits == 8, None, bias,
+                w.out_features,
+            )  # fmt: skip
+        return self.native.NativeLinear("dense", None, None, 0, False, w, bias, w.shape[0])
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Native: one vectorised pass per row (torch.argmax is scalar here: 28 us for 32000)."""

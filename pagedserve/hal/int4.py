@@ -168,6 +168,18 @@ def pack_tiles8_a8(qcodes, scales, zeros, group_size) -> tuple[torch.Tensor, tor
     return _pack_tiles_a8(qcodes, scales, zeros, group_size, 8)
 
 
+def pad_rows(
+    qcodes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's canonical form with zero rows (codes, scales and zero points 0) after its own, up
+    to a whole number of tiles of ``rows``: the kernels compute the padding's outputs (zeros) and
+    cut them off."""
+    pad = -qcodes.shape[0] % rows
+    if not pad:
+        return qcodes, scales, zeros
+    return tuple(torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (qcodes, scales, zeros))
+
+
 def _tile_scales_and_zeros(
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int, rows: int
 ) -> torch.Tensor:

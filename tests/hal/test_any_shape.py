@@ -211,12 +211,13 @@ def test_decode_attention_refuses_exactly_the_head_dims_its_statement_refuses(
 def test_int4_kernels_refuse_exactly_the_groups_their_statement_refuses(kernel_set, group_size):
     lib = native.load_target(kernel_set)
     rows, k = lib.INT4_TILE_ROWS, 192
-    why = lib.int4_linear_rejects(rows, k, group_size)
+    why = lib.int4_linear_rejects(k, group_size)
     assert bool(why) == (group_size % 32 != 0)
     q, s, z = quantize_rtn(torch.randn(rows, k), 32)  # packed for groups of 32, asked for others
     layer = _device(kernel_set).prepare_int4(q, s, z, 32, f"g{group_size}")
     x = torch.randn(2, k)
-    call = lambda: lib.int4_linear(x, layer.packed, layer.scales_and_zeros, group_size, None)  # noqa: E731
+    packed, sz = layer.packed, layer.scales_and_zeros
+    call = lambda: lib.int4_linear(x, packed, sz, group_size, None, rows)  # noqa: E731
     if why:
         with pytest.raises(RuntimeError, match=re.escape(f"int4_linear: {why}")):
             call()

@@ -53,9 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode_rejects", &paged_attention_decode_rejects);
   m.def("paged_attention_prefill_rejects", &paged_attention_prefill_rejects);
 #if PAGEDSERVE_HAS_INT4
-  m.def("int4_linear_rejects", [](int64_t out_features, int64_t in_features, int64_t group_size) {
-    return int4_linear_rejects(out_features, in_features, group_size, kTileRows);
-  });
+  m.def("int4_linear_rejects", &int4_linear_rejects);
 #endif
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
@@ -70,8 +68,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT4_LAYOUT") = kInt4Layout;
   m.attr("INT4_A8_LAYOUT") = kInt4A8Layout;
   m.attr("INT4_TILE_ROWS") = kTileRows;
-  m.def("int4_linear", &int4_linear);
-  m.def("int4_int8_linear", &int4_int8_linear);
+  m.def("int4_linear", [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                          int64_t group_size, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+    return with_padded_rows(int4_linear, x, packed, sz, group_size, bias, out_features, kTileRows);
+  });
+  m.def("int4_int8_linear", [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                               int64_t group_size, const c10::optional<at::Tensor>& bias,
+                               int64_t out_features) {
+    return with_padded_rows(int4_int8_linear, x, packed, sz, group_size, bias, out_features,
+                            kTileRows);
+  });
 #endif
   m.def("dense_linear", &dense_linear);
   if constexpr (kHasFewRowsGemv) {
@@ -85,10 +92,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local())
       .def(pybind11::init<const std::string&, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                          int64_t, bool, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
+                          int64_t, bool, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                          int64_t>(),
            pybind11::arg("layout"), pybind11::arg("packed"), pybind11::arg("scales_zeros"),
            pybind11::arg("group_size"), pybind11::arg("int8_activations"),
-           pybind11::arg("weight"), pybind11::arg("bias"));
+           pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("out_features"));
   pybind11::class_<GlmDecoderLayer>(m, "GlmDecoderLayer", pybind11::module_local())
       .def(pybind11::init<NativeLinear, NativeLinear, NativeLinear, NativeLinear, at::Tensor,
                           at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,

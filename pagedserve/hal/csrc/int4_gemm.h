@@ -13,6 +13,8 @@
 // one order whatever the pass it shares, so a row's result does not depend on the rows beside it.
 #pragma once
 
+#include <ATen/ops/cat.h>
+
 #include <algorithm>
 #include <array>
 #include <utility>
@@ -110,6 +112,25 @@ at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& pack
                        [&](int64_t t, int64_t m, int64_t rows) { by_rows[rows](operands, t, m); });
   });
   return out;
+}
+
+// A layer of out_features rows, which its packing padded to whole tiles of tile_rows: the
+// kernel's output over the padded rows (with a bias padded alike), cut to out_features. Only
+// such layers (pruned models' odd sizes) pay the copies.
+template <typename Kernel>
+at::Tensor with_padded_rows(const Kernel& kernel, const at::Tensor& x, const at::Tensor& packed,
+                            const at::Tensor& scales_zeros, int64_t group_size,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features,
+                            int64_t tile_rows) {
+  const int64_t padded = packed.size(0) * tile_rows;
+  TORCH_CHECK(out_features <= padded && out_features > padded - tile_rows,
+              "INT4 layer of ", out_features, " rows packed for ", padded);
+  if (out_features == padded) return kernel(x, packed, scales_zeros, group_size, bias);
+  c10::optional<at::Tensor> padded_bias;
+  if (bias) padded_bias = at::cat({*bias, bias->new_zeros({padded - out_features})});
+  return kernel(x, packed, scales_zeros, group_size, padded_bias)
+      .narrow(1, 0, out_features)
+      .contiguous();
 }
 
 }  // namespace pagedserve

@@ -1,5 +1,6 @@
 // What the targets' INT4 kernels (int4_linear, int4_int8_linear; int4_<target>.h) take, stated
-// once: whole tiles of output rows, and groups of a multiple of 32 values that divide the input.
+// once: groups of a multiple of 32 values that divide the input (any number of output rows: the
+// packing pads them to whole tiles, int4_gemm.h's with_padded_rows cuts the padding off).
 // The kernels check their weights with it, and CpuDevice.prepare_int4 asks it for each layer when
 // a model loads (a layer it refuses runs PyTorch's kernel or the reference).
 #pragma once
@@ -10,16 +11,12 @@
 
 namespace pagedserve {
 
-inline std::string int4_linear_rejects(int64_t out_features, int64_t in_features,
-                                       int64_t group_size, int64_t tile_rows) {
+inline std::string int4_linear_rejects(int64_t in_features, int64_t group_size) {
   if (group_size <= 0 || group_size % 32)
     return "group size " + std::to_string(group_size) + " is not a multiple of 32";
   if (in_features % group_size)
     return "in_features " + std::to_string(in_features) + " is not a multiple of the group size " +
            std::to_string(group_size);
-  if (out_features % tile_rows)
-    return "out_features " + std::to_string(out_features) + " is not a multiple of " +
-           std::to_string(tile_rows);
   return "";
 }
 
@@ -28,10 +25,10 @@ inline std::string int4_linear_rejects(int64_t out_features, int64_t in_features
 inline void check_int4(const char* op, const at::Tensor& x, const at::Tensor& packed,
                        int64_t group_size, int64_t tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
-  const int64_t K = x.size(1), N = packed.size(0) * tile_rows;
+  const int64_t K = x.size(1);
   TORCH_CHECK(packed.size(1) * 8 == K, op, ": the packed weight is for K=", packed.size(1) * 8,
               ", x has K=", K);
-  std::string why = int4_linear_rejects(N, K, group_size, tile_rows);
+  std::string why = int4_linear_rejects(K, group_size);
   if (why.empty()) why = rows_rejects(x.scalar_type());
   TORCH_CHECK(why.empty(), op, ": ", why);
 }

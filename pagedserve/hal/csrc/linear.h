@@ -69,18 +69,20 @@ struct NativeLinear {
   bool int8_activations = false;  // W4A8
   at::Tensor weight;              // dense [N, K]; undefined for an INT4 layer
   c10::optional<at::Tensor> bias;
+  int64_t out_features = 0;       // INT4: the layer's rows (its packing may pad them)
 
   // layout: Int4Linear.layout (this target's, or "aten") or "dense".
   NativeLinear(const std::string& layout, c10::optional<at::Tensor> packed_,
                c10::optional<at::Tensor> scales_zeros_, int64_t group_size_,
                bool int8_activations_, c10::optional<at::Tensor> weight_,
-               c10::optional<at::Tensor> bias_)
+               c10::optional<at::Tensor> bias_, int64_t out_features_)
       : packed(packed_.value_or(at::Tensor())),
         scales_zeros(scales_zeros_.value_or(at::Tensor())),
         group_size(group_size_),
         int8_activations(int8_activations_),
         weight(weight_.value_or(at::Tensor())),
-        bias(bias_) {
+        bias(bias_),
+        out_features(out_features_) {
     const bool target = PAGEDSERVE_HAS_INT4 &&
                         layout == (int8_activations ? kInt4A8Layout : kInt4Layout);
     if (target) kind = Kind::kTargetInt4;
@@ -92,8 +94,11 @@ struct NativeLinear {
     switch (kind) {
       case Kind::kTargetInt4:
 #if PAGEDSERVE_HAS_INT4
-        return int8_activations ? int4_int8_linear(x, packed, scales_zeros, group_size, bias)
-                                : int4_linear(x, packed, scales_zeros, group_size, bias);
+        return int8_activations
+                   ? with_padded_rows(int4_int8_linear, x, packed, scales_zeros, group_size, bias,
+                                      out_features, kTileRows)
+                   : with_padded_rows(int4_linear, x, packed, scales_zeros, group_size, bias,
+                                      out_features, kTileRows);
 #endif
       case Kind::kAtenInt4: {
         const at::Tensor rows = int8_activations ? quantize_activations_int8(x) : x;
