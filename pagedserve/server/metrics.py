@@ -1,7 +1,10 @@
 """Prometheus metrics under vLLM's names, prefixed ``pagedserve:``; one registry per app.
 
 Gauges and token counters are read from ``engine.get_stats()`` at scrape time; per-request
-latencies are observed by ``RequestTimer`` as outputs reach the HTTP side.
+latencies are observed by ``RequestTimer`` as outputs reach the HTTP side. The figures that
+Kubernetes' inference gateways (the Gateway API Inference Extension's endpoint picker, llm-d,
+KServe) and vLLM's production-stack router read are also exported under vLLM's own ``vllm:``
+names, so that they route to this server as to a vLLM one.
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ COUNTERS = {
     "spec_decode_num_draft_tokens_total": "Draft tokens proposed and verified.",
     "spec_decode_num_accepted_tokens_total": "Draft tokens accepted.",
 }
+VLLM_PREFIX = "vllm:"
+# vLLM's name -> (the stats key it shows, its help); gpu_cache_usage_perc is the name vLLM used
+# before kv_cache_usage_perc, which production-stack's router still reads
+VLLM_GAUGES = {
+    "num_requests_running": ("num_requests_running", GAUGES["num_requests_running"]),
+    "num_requests_waiting": ("num_requests_waiting", GAUGES["num_requests_waiting"]),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", GAUGES["kv_cache_usage_perc"]),
+    "gpu_cache_usage_perc": (
+        "kv_cache_usage_perc",
+        "The same as kv_cache_usage_perc (vLLM's older name).",
+    ),
+}
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -67,8 +82,12 @@ LATENCY_BUCKETS = (
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, get_stats: Callable[[], dict]):
+    def __init__(
+        self, get_stats: Callable[[], dict], model_name: str, cache_config: dict[str, object]
+    ):
         self.get_stats = get_stats
+        self.model_name = model_name
+        self.cache_config = {k: str(v) for k, v in cache_config.items()}
 
     def collect(self) -> Iterable[Metric]:
         stats = self.get_stats()
@@ -94,13 +113,34 @@ class _EngineStatsCollector(Collector):
             per_pos.add_metric([str(position)], float(count))
         if per_pos.samples:  # a series per draft position: none on a server that does not draft
             yield per_pos
+        yield from self._vllm_names(stats)
+
+    def _vllm_names(self, stats: dict) -> Iterable[Metric]:
+        """vLLM's gauges with its ``model_name`` label, and ``vllm:cache_config_info`` (value 1,
+        the KV cache's settings as labels: the gateways read ``block_size`` and
+        ``num_gpu_blocks``)."""
+        for name, (key, doc) in VLLM_GAUGES.items():
+            gauge = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield gauge
+        info = GaugeMetricFamily(
+            VLLM_PREFIX + "cache_config_info",
+            "Information of the KV cache's configuration.",
+            labels=list(self.cache_config),
+        )
+        info.add_metric(list(self.cache_config.values()), 1.0)
+        yield info
 
 
 class ServerMetrics:
-    def __init__(self):
+    """``model_name``: the ``model_name`` label of the ``vllm:`` gauges; ``cache_config``: the
+    labels of ``vllm:cache_config_info`` (``block_size``, ``num_gpu_blocks``: the KV pages)."""
+
+    def __init__(self, model_name: str = "", cache_config: dict[str, object] | None = None):
         self.registry = CollectorRegistry()
         self.latest_stats: dict = {}
-        self.registry.register(_EngineStatsCollector(lambda: self.latest_stats))
+        collector = _EngineStatsCollector(lambda: self.latest_stats, model_name, cache_config or {})
+        self.registry.register(collector)
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests by finish reason.",

@@ -74,7 +74,11 @@ class OpenAIServing:
         self.vocab_size = self.engine.limits.vocab_size
         self.max_num_seqs = self.engine.limits.max_num_seqs
         self.max_logprobs = max_logprobs
-        self.metrics = ServerMetrics()
+        limits = self.engine.limits
+        self.metrics = ServerMetrics(
+            self.model_name,
+            {"block_size": limits.block_size, "num_gpu_blocks": limits.num_kv_pages},
+        )
         self._token_strs: dict[int, str] = {}
         # tools: --tool-call-parser's form, else GLM-4's (auto needs the flag; build_app checks)
         self.tool_parser = tool_parser or Glm4ToolParser

@@ -130,6 +130,31 @@ def test_accepted_drafts_are_counted_by_position_only_on_a_server_that_drafts():
     )
 
 
+VLLM_SAMPLE = re.compile(r"^(vllm:\w+(?:\{[^}]*\})?) (\S+)$")
+
+
+def vllm_samples(text: bytes) -> dict[str, float]:
+    lines = text.decode().splitlines()
+    return {m.group(1): float(m.group(2)) for m in map(VLLM_SAMPLE.match, lines) if m}
+
+
+def test_the_gateways_read_the_queue_and_kv_figures_under_vllms_names():
+    """The endpoint picker of the Gateway API Inference Extension, llm-d and KServe read these;
+    production-stack's router reads the older gpu_cache_usage_perc."""
+    stats = {"num_requests_running": 2, "num_requests_waiting": 5, "kv_cache_usage_perc": 0.25}
+    text = ServerMetrics("glm", {"block_size": 16, "num_gpu_blocks": 512}).render(stats)
+    got = vllm_samples(text)
+    assert got == {
+        'vllm:num_requests_running{model_name="glm"}': 2,
+        'vllm:num_requests_waiting{model_name="glm"}': 5,
+        'vllm:kv_cache_usage_perc{model_name="glm"}': 0.25,
+        'vllm:gpu_cache_usage_perc{model_name="glm"}': 0.25,
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="512"}': 1,
+    }
+    assert all(types(text)[name.split("{")[0]] == "gauge" for name in got)
+    assert samples(text)["pagedserve:num_requests_waiting"] == 5  # beside the pagedserve: ones
+
+
 def test_each_app_has_a_registry_of_its_own():
     a, b = ServerMetrics(), ServerMetrics()
     a.request_success.labels(finished_reason="stop").inc()

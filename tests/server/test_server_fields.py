@@ -411,6 +411,20 @@ def test_finish_reason_counters_count_each_finished_sequence(live_server):
     assert _delta(before, after, _success("abort")) == 0
 
 
+def test_metrics_show_vllms_names_beside_pagedserves(live_server):
+    text = httpx.get(live_server.url + "/metrics", timeout=10).text
+    model, engine = live_server.model, live_server.app.state.serving.llm_engine
+    limits = live_server.app.state.serving.engine.limits
+    assert f'vllm:num_requests_waiting{{model_name="{model}"}} 0.0' in text
+    assert f'vllm:kv_cache_usage_perc{{model_name="{model}"}}' in text
+    assert f'vllm:gpu_cache_usage_perc{{model_name="{model}"}}' in text
+    assert f'vllm:num_requests_running{{model_name="{model}"}}' in text
+    info = f'vllm:cache_config_info{{block_size="{limits.block_size}",num_gpu_blocks="{limits.num_kv_pages}"}} 1.0'
+    assert info in text
+    assert limits.num_kv_pages == engine.block_manager.num_pages
+    assert "pagedserve:num_requests_waiting 0.0" in text
+
+
 def test_prefix_cache_counters_count_the_tokens_found(live_server):
     prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16 can be found again
     before = _metrics(live_server)
