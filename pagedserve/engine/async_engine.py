@@ -152,6 +152,13 @@ class AsyncLLMEngine:
         if not self.client.closed:
             self.client.shutdown(timeout)
 
+    def fail_all(self, reason: str) -> None:
+        """End every request in flight with ``EngineDeadError(reason)`` (a drain that ran past
+        its --shutdown-timeout); each stream aborts its request in the engine core as it ends."""
+        if self._num_streams:
+            logger.warning("%s: failing the %d requests in flight", reason, self._num_streams)
+        self.output_processor.fail_all(EngineDeadError(reason))
+
     def on_dead(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` on the event loop when the engine core dies."""
         self._dead_callbacks.append(callback)

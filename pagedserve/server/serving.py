@@ -255,7 +255,9 @@ class OpenAIServing:
             raise APIError(499, "client disconnected")
         try:
             return gather.result()
-        except (EngineStepError, EngineDeadError) as e:
+        except EngineDeadError as e:
+            raise engine_dead(e) from e
+        except EngineStepError as e:
             raise APIError(500, str(e)) from e
         except ValueError as e:
             raise bad_request(str(e)) from e
@@ -373,6 +375,12 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if isinstance(content, list):
         content = "".join(part.text or "" for part in content if part.type == "text")
     return {**message.model_dump(exclude_none=True), "content": content or ""}
+
+
+def engine_dead(e: EngineDeadError) -> APIError:
+    """A request the engine loop's death ended: 503 (the server, or a data-parallel replica, is
+    restarted; the request may be sent again), as an admission check answers once it is dead."""
+    return APIError(503, str(e), code="engine_dead", headers={"Retry-After": RETRY_AFTER_S})
 
 
 def top_logprobs(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:

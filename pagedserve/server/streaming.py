@@ -41,7 +41,9 @@ def sse_response(chunks: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield chunk
-        except (EngineStepError, EngineDeadError, ValueError) as e:
+        except EngineDeadError as e:  # as serving.engine_dead answers it before streaming
+            yield f"data: {json.dumps(error_body(503, str(e), code='engine_dead'))}\n\n"
+        except (EngineStepError, ValueError) as e:
             status = 400 if isinstance(e, ValueError) else 500
             yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
         yield "data: [DONE]\n\n"

@@ -473,28 +473,21 @@ def test_config_file_fills_flags_and_the_command_line_wins(tmp_path):
         apply_config_file(build_parser(), ["serve", "--config", str(cfg)])
 
 
+def _tiny_serve_flags(tiny_glm4) -> list[str]:
+    return [
+        *("--model", str(tiny_glm4[0]), "--served-model-name", "tiny", "--dtype", "float32"),
+        *("--device", "cpu", "--num-kv-pages", "64", "--max-model-len", "256"),
+        *("--log-level", "info"),
+    ]
+
+
 def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path):
     import json
     import signal
 
     from pagedserve.testing import serve
 
-    flags = [
-        "--model",
-        str(tiny_glm4[0]),
-        "--served-model-name",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--num-kv-pages",
-        "64",
-        "--max-model-len",
-        "256",
-        "--log-level",
-        "info",
-    ]
+    flags = _tiny_serve_flags(tiny_glm4)
     log = (tmp_path / "serve.log").open("w+")
     with serve(*flags, log=log) as (proc, url):
         body = {
@@ -518,6 +511,32 @@ def test_serve_command_drains_in_flight_requests_on_sigterm(tiny_glm4, tmp_path)
         assert proc.wait(30) == 0
     log.seek(0)
     assert "KV cache 64 pages" in log.read()
+
+
+def test_a_drain_past_the_shutdown_timeout_fails_the_rest_with_503_and_exits(tiny_glm4):
+    """--shutdown-timeout 0, vLLM's default: SIGTERM fails what is in flight at once."""
+    import json
+    import signal
+
+    from pagedserve.testing import serve
+
+    flags = [*_tiny_serve_flags(tiny_glm4), "--shutdown-timeout", "0"]
+    with serve(*flags) as (proc, url):
+        body = {"prompt": PROMPT, "max_tokens": 240, "stream": True, "ignore_eos": True}
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream("POST", url + "/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert proc.wait(30) == 0
+    error = events[-1]["error"]
+    assert error["code"] == "engine_dead" and "--shutdown-timeout 0 s" in error["message"]
+    assert not any(c["finish_reason"] for e in events[:-1] for c in e["choices"])
+    assert time.monotonic() - started < 10
 
 
 def test_a_failing_step_fails_its_request_and_the_loop_lives_on(openai_client, live_server):

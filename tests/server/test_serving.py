@@ -375,10 +375,14 @@ def test_a_client_that_goes_away_before_the_outputs_end_is_a_499(serving, caplog
     "error, status",
     [
         (EngineStepError("step 3 failed"), 500),
-        (EngineDeadError("step 3 failed"), 500),
+        (EngineDeadError("step 3 failed"), 503),
         (ValueError("step 3 failed"), 400),
     ],
 )
-def test_an_engine_error_is_a_500_and_a_refused_request_a_400(serving, error, status):
+def test_an_engine_error_is_a_500_a_dead_engine_a_503_and_a_refused_request_a_400(
+    serving, error, status
+):
     e = refused(collect, serving, Raw(), outputs_of(out("a"), error=error))
     assert (e.status, e.message) == (status, "step 3 failed")
+    if status == 503:  # the request may be sent again once the server is back
+        assert (e.code, e.headers) == ("engine_dead", {"Retry-After": "1"})

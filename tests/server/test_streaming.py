@@ -83,18 +83,18 @@ def test_a_stream_sends_its_chunks_then_done_uncached_as_event_stream():
 
 
 @pytest.mark.parametrize(
-    "error, status, etype",
+    "error, etype, code",
     [
-        (ValueError("prompt too long"), 400, "invalid_request_error"),
-        (EngineStepError("step failed"), 500, "server_error"),
-        (EngineDeadError("engine gone"), 500, "server_error"),
+        (ValueError("prompt too long"), "invalid_request_error", None),
+        (EngineStepError("step failed"), "server_error", None),
+        (EngineDeadError("engine gone"), "server_error", "engine_dead"),
     ],
 )
-def test_an_error_while_streaming_is_one_error_event_then_done(error, status, etype):
+def test_an_error_while_streaming_is_one_error_event_then_done(error, etype, code):
     response = sse_response(pieces("data: 1\n\n", error))
     assert events(run(body_of(response))) == [
         1,
-        {"error": {"message": str(error), "type": etype, "param": None, "code": None}},
+        {"error": {"message": str(error), "type": etype, "param": None, "code": code}},
         "[DONE]",
     ]
 

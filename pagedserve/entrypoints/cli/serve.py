@@ -32,6 +32,8 @@ from pagedserve.presets import preset_names
 
 logger = logging.getLogger("pagedserve.serve")
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # as Kubernetes' default terminationGracePeriodSeconds
+
 ENGINE_ARGS = (
     "model", "tokenizer", "dtype", "quantization", "quant_group_size", "block_size",
     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization",
@@ -340,6 +342,16 @@ def _add_server_args(a: Callable[..., argparse.Action]) -> None:
         "server is closing and get a connection reset",
     )
     a(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM (or Ctrl-C), admit no new requests (503) and let those in flight finish "
+        "for up to this long, then fail the rest with 503 and exit; with "
+        "--data-parallel-backend ray, also how long a replica being stopped or scaled down "
+        "drains. 0 fails them at once, as vLLM's default does (default %(default)s)",
+    )
+    a(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
@@ -548,7 +560,7 @@ def _serve(engine, args: argparse.Namespace, tools: dict) -> int:
     logger.info(
         "serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port
     )
-    server = DrainingServer(config, engine)
+    server = DrainingServer(config, engine, args.shutdown_timeout)
     engine.on_dead(server.exit_on_engine_death)
     try:
         server.run()
@@ -561,28 +573,43 @@ def _draining_server_class():
     import uvicorn
 
     class _DrainingServer(uvicorn.Server):
-        """On SIGTERM: stop admitting (503), finish the requests in flight, then exit 0.
-        When the engine core dies: fail what is in flight, answer 503 for a moment, exit 1."""
+        """On SIGTERM: stop admitting (503), let the requests in flight finish for up to
+        ``shutdown_timeout`` seconds, fail the rest (503), then exit 0. When the engine core
+        dies: fail what is in flight, answer 503 for a moment, exit 1."""
 
-        def __init__(self, config, async_engine):
+        def __init__(self, config, async_engine, shutdown_timeout: float):
             super().__init__(config)
             self.async_engine = async_engine
+            self.shutdown_timeout = shutdown_timeout
             self.exit_code = 0
 
         def handle_exit(self, sig, frame) -> None:
             if self.async_engine.draining:
                 return super().handle_exit(sig, frame)
             logger.info(
-                "signal %s: draining %d requests in flight, admitting none",
+                "signal %s: draining %d requests in flight for up to %g s "
+                "(--shutdown-timeout), admitting none",
                 sig,
                 self.async_engine.num_unfinished,
+                self.shutdown_timeout,
             )
             self.async_engine.draining = True
-            threading.Thread(target=self._exit_when_drained, daemon=True).start()
+            loop = asyncio.get_event_loop()  # the serving loop: a signal runs on its thread
+            threading.Thread(target=self._exit_when_drained, args=(loop,), daemon=True).start()
 
-        def _exit_when_drained(self) -> None:
-            while self.async_engine.num_unfinished and self.async_engine.is_alive:
+        def _exit_when_drained(self, loop: asyncio.AbstractEventLoop) -> None:
+            engine = self.async_engine
+            deadline = time.monotonic() + self.shutdown_timeout
+            while engine.num_unfinished and engine.is_alive and time.monotonic() < deadline:
                 time.sleep(0.05)
+            if engine.num_unfinished and engine.is_alive:
+                reason = (
+                    f"the server shut down before this request finished: --shutdown-timeout "
+                    f"{self.shutdown_timeout:g} s passed; send it again"
+                )
+                loop.call_soon_threadsafe(engine.fail_all, reason)
+                while engine.num_unfinished and time.monotonic() < deadline + 5:
+                    time.sleep(0.05)  # the failed streams end their responses
             self.should_exit = True
 
         def exit_on_engine_death(self, reason: str) -> None:
@@ -596,5 +623,7 @@ def _draining_server_class():
     return _DrainingServer
 
 
-def DrainingServer(config, async_engine):  # noqa: N802 - a class built lazily (uvicorn import)
-    return _draining_server_class()(config, async_engine)
+def DrainingServer(  # noqa: N802 - a class built lazily (uvicorn import)
+    config, async_engine, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+):
+    return _draining_server_class()(config, async_engine, shutdown_timeout)
