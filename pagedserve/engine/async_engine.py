@@ -39,6 +39,7 @@ from pagedserve.engine.messages import (
     params_to_wire,
 )
 from pagedserve.engine.output_processor import EngineDeadError, EngineStepError, OutputProcessor
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -80,7 +81,7 @@ class TokenRateHistory:
         return [counts.get(s, 0) for s in range(current - self.window_s, current)]
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(
         self,
         client: CoreClient,
@@ -271,15 +272,6 @@ class AsyncLLMEngine:
         self._calls[call_id] = future
         self.client.send([UTILITY, call_id, name, list(args)])
         return await future
-
-    async def get_device_stats(self) -> dict:
-        return await self.call_utility("get_device_stats")
-
-    async def get_page_map(self) -> dict:
-        return await self.call_utility("get_page_map")
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call_utility("reset_prefix_cache")
 
     def tokens_per_second(self) -> float:
         marks = self._token_marks

@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 
 import pagedserve
-from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.server.body_limit import DEFAULT_MAX_REQUEST_BODY, BodySizeLimit
 from pagedserve.server.chat import chat_router
 from pagedserve.server.completions import completions_router
@@ -40,7 +40,7 @@ PUBLIC_PATHS = ("/health", "/metrics", "/version", "/docs", "/openapi.json", "/r
 
 
 def build_app(
-    engine: LLMEngine | AsyncLLMEngine,
+    engine: LLMEngine | EngineClient,
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_queue_len: int | None = None,
@@ -54,9 +54,10 @@ def build_app(
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving ``engine``: an ``AsyncLLMEngine`` (the engine core in a process of
-    its own, as ``pagedserve serve`` runs it) or an ``LLMEngine``, whose core then runs in a
-    thread of this process. The app's lifespan starts and stops the engine core. ``web_ui``: the
+    """A FastAPI app serving ``engine``: an ``EngineClient`` (an ``AsyncLLMEngine``, the engine
+    core in a process of its own, as ``pagedserve serve`` runs it; or the Ray Serve ingress's
+    client of data-parallel replicas) or an ``LLMEngine``, whose core then runs in a thread of
+    this process. The app's lifespan starts and stops the engine core. ``web_ui``: the
     web console at ``/`` (``pagedserve serve --disable-web-ui`` turns it off).
 
     ``allowed_origins``: the browser origins CORS admits; none (the default) sends no CORS

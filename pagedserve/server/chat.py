@@ -99,7 +99,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.check_fits([prompt], params, "messages")
     serving.check_admission()
     request_id = random_id("chatcmpl")
-    streams = serving.start(request_id, [prompt], params)
+    streams = serving.start(request_id, [prompt], params, serving.session_key(raw, body.user))
     if body.stream:
         return sse_response(
             _chat_stream(serving, body, tools, parsers, request_id, prompt, streams[0])

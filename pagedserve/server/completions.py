@@ -72,7 +72,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw
     serving.check_fits(prompts, params)
     serving.check_admission()
     request_id = random_id("cmpl")
-    streams = serving.start(request_id, prompts, params)
+    streams = serving.start(request_id, prompts, params, serving.session_key(raw, body.user))
     if body.stream:
         return sse_response(_completion_stream(serving, body, request_id, prompts, streams))
     finals = await serving.collect(raw, streams)

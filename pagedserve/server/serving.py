@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -19,6 +20,7 @@ from jinja2.exceptions import TemplateError
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.limits import RequestRejectedError
+from pagedserve.engine.protocol import EngineClient
 from pagedserve.models.chat_templates import builtin_chat_template, tool_template_for
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -44,6 +46,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+SESSION_HEADER = "x-session-id"
+
+# The session key of the request being started, read by an engine client that routes over
+# data-parallel replicas (a single engine ignores it): set around each ``generate`` call.
+SESSION_KEY: ContextVar[str | None] = ContextVar("session_key", default=None)
 
 Prompt = tuple[str | None, list[int]]  # (text if the user sent text, token ids)
 
@@ -53,7 +60,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: LLMEngine | AsyncLLMEngine,
+        engine: LLMEngine | EngineClient,
         served_model_name: str | None,
         max_queue_len: int | None,
         max_logprobs: int = MAX_LOGPROBS,
@@ -62,7 +69,7 @@ class OpenAIServing:
         reasoning_parser: type[ReasoningParser] | None = None,
         chat_template: str | None = None,
     ):
-        if isinstance(engine, AsyncLLMEngine):  # the engine core in a process of its own
+        if isinstance(engine, EngineClient):  # the engine core in a process of its own
             self.llm_engine, self.engine = None, engine
             if max_queue_len is not None:
                 engine.max_queue_len = max_queue_len
@@ -214,13 +221,30 @@ class OpenAIServing:
                 raise bad_request(str(e), param, code) from e
 
     # ---- running ------------------------------------------------------------------------------
-    def start(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
-        return [
-            self._timed(
-                self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
-            )
-            for i, (text, ids) in enumerate(prompts)
-        ]
+    def start(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        session: str | None = None,
+    ):
+        """Each prompt's output stream. ``session``: the request's session key, which a
+        data-parallel router may keep on one replica (``session_key``)."""
+        token = SESSION_KEY.set(session)
+        try:
+            return [
+                self._timed(
+                    self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
+                )
+                for i, (text, ids) in enumerate(prompts)
+            ]
+        finally:
+            SESSION_KEY.reset(token)
+
+    @staticmethod
+    def session_key(raw: Request, user: str | None) -> str | None:
+        """The ``X-Session-ID`` header, else the request's ``user`` field."""
+        return raw.headers.get(SESSION_HEADER) or user
 
     async def _timed(
         self, stream: AsyncIterator[RequestOutput], n: int

@@ -91,8 +91,13 @@ SERVE_GROUPS = {  # vLLM's grouping of its own flags, as far as serve has them
               "--max-model-len", "--seed"},
     "Cache": {"--block-size", "--gpu-memory-utilization", "--enable-prefix-caching"},
     "Scheduler": {"--max-num-seqs", "--max-num-batched-tokens"},
-    "Device": {"--device", "--tensor-parallel-size"},
-    "Server": {"--host", "--port", "--api-key"},
+    "Device": {"--device", "--tensor-parallel-size", "--data-parallel-size",
+               "--data-parallel-backend", "--ray-address"},
+    "Server": {"--host", "--port", "--api-key", "--shutdown-timeout"},
+    # not vLLM's: the flags of the data-parallel replicas on Ray Serve
+    "Ray Serve": {"--request-router", "--router-imbalance-threshold", "--min-replicas",
+                  "--max-replicas", "--target-ongoing-requests", "--max-ongoing-requests",
+                  "--max-replicas-per-node", "--num-cpus-per-replica"},
 }  # fmt: skip
 
 

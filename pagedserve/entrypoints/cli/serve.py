@@ -51,8 +51,11 @@ SERVE_GROUPS = {
     "Cache": "The paged KV cache: page size, memory share, prefix sharing, its dtype, and the "
     "host tier's share for swapped pages and spilled prefix blocks.",
     "Scheduler": "How many sequences and tokens one engine step takes; the waiting queue.",
-    "Device": "Where the model runs, on how many ranks, with which kernels.",
+    "Device": "Where the model runs, on how many ranks, with which kernels; how many "
+    "data-parallel replicas of it.",
     "Server": "The HTTP front end.",
+    "Ray Serve": "Data-parallel replicas on Ray Serve (--data-parallel-backend ray): how "
+    "requests are routed to them, how many run, where they go.",
 }
 
 
@@ -70,6 +73,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_device_args(groups["Device"].add_argument)
     _add_server_args(groups["Server"].add_argument)
     _add_tool_args(groups["Server"].add_argument)  # vLLM keeps them with its frontend's flags
+    _add_ray_serve_args(groups["Ray Serve"].add_argument)
     return parser
 
 
@@ -261,6 +265,33 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
         help="seconds to wait at start-up for every rank to join the rendezvous (default 60)",
     )
     a(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="replicas of the whole engine (each with its own engine core and KV pool) behind "
+        "one OpenAI-compatible endpoint, as vLLM's flag; more than 1 needs "
+        "--data-parallel-backend ray (default %(default)s)",
+    )
+    a(
+        "--data-parallel-backend",
+        "-dpb",
+        choices=["mp", "ray"],
+        default="mp",
+        help="ray: the replicas run on Ray Serve (pip install 'pagedserve[ray]'), on this "
+        "machine or across a Ray cluster (--ray-address), with the routing, autoscaling, "
+        "restarts and drain of the Ray Serve flags; mp (vLLM's default): one engine, in a "
+        "process of its own (default %(default)s)",
+    )
+    a(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (HOST:6379 of its head, or auto: the one this machine "
+        "belongs to); the server's application is removed from it on exit (default: $RAY_ADDRESS, "
+        "else a Ray instance on this machine, started and stopped with the server)",
+    )
+    a(
         "--kernels",
         default=None,
         choices=KERNEL_CHOICES,
@@ -402,6 +433,72 @@ def _add_tool_args(a: Callable[..., argparse.Action]) -> None:
     offer(chat_template, ["glm4-chat", "glm4-0414", "glm-z1-0414"])
 
 
+def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
+    from pagedserve.entrypoints.ray_serve.affinity import DEFAULT_IMBALANCE_THRESHOLD
+
+    a(
+        "--request-router",
+        choices=["prefix-aware", "session", "power-of-two"],
+        default="prefix-aware",
+        help="which replica takes a request. prefix-aware: the one whose prefix cache most "
+        "likely holds the prompt's leading blocks (a conversation's next turn goes where its "
+        "history is cached; a prefix that many prompts share, such as a system prompt, is "
+        "cached on every replica); session: every request with the same X-Session-ID header "
+        "or `user` field to one replica, others as prefix-aware; power-of-two: Ray Serve's "
+        "default, the shorter queue of two replicas drawn at random (default %(default)s)",
+    )
+    a(
+        "--router-imbalance-threshold",
+        type=int,
+        default=DEFAULT_IMBALANCE_THRESHOLD,
+        metavar="N",
+        help="prefix-aware and session routing send a request to the least-loaded replica "
+        "instead once the replica they would pick has N more requests in flight "
+        "(default %(default)s)",
+    )
+    a(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscale: the fewest replicas Ray Serve scales down to (default: no autoscaling; "
+        "--data-parallel-size replicas run)",
+    )
+    a(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="autoscale: the most replicas Ray Serve scales up to; --data-parallel-size is the "
+        "number it starts with (default: no autoscaling)",
+    )
+    a(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscale to keep about this many requests in flight per replica (default: "
+        "--max-num-seqs, one full batch)",
+    )
+    a(
+        "--max-ongoing-requests",
+        type=int,
+        default=None,
+        help="requests in flight one replica takes; more wait at the router (default: twice "
+        "--max-num-seqs)",
+    )
+    a(
+        "--max-replicas-per-node",
+        type=int,
+        default=None,
+        help="most replicas on one Ray node, e.g. 1 for one engine per machine (default: no limit)",
+    )
+    a(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="the CPUs Ray reserves for each replica (fractions allowed), which also sets its "
+        "engine's threads (default %(default)s)",
+    )
+
+
 def tool_settings(args: argparse.Namespace) -> dict:
     """The tool, reasoning and template flags as ``build_app`` takes them; ``ValueError`` (or
     ``FileNotFoundError``) names a bad flag."""
@@ -442,12 +539,18 @@ def read_config_file(parser: argparse.ArgumentParser, path: str) -> dict:
     data = yaml.safe_load(file.read_text()) or {}
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
+    return flag_defaults(parser, data, f"--config {path}")
+
+
+def flag_defaults(parser: argparse.ArgumentParser, data: dict, where: str) -> dict:
+    """``data`` (serve flag names, with dashes or underscores, to values) as the parser's
+    defaults by destination; an unknown name is ``parser.error`` saying ``where`` it was."""
     dests = {opt.lstrip("-"): act.dest for opt, act in parser._option_string_actions.items()}
     defaults = {}
     for key, value in data.items():
         flag = str(key).replace("_", "-")
         if flag not in dests or flag in ("config", "help", "h"):
-            parser.error(f"--config {path}: unknown key {key!r}; keys are serve flag names")
+            parser.error(f"{where}: unknown key {key!r}; keys are serve flag names")
         defaults[dests[flag]] = value
     return defaults
 
@@ -463,7 +566,14 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.data_parallel_backend == "ray":
+        return _serve_on_ray(args)
     try:
+        if args.data_parallel_size != 1:
+            raise ValueError(
+                f"--data-parallel-size {args.data_parallel_size} needs --data-parallel-backend "
+                "ray: data-parallel replicas run on Ray Serve (pip install 'pagedserve[ray]')"
+            )
         if args.node_rank:
             return _serve_node(args)
         tools = tool_settings(args)
@@ -480,6 +590,28 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagedserve serve: stopped by {name} while starting", file=sys.stderr)
         return 128 + e.signum  # as a shell reports a program that a signal ended
     return _serve(engine, args, tools)
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """The replicas on Ray Serve (``entrypoints.ray_serve``), once the flags are known good."""
+    try:
+        from pagedserve.entrypoints.ray_serve.app import application, run_serve
+    except ImportError as e:
+        print(
+            f"pagedserve serve: error: --data-parallel-backend ray needs Ray Serve ({e}): "
+            "pip install 'pagedserve[ray]'",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app = application(args, engine_kwargs(args), tool_settings(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 2
+    return run_serve(args, app)
 
 
 class StartInterrupted(BaseException):  # noqa: N818 - a stop, as KeyboardInterrupt is
