@@ -74,6 +74,32 @@ def test_past_the_imbalance_threshold_the_least_loaded_replica_takes_the_request
     assert policy.choose(nxt, {home: 5, other: 0})[0] == other  # past it: the least loaded
 
 
+def test_a_follow_up_waits_behind_queued_prefill_only_while_that_costs_less_than_its_history():
+    """A replica busy prefilling other prompts keeps a conversation while recomputing its
+    history elsewhere would take longer; past that, the idle replica takes it."""
+    policy = PrefixAffinity(BS, blocks_per_replica=1000)
+    home = route(policy, conversation(0), {"a": 0, "b": 0})
+    other = "b" if home == "a" else "a"
+    nxt = conversation(0, 2)
+    history = policy.num_uncached(other, nxt, block_hashes(nxt, BS))
+    here = policy.num_uncached(home, nxt, block_hashes(nxt, BS))
+    assert here < history == len(nxt)
+    idle = {home: 0, other: 0}
+    assert policy.choose(nxt, idle, {home: history - here - 1})[0] == home
+    assert policy.choose(nxt, idle, {home: history - here + 1})[0] == other
+
+
+def test_a_shared_prefix_counts_as_held_on_every_replica():
+    policy = PrefixAffinity(BS, blocks_per_replica=1000)
+    for i in range(3):  # three conversations branch off the system prompt on "a"
+        policy.record("a", block_hashes(conversation(i), BS))
+    new = conversation(9)
+    assert policy.num_shared(block_hashes(new, BS)) == 5
+    assert policy.num_uncached("b", new, block_hashes(new, BS)) == len(new) - len(SYSTEM)
+    assert policy.least_loaded({"a": 0, "b": 0}) == "b"
+    assert policy.choose(new, {"a": 0, "b": 0})[0] == "b"  # the same work: the emptier one
+
+
 def test_a_replica_forgets_the_least_recently_sent_blocks_past_its_capacity():
     policy = PrefixAffinity(BS, blocks_per_replica=4)
     first = list(range(3 * BS))

@@ -269,6 +269,7 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
         "-dp",
         type=int,
         default=1,
+        metavar="N",
         help="replicas of the whole engine (each with its own engine core and KV pool) behind "
         "one OpenAI-compatible endpoint, as vLLM's flag; more than 1 needs "
         "--data-parallel-backend ray (default %(default)s)",
@@ -440,12 +441,14 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--request-router",
         choices=["prefix-aware", "session", "power-of-two"],
         default="prefix-aware",
-        help="which replica takes a request. prefix-aware: the one whose prefix cache most "
-        "likely holds the prompt's leading blocks (a conversation's next turn goes where its "
-        "history is cached; a prefix that many prompts share, such as a system prompt, is "
-        "cached on every replica); session: every request with the same X-Session-ID header "
-        "or `user` field to one replica, others as prefix-aware; power-of-two: Ray Serve's "
-        "default, the shorter queue of two replicas drawn at random (default %(default)s)",
+        help="which replica takes a request. prefix-aware: the one with the fewest tokens to "
+        "prefill before its first token, those queued there plus those of the prompt that its "
+        "prefix cache most likely lacks (a conversation's next turn goes where its history is "
+        "cached unless that replica is busier than recomputing it; a prefix that many prompts "
+        "share, such as a system prompt, is cached on every replica); session: every request "
+        "with the same X-Session-ID header or `user` field to one replica, others as "
+        "prefix-aware; power-of-two: Ray Serve's default, the shorter queue of two replicas "
+        "drawn at random (default %(default)s)",
     )
     a(
         "--router-imbalance-threshold",
@@ -460,6 +463,7 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--min-replicas",
         type=int,
         default=None,
+        metavar="N",
         help="autoscale: the fewest replicas Ray Serve scales down to (default: no autoscaling; "
         "--data-parallel-size replicas run)",
     )
@@ -467,6 +471,7 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--max-replicas",
         type=int,
         default=None,
+        metavar="N",
         help="autoscale: the most replicas Ray Serve scales up to; --data-parallel-size is the "
         "number it starts with (default: no autoscaling)",
     )
@@ -474,6 +479,7 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--target-ongoing-requests",
         type=float,
         default=None,
+        metavar="N",
         help="autoscale to keep about this many requests in flight per replica (default: "
         "--max-num-seqs, one full batch)",
     )
@@ -481,6 +487,7 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--max-ongoing-requests",
         type=int,
         default=None,
+        metavar="N",
         help="requests in flight one replica takes; more wait at the router (default: twice "
         "--max-num-seqs)",
     )
@@ -488,12 +495,14 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--max-replicas-per-node",
         type=int,
         default=None,
+        metavar="N",
         help="most replicas on one Ray node, e.g. 1 for one engine per machine (default: no limit)",
     )
     a(
         "--num-cpus-per-replica",
         type=float,
         default=1.0,
+        metavar="CPUS",
         help="the CPUs Ray reserves for each replica (fractions allowed), which also sets its "
         "engine's threads (default %(default)s)",
     )

@@ -3,13 +3,12 @@
 ``PrefixAffinity`` keeps, for each replica, the chained hashes of the full KV blocks it was sent
 (hashed as the engine's prefix cache hashes them, ``engine.block_manager.hash_block_tokens``),
 as many as the replica's KV pool holds, least recently sent dropped first: a guess at what its
-prefix cache holds. A request goes to the replica that holds most of its leading blocks, but
-only a prefix that no other request branched off counts: a system prompt that many
-conversations share is worth computing once on every replica, so a request that matches only
-that goes to the least-loaded replica (fewest blocks held on a tie), and the shared prompt ends
-up cached everywhere instead of pinning all traffic to one replica. Past ``imbalance_threshold``
-more requests in flight than the least-loaded replica, a request goes to the least-loaded one
-whatever it holds.
+prefix cache holds. A request goes to the replica with the fewest tokens to prefill before its
+first token: those queued there, plus those of the prompt past the leading blocks it holds. A
+prefix that other prompts branched off counts as held everywhere: a system prompt that many
+conversations share is worth computing once on every replica, so it ends up cached on each
+instead of pinning all traffic to the replica that saw it first. Past ``imbalance_threshold``
+more requests in flight than the least-loaded replica, a replica takes no more.
 
 ``SessionAffinity`` sends every request of one session key (the request's ``user``, or the
 ``X-Session-ID`` header) to one replica by rendezvous hashing: the same replica as long as it
@@ -56,23 +55,48 @@ class PrefixAffinity:
 
     # ---- choosing --------------------------------------------------------------------------------
     def choose(
-        self, token_ids: Sequence[int], load: dict[Replica, int]
+        self,
+        token_ids: Sequence[int],
+        load: dict[Replica, int],
+        queued: dict[Replica, int] | None = None,
     ) -> tuple[Replica, list[int]]:
         """The replica for a prompt among those in ``load`` (replica -> requests in flight), and
-        the prompt's block hashes (for ``record`` once it is sent)."""
+        the prompt's block hashes (for ``record`` once it is sent).
+
+        The one that gives the prompt its first token soonest, as far as tokens to prefill tell:
+        those already ``queued`` there (replica -> tokens of requests sent to it that have not
+        had their first token), plus those of this prompt it does not hold. A prefix that other
+        prompts branched off counts as held everywhere (computed once on each replica, it is);
+        ties go to the fewest requests in flight, then to the fewest blocks held. Replicas with
+        ``imbalance_threshold`` more requests in flight than the least-loaded one are passed
+        over."""
         assert load, "no replica to choose from"
         hashes = block_hashes(token_ids, self.block_size)
-        least = self.least_loaded(load)
-        if load[least] + self.imbalance_threshold < max(load.values()):
-            overloaded = {r for r, n in load.items() if n > load[least] + self.imbalance_threshold}
-        else:
-            overloaded = set()
-        matched = {r: self.num_matched(r, hashes) for r in load if r not in overloaded}
-        best = max(matched.values(), default=0)
-        if best <= self.num_shared(hashes[:best]):
-            return least, hashes  # nothing past what other prompts share: balance the load
-        holders = {r: load[r] for r, n in matched.items() if n == best}
-        return self.least_loaded(holders), hashes
+        fewest = min(load.values())
+        shared = self.num_shared(hashes)
+        queued = queued or {}
+
+        def cost(r: Replica) -> tuple[int, int, int]:
+            todo = queued.get(r, 0) + self.num_uncached(r, token_ids, hashes, shared)
+            return todo, load[r], len(self.held.get(r, ()))
+
+        costs = {r: cost(r) for r, n in load.items() if n <= fewest + self.imbalance_threshold}
+        best = min(costs.values())
+        return random.choice([r for r, c in costs.items() if c == best]), hashes
+
+    def num_uncached(
+        self,
+        replica: Replica,
+        token_ids: Sequence[int],
+        hashes: list[int],
+        shared: int | None = None,
+    ) -> int:
+        """The prompt's tokens the replica would compute: those past the leading blocks it
+        holds, or past the shared prefix (``num_shared``) if that is longer."""
+        if shared is None:
+            shared = self.num_shared(hashes)
+        held = max(self.num_matched(replica, hashes), shared)
+        return len(token_ids) - held * self.block_size
 
     def least_loaded(self, load: dict[Replica, int]) -> Replica:
         """Fewest requests in flight; then fewest blocks held; then chance."""

@@ -85,7 +85,7 @@ class ReplicasEngine(EngineClient):
 
     def refresh(self) -> None:
         """Read the replicas' last reports (the router keeps them)."""
-        router = ROUTERS.get((self.handle.app_name, self.handle.deployment_name))
+        router = self._router()
         if router is None:
             return
         self.reports = router.replica_reports()
@@ -177,7 +177,11 @@ class ReplicasEngine(EngineClient):
                     exclude=tuple(exclude),
                 )  # fmt: skip
                 try:
+                    first = True
                     async for output in _replica_errors(stream):
+                        if first:  # its prefill is done: the router counts it no more
+                            self._prefilled(request_id)
+                            first = False
                         yield output
                     return
                 except ReplicaUnavailableError as e:  # nothing computed: another replica
@@ -189,6 +193,15 @@ class ReplicasEngine(EngineClient):
                     stream.cancel()  # a consumer gone mid-stream: the replica aborts it
         finally:
             self._num_streams -= 1
+
+    def _prefilled(self, request_id: str) -> None:
+        router = self._router()
+        if router is not None:
+            router.prefilled(request_id)
+
+    def _router(self):
+        """The router of this handle's calls, in this process (None until the first call)."""
+        return ROUTERS.get((self.handle.app_name, self.handle.deployment_name))
 
     async def call_utility(self, name: str, *args: Any) -> Any:
         """On the replica the router picks (the least loaded)."""

@@ -33,10 +33,10 @@ class ReplicaUnavailableError(EngineDeadError):
 
     def __init__(self, replica: str, reason: str):
         super().__init__(f"replica {replica}: {reason}")
-        self.replica = replica
+        self.replica, self.reason = replica, reason
 
     def __reduce__(self):  # raised in the replica, re-raised in the ingress
-        return type(self), (self.replica, str(self).split(": ", 1)[1])
+        return type(self), (self.replica, self.reason)
 
 
 class EngineReplica:

@@ -8,9 +8,10 @@ which the ingress reads for ``/health`` and ``/metrics`` (``ingress.ROUTERS``), 
 request to a replica whose engine core is dead while another lives.
 
 Policies (``--request-router``):
-- ``prefix-aware`` (``PrefixAwareRouter``): to the replica whose prefix cache most likely holds
-  the prompt's leading blocks (``affinity.PrefixAffinity``), the least-loaded one past the
-  imbalance threshold;
+- ``prefix-aware`` (``PrefixAwareRouter``): to the replica with the fewest tokens to prefill
+  before the prompt's first token: those queued there (requests sent that have had no output
+  yet, as the ingress reports their first ones) plus those of the prompt whose blocks its prefix
+  cache most likely lacks (``affinity.PrefixAffinity``); none past the imbalance threshold;
 - ``session`` (``SessionRouter``): a request with a session key to the key's replica, one without
   as ``prefix-aware``;
 - ``power-of-two`` (``PowerOfTwoRouter``): Ray Serve's default procedure, two replicas at random
@@ -40,6 +41,7 @@ from pagedserve.entrypoints.ray_serve.affinity import (
     DEFAULT_IMBALANCE_THRESHOLD,
     PrefixAffinity,
     SessionAffinity,
+    block_hashes,
 )
 
 GENERATE = "generate"
@@ -60,6 +62,10 @@ class EngineRouter(RequestRouter):
         # requests chosen a replica but not sent yet (Ray routes a burst of them concurrently:
         # each must see the ones before it), by internal request id: (replica, when chosen)
         self.pending: dict[str, tuple[ReplicaID, float]] = {}
+        # generate calls that have not had their first output: request id -> (replica, tokens
+        # it has to prefill for it, when chosen); the ingress says when the first output comes
+        self.prefilling: dict[str, tuple[ReplicaID, int, float]] = {}
+        self.request_ids: dict[str, str] = {}  # internal request id -> generate's request id
         self.prefix = PrefixAffinity(block_size, blocks_per_replica, imbalance_threshold)
         self.session = SessionAffinity(imbalance_threshold)
         self.num_routed: Counter[str] = Counter()  # generate calls by replica, since start
@@ -103,14 +109,38 @@ class EngineRouter(RequestRouter):
         chosen = Counter(replica_id for replica_id, _ in self.pending.values())
         return {r.replica_id: self.in_flight[r.replica_id] + chosen[r.replica_id] for r in replicas}
 
+    def queued(self) -> Counter[ReplicaID]:
+        """The tokens each replica has yet to prefill for the requests sent to it."""
+        now = time.monotonic()
+        queued: Counter[ReplicaID] = Counter()
+        for request_id, (replica_id, tokens, when) in list(self.prefilling.items()):
+            if now - when > PENDING_EXPIRY_S * 6:  # its end went unreported: not waiting now
+                self.prefilling.pop(request_id, None)
+            else:
+                queued[replica_id] += tokens
+        return queued
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first output has come (the ingress calls this)."""
+        self.prefilling.pop(request_id, None)
+
     def by_load(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
         load = self.load(replicas)
         return sorted(replicas, key=lambda r: load[r.replica_id])
 
     def choose(self, pending_request: PendingRequest | None, replica: RunningReplica) -> None:
-        if pending_request is not None:
-            request_id = pending_request.metadata.internal_request_id
-            self.pending[request_id] = (replica.replica_id, time.monotonic())
+        """``replica`` is the first choice for the request: count it there until it is sent."""
+        if pending_request is None:
+            return
+        now = time.monotonic()
+        self.pending[pending_request.metadata.internal_request_id] = (replica.replica_id, now)
+        if pending_request.metadata.call_method == GENERATE:
+            self.expect_prefill(pending_request, replica.replica_id, now)
+
+    def expect_prefill(self, pending_request: PendingRequest, replica_id: ReplicaID, now: float):
+        ids = prompt_token_ids(pending_request)
+        tokens = self.prefix.num_uncached(replica_id, ids, self.prefix_hashes(pending_request))
+        self.prefilling[pending_request.args[0]] = (replica_id, tokens, now)
 
     # ---- Ray Serve's hooks ------------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -123,10 +153,16 @@ class EngineRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        self.pending.pop(pending_request.metadata.internal_request_id, None)
+        internal_id = pending_request.metadata.internal_request_id
+        self.pending.pop(internal_id, None)
         self.in_flight[replica_id] += 1
         if pending_request.metadata.call_method == GENERATE:
             self.num_routed[replica_id.unique_id] += 1
+            request_id = pending_request.args[0]
+            self.request_ids[internal_id] = request_id
+            chosen = self.prefilling.get(request_id)
+            if chosen is None or chosen[0] != replica_id:  # not the first choice: recount
+                self.expect_prefill(pending_request, replica_id, time.monotonic())
             replica = self.curr_replicas.get(replica_id)
             capacity = replica.routing_stats.get("num_kv_pages") if replica else None
             self.prefix.record(replica_id, self.prefix_hashes(pending_request), capacity)
@@ -134,10 +170,11 @@ class EngineRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self.in_flight[replica_id] > 0:
             self.in_flight[replica_id] -= 1
+        request_id = self.request_ids.pop(internal_request_id, None)
+        if request_id is not None:
+            self.prefilling.pop(request_id, None)
 
     def prefix_hashes(self, pending_request: PendingRequest) -> list[int]:
-        from pagedserve.entrypoints.ray_serve.affinity import block_hashes
-
         return block_hashes(prompt_token_ids(pending_request), self.prefix.block_size)
 
 
@@ -164,7 +201,7 @@ class PrefixAwareRouter(EngineRouter):
         load = self.load(replicas)
         if pending_request is None or pending_request.metadata.call_method != GENERATE:
             return by_id[self.prefix.least_loaded(load)]
-        chosen, _ = self.prefix.choose(prompt_token_ids(pending_request), load)
+        chosen, _ = self.prefix.choose(prompt_token_ids(pending_request), load, self.queued())
         return by_id[chosen]
 
 
