@@ -1,0 +1,289 @@
+"""Data-parallel routing on Ray Serve: prefix-aware against Ray Serve's power-of-two-choices, over
+two replicas of the demo model, on multi-turn conversations that share system prompts.
+
+    python -m benchmarks.ray_serve [--conversations 48] [--concurrency 12] [--turns 3]
+
+For each KV pool size and each setting it starts ``pagedserve serve --data-parallel-backend ray``
+on the demo model (a Ray instance of its own on this machine, one CPU per replica):
+
+- ``single``: one replica with the pages of both, whose prefix cache sees every turn (the hit
+  rate to match);
+- ``prefix-aware``: two replicas, ``--request-router prefix-aware`` (the default);
+- ``power-of-two``: two replicas, ``--request-router power-of-two`` (Ray Serve's default).
+
+The pool sizes are the replicas' pages as a share of the workload's working set (the full
+histories of the conversations that run at once, in blocks): ``tight`` (0.65: a replica holds
+about half of them, not all; one with the pages of both holds them all) and ``ample`` (1.5: each
+replica could hold every one).
+
+Each conversation is a chat over a document: one of the shared system prompts, a first turn
+that brings a passage of prose (the document) and a question, then short follow-up questions.
+Every turn sends the whole history so far (streamed chat completions, greedy, a fixed number of
+tokens per answer), each turn after the last one's answer; a number of conversations run at
+once, and a new one starts as soon as one ends. Measured per setting: the prefix-cache hit rate
+(the servers' own counters, from ``/metrics``: prompt tokens found in the cache over those
+looked up), the time to the first token (client side; also its median per turn) and the
+throughput. The targets: a hit rate within 10% of
+the single replica's, and a median time to first token at least 1.5x better than
+power-of-two's.
+
+Writes benchmarks/results/ray_serve.json with the machine and its load (the load averages before
+and after): server and client share the machine, so the times depend on how busy it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.results import write_result
+from pagedserve.testing import serve
+
+PROSE = Path(__file__).resolve().parents[1] / "pagedserve" / "data" / "demo_heldout_prose.txt"
+SETTINGS = {
+    "single": ["--data-parallel-size", "1"],
+    "prefix-aware": ["--data-parallel-size", "2", "--request-router", "prefix-aware"],
+    "power-of-two": ["--data-parallel-size", "2", "--request-router", "power-of-two"],
+}
+SERVER_FLAGS = [
+    *("--data-parallel-backend", "ray", "--num-cpus-per-replica", "1"),
+    *("--max-model-len", "2048", "--max-num-seqs", "16"),
+]
+POOLS = {"tight": 0.65, "ample": 1.5}  # a replica's pages, as a share of the working set
+BLOCK_SIZE = 16
+TEMPLATE_TOKENS = 8  # a chat message's role markers, about
+TARGET_HIT_RATE_SHARE = 0.9  # of the single replica's
+TARGET_TTFT_SPEEDUP = 1.5  # over power-of-two
+REPORT_WAIT_S = 3.0  # the replicas report their counters every second
+
+
+def passages(rng: random.Random, count: int, chars: int) -> list[str]:
+    text = re.sub(r"\s+", " ", PROSE.read_text())
+    starts = [rng.randrange(len(text) - chars) for _ in range(count)]
+    return [text[s : s + chars] for s in starts]
+
+
+def conversations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """(system prompt, the user's turns) per conversation: the same for every setting."""
+    rng = random.Random(0)
+    systems = [
+        f"You are assistant number {i}. Follow the house style below in every answer. " + p
+        for i, p in enumerate(passages(rng, args.system_prompts, args.system_chars))
+    ]
+    out = []
+    for c in range(args.conversations):
+        (document,) = passages(rng, 1, args.document_chars)
+        questions = passages(rng, args.turns, args.question_chars)
+        turns = [f"Here is a document: {document}\n\nWhat does it say about: {questions[0]}"]
+        turns += [f"And what about: {q}" for q in questions[1:]]
+        out.append((systems[c % len(systems)], turns))
+    return out
+
+
+async def talk(
+    http: httpx.AsyncClient,
+    system: str,
+    turns: list[str],
+    max_tokens: int,
+    ttfts: list[tuple[int, float]],
+) -> int:
+    """One conversation, turn after turn; the tokens generated."""
+    history = [{"role": "system", "content": system}]
+    generated = 0
+    for turn, user in enumerate(turns):
+        history.append({"role": "user", "content": user})
+        body = {
+            "messages": history,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        answer, first = "", None
+        start = time.perf_counter()
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = httpx.Response(200, content=line[6:]).json()
+                for choice in chunk["choices"]:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and first is None:
+                        first = time.perf_counter() - start
+                    answer += piece
+                if chunk.get("usage"):
+                    generated += chunk["usage"]["completion_tokens"]
+        ttfts.append((turn, first))
+        history.append({"role": "assistant", "content": answer})
+    return generated
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = re.search(r"^pagedserve:prefix_cache_hits_total (\S+)$", text, re.M)
+    looked = re.search(r"^pagedserve:prefix_cache_queries_total (\S+)$", text, re.M)
+    return float(found.group(1)), float(looked.group(1))
+
+
+async def workload(url: str, args: argparse.Namespace) -> dict:
+    ttfts: list[tuple[int, float]] = []  # (turn, seconds)
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    sessions = asyncio.Semaphore(args.concurrency)
+
+    async def one(system: str, turns: list[str]) -> int:
+        async with sessions:  # a new conversation starts as soon as one ends
+            return await talk(http, system, turns, args.max_tokens, ttfts)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        generated = await asyncio.gather(*(one(s, t) for s, t in conversations(args)))
+        elapsed = time.perf_counter() - start
+    times = [t for _, t in ttfts]
+    by_turn = [statistics.median(t for k, t in ttfts if k == turn) for turn in range(args.turns)]
+    return {
+        "requests": len(ttfts),
+        "ttft_median_ms": statistics.median(times) * 1000,
+        "ttft_p90_ms": statistics.quantiles(times, n=10)[-1] * 1000,
+        "ttft_median_ms_by_turn": [round(t * 1000, 1) for t in by_turn],
+        "requests_per_s": len(times) / elapsed,
+        "output_tokens_per_s": sum(generated) / elapsed,
+        "duration_s": elapsed,
+    }
+
+
+def working_set_blocks(args: argparse.Namespace) -> int:
+    """The KV blocks of the full histories of the conversations that run at once, a shared
+    system prompt's once (the demo model's tokenizer; each answer ``max_tokens`` long)."""
+    from pagedserve.models.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(__file__).resolve().parents[1] / "pagedserve" / "demo_model")
+
+    def blocks(texts: list[str], extra_tokens: int = 0) -> int:
+        tokens = sum(len(tok.encode(t, add_special_tokens=False)) + TEMPLATE_TOKENS for t in texts)
+        return -(-(tokens + extra_tokens) // BLOCK_SIZE)
+
+    talks = conversations(args)[: args.concurrency]
+    shared = sum(blocks([system]) for system in {system for system, _ in talks})
+    answers = args.turns * (args.max_tokens + TEMPLATE_TOKENS)
+    return shared + sum(blocks(turns, answers) for _, turns in talks)
+
+
+def run_setting(name: str, args: argparse.Namespace, pages: int) -> dict:
+    pages = 2 * pages if name == "single" else pages  # the pages of both replicas in one
+    flags = [*SERVER_FLAGS, "--num-kv-pages", str(pages), *SETTINGS[name]]
+    print(f"{name}: starting pagedserve serve {' '.join(flags)}", flush=True)
+    with serve(*flags, log_level="warning", timeout=600) as (_, url):
+        wait_for_replicas(url, 1 if name == "single" else 2)
+        asyncio.run(warm_up(url))
+        time.sleep(REPORT_WAIT_S)
+        hits0, queries0 = prefix_counters(url)
+        figures = asyncio.run(workload(url, args))
+        time.sleep(REPORT_WAIT_S)
+        hits1, queries1 = prefix_counters(url)
+        replicas = httpx.get(url + "/health", timeout=30).json()["replicas"]
+    figures["prefix_cache_hit_rate"] = (hits1 - hits0) / max(queries1 - queries0, 1)
+    figures["requests_per_replica"] = sorted(r["num_routed"] for r in replicas)
+    figures["kv_pages_per_replica"] = pages
+    print(f"{name}: {figures}", flush=True)
+    return figures
+
+
+async def warm_up(url: str) -> None:
+    """One short request per replica first (unrelated prompts), so that no setting pays a
+    replica's first steps inside the measurement."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        for i in range(4):
+            body = {"prompt": f"warm up {i}", "max_tokens": 2, "temperature": 0}
+            (await http.post("/v1/completions", json=body)).raise_for_status()
+
+
+def wait_for_replicas(url: str, count: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        replicas = httpx.get(url + "/health", timeout=30).json()["replicas"]
+        if sum(r["engine"] == "alive" for r in replicas) == count:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{count} replicas did not report within {timeout:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conversations", type=int, default=48, help="conversations in all")
+    parser.add_argument("--concurrency", type=int, default=12, help="conversations at once")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
+    parser.add_argument("--system-prompts", type=int, default=2, help="shared system prompts")
+    parser.add_argument("--system-chars", type=int, default=1200, help="system prompt length")
+    parser.add_argument(
+        "--document-chars", type=int, default=3000, help="the document of a first turn"
+    )
+    parser.add_argument("--question-chars", type=int, default=80, help="a question's length")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument(
+        "--pools", nargs="+", choices=list(POOLS), default=list(POOLS), help="KV pool sizes to run"
+    )
+    parser.add_argument(
+        "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="to run"
+    )
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    working_set = working_set_blocks(args)
+    pools = {}
+    for pool in args.pools:
+        pages = round(POOLS[pool] * working_set)
+        results = {name: run_setting(name, args, pages) for name in args.settings}
+        pools[pool] = {"kv_pages_per_replica": pages, "settings": results, **compare(results)}
+    summary = {
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "conversations",
+                "concurrency",
+                "turns",
+                "system_prompts",
+                "system_chars",
+                "document_chars",
+                "question_chars",
+                "max_tokens",
+            )
+        },  # fmt: skip
+        "working_set_blocks": working_set,
+        "server_flags": " ".join(SERVER_FLAGS),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "pools": pools,
+    }
+    print(write_result("ray_serve", summary))
+
+
+def compare(results: dict) -> dict:
+    """Prefix-aware against the targets: the single replica's hit rate, power-of-two's TTFT."""
+    if not {"single", "prefix-aware", "power-of-two"} <= results.keys():
+        return {}
+    single, prefix, p2c = results["single"], results["prefix-aware"], results["power-of-two"]
+    share = prefix["prefix_cache_hit_rate"] / single["prefix_cache_hit_rate"]
+    speedup = p2c["ttft_median_ms"] / prefix["ttft_median_ms"]
+    out = {
+        "hit_rate_share_of_single": share,
+        "ttft_speedup_over_power_of_two": speedup,
+        "targets_met": {
+            "hit_rate_within_10_percent_of_single": share >= TARGET_HIT_RATE_SHARE,
+            "ttft_1.5x_better_than_power_of_two": speedup >= TARGET_TTFT_SPEEDUP,
+        },
+    }
+    print(out, flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
