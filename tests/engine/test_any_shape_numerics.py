@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.entrypoints.cli.smi import format_detail, format_summary
-from pagedserve.hal import native
-from tests.helpers.models import build_tiny_model_dir
+from tests.helpers.kernels import KERNEL_SETS
+from tests.helpers.models import build_tiny_model_dir, hf_greedy
 
 MAX_TOKENS = 8
 PROMPTS = [
@@ -38,16 +37,6 @@ SHAPES = {
         vocab_size=333,
     ),
 }
-KERNEL_SETS = [
-    pytest.param(
-        name,
-        marks=pytest.mark.skipif(
-            bool(native.missing_flags(native.TARGETS[name])),
-            reason=f"this CPU cannot execute the {name} kernels",
-        ),
-    )
-    for name in native.TARGETS
-] + ["eager"]
 # the six need 46 pages of 4 to run at once: 16 hold the longest (14) and force a preemption
 POOLS = {"roomy": dict(num_kv_pages=256), "preempted": dict(num_kv_pages=16)}
 
@@ -56,17 +45,7 @@ POOLS = {"roomy": dict(num_kv_pages=256), "preempted": dict(num_kv_pages=16)}
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = build_tiny_model_dir(path, request.param, **SHAPES[request.param])
-    refs = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        refs.append(out[0, len(prompt) :].tolist())
+    refs = [hf_greedy(hf, prompt, MAX_TOKENS) for prompt in PROMPTS]
     return path, refs, SHAPES[request.param]
 
 

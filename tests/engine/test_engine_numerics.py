@@ -10,6 +10,7 @@ from pagedserve import LLM, SamplingParams
 from tests.helpers.models import (
     assert_logprobs_close,
     build_tiny_hf_model,
+    hf_greedy,
     host_tier_gib,
     prompt_logprobs,
 )
@@ -31,20 +32,8 @@ PROMPTS = [
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = build_tiny_hf_model(path, request.param, max_position_embeddings=256)
-    refs = [_hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     return path, hf, refs
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _generate(path, **engine_kwargs) -> tuple[LLM, list[list[int]]]:
@@ -176,6 +165,6 @@ def test_tied_embeddings_match_transformers_and_stay_one_copy(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", num_kv_pages=64)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     got = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0]
-    assert got.outputs[0].token_ids == _hf_greedy(hf, PROMPTS[1], MAX_TOKENS)
+    assert got.outputs[0].token_ids == hf_greedy(hf, PROMPTS[1], MAX_TOKENS)
     allocations = llm.llm_engine.device.memory_stats()["weight"]["allocations"]
     assert "model.embed_tokens.weight" in allocations and "lm_head.weight" not in allocations

@@ -6,7 +6,6 @@ exact; every page returned."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +21,7 @@ from pagedserve.engine.spec_decode import (
     SpecDecodeStats,
 )
 from tests.engine.test_engine_numerics import PROMPTS, _assert_pool_drained, _tier_kwargs
-from tests.helpers.models import build_tiny_hf_model
+from tests.helpers.models import build_tiny_hf_model, hf_greedy
 
 MAX_TOKENS = 24
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -235,16 +234,8 @@ def test_speculative_config_takes_a_mapping_or_json_with_vllms_defaults():
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = build_tiny_hf_model(path, request.param, max_position_embeddings=256)
-    refs = [_hf_greedy(hf, p, MAX_TOKENS) for p in SPEC_PROMPTS]
+    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in SPEC_PROMPTS]
     return path, refs
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _generate(path, params=None, prompts=SPEC_PROMPTS, **engine_kwargs):

@@ -17,17 +17,8 @@ from pagedserve.hal import get_device, kernels, native
 from pagedserve.hal.int4 import Int4Linear, dequantize, quantize_activations_int8
 from pagedserve.hal.int8 import Int8Linear, int8_linear_reference, quantize_int8
 from pagedserve.models.quant_formats import quantize_rtn
-from tests.helpers.kernels import paged_batch
+from tests.helpers.kernels import KERNEL_SETS, TARGETS, paged_batch
 
-
-def _target_param(name: str):
-    missing = native.missing_flags(native.TARGETS[name])
-    reason = f"this CPU cannot execute the {name} kernels: it lacks {' '.join(missing)}"
-    return pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason))
-
-
-TARGETS = [_target_param(name) for name in native.TARGETS]
-KERNEL_SETS = [*TARGETS, "eager"]
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 SIZES = st.one_of(  # multiples of 64, 32, 16 and 8 and odd ones, as pruned models have them
     st.integers(1, 6).map(lambda n: 64 * n),

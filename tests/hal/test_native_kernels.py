@@ -17,17 +17,8 @@ from pagedserve.hal.int4 import (
     quantize_activations_int16,
 )
 from pagedserve.models.quant_formats import quantize_rtn
-from tests.helpers.kernels import paged_batch
+from tests.helpers.kernels import KERNEL_SETS, TARGETS, paged_batch
 
-
-def _target_param(name: str):
-    missing = native.missing_flags(native.TARGETS[name])
-    reason = f"this CPU cannot execute the {name} kernels: it lacks {' '.join(missing)}"
-    return pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason))
-
-
-TARGETS = [_target_param(name) for name in native.TARGETS]
-KERNEL_SETS = [*TARGETS, "eager"]
 DTYPES = [torch.float32, torch.bfloat16]
 INT4_LAYOUTS = {  # each target's own packed INT4 layouts (portable: PyTorch's)
     "avx512": {16: "tiles16", 8: "tiles16_a8"},

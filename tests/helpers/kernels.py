@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pagedserve.hal import kernels
+from pagedserve.hal import kernels, native
+
+
+def target_param(name: str):
+    """A native target as a test parameter, skipped (naming the flags the CPU lacks) where this
+    CPU cannot execute it."""
+    missing = native.missing_flags(native.TARGETS[name])
+    reason = f"this CPU cannot execute the {name} kernels: it lacks {' '.join(missing)}"
+    return pytest.param(name, marks=pytest.mark.skipif(bool(missing), reason=reason))
+
+
+TARGETS = [target_param(name) for name in native.TARGETS]
+KERNEL_SETS = [*TARGETS, "eager"]  # every native target, and plain PyTorch
 
 
 def paged_batch(

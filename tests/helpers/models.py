@@ -118,6 +118,19 @@ def build_tiny_hf_model(
     return model
 
 
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``n`` token ids."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def build_tiny_model_dir(model_dir: str | Path, architecture: str = "glm", **overrides):
     """A complete tiny model directory (weights, config, tokenizer); returns the HF model."""
     build_tiny_tokenizer(model_dir)

@@ -24,6 +24,15 @@ inline float kv_row_scale(const int8_t* row, int64_t D) {
   return s;
 }
 
+// Calls fn(k, v) with the caches' data as T (q's dtype) or as INT8 rows (codes and scale).
+template <typename T, typename Fn>
+void with_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const Fn& fn) {
+  if (k_cache.scalar_type() == at::kChar)
+    fn(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+  else
+    fn(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
+}
+
 // Where each token's key (and value) of one KV head starts in the caches (rows of `width`
 // elements), page by page.
 inline void token_offsets(const int64_t* pages, int64_t seq_len, int64_t block_size,
@@ -397,7 +406,7 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                 "paged_attention_decode: 1 to ", kFewQueryRows, " query rows per sequence");
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "decode_attn", [&] {
-    const auto run = [&](const auto* kc, const auto* vc) {
+    with_kv_caches<scalar_t>(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
       using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
       const auto* qp = q.data_ptr<scalar_t>();
       auto* op = out.data_ptr<scalar_t>();
@@ -412,11 +421,7 @@ inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& 
                op + (start * H + kvh * group) * D, H * D, scores, offsets);
         }
       });
-    };
-    if (int8_cache)
-      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
-    else
-      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
   });
   return out;
 }

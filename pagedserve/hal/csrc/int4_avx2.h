@@ -77,50 +77,45 @@ inline __m256i add_pair_products(__m256i dot, __m256i pairs, int32_t x) {
 
 // One tile of 8 output rows for MB activation rows from row m0.
 template <int MB, typename T>
-inline void int4_tile(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), zero_bytes = _mm256_setzero_si256();
-  const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
-  const uint8_t* w = op.w + t * K * 4;
-  const Half* sz = op.sz + t * num_groups * 16;
-  // int16 pairs as int32
-  const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m256i dot[MB];
-    for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch_weights(w + c * 32);
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-      const __m256i lo = _mm256_and_si256(codes, low_nibbles);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
-      // int16 codes, lane r of each: row r at k = 8c + (0, 1), (2, 3), (4, 5), (6, 7)
-      const __m256i pairs[4] = {
-          _mm256_unpacklo_epi8(lo, zero_bytes), _mm256_unpackhi_epi8(lo, zero_bytes),
-          _mm256_unpacklo_epi8(hi, zero_bytes), _mm256_unpackhi_epi8(hi, zero_bytes)};
-#pragma GCC unroll 4
+struct Int4Tile {
+  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F), zero_bytes = _mm256_setzero_si256();
+    const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
+    const uint8_t* w = op.w + t * K * 4;
+    const Half* sz = op.sz + t * num_groups * 16;
+    // int16 pairs as int32
+    const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m256i dot[MB];
+      for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
+      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+        prefetch_weights(w + c * 32);
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+        const __m256i lo = _mm256_and_si256(codes, low_nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
+        // int16 codes, lane r of each: row r at k = 8c + (0, 1), (2, 3), (4, 5), (6, 7)
+        const __m256i pairs[4] = {
+            _mm256_unpacklo_epi8(lo, zero_bytes), _mm256_unpackhi_epi8(lo, zero_bytes),
+            _mm256_unpacklo_epi8(hi, zero_bytes), _mm256_unpackhi_epi8(hi, zero_bytes)};
+  #pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* xk = x + m * K / 2 + 4 * c;
+          for (int p = 0; p < 4; ++p) dot[m] = add_pair_products(dot[m], pairs[p], xk[p]);
+        }
+      }
+      const GroupScales s = group_scales(sz, g);
       for (int m = 0; m < MB; ++m) {
-        const int32_t* xk = x + m * K / 2 + 4 * c;
-        for (int p = 0; p < 4; ++p) dot[m] = add_pair_products(dot[m], pairs[p], xk[p]);
+        const int64_t i = (m0 + m) * num_groups + g;
+        const __m256 d = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[i]),
+                                          _mm256_mul_ps(s.scale, _mm256_cvtepi32_ps(dot[m])));
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(op.xscale[i]), d, acc[m]);
       }
     }
-    const GroupScales s = group_scales(sz, g);
-    for (int m = 0; m < MB; ++m) {
-      const int64_t i = (m0 + m) * num_groups + g;
-      const __m256 d = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[i]),
-                                        _mm256_mul_ps(s.scale, _mm256_cvtepi32_ps(dot[m])));
-      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(op.xscale[i]), d, acc[m]);
-    }
-  }
-  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-  for (int m = 0; m < MB; ++m)
-    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
-}
-
-template <int Rows, typename T>
-struct Int4Tile {
-  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m) {
-    int4_tile<Rows, T>(op, t, m);
+    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+    for (int m = 0; m < MB; ++m)
+      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
   }
 };
 
@@ -183,45 +178,40 @@ inline __m256 block_sums_to_float(__m256i sums16) {
 // row's integer sums times the weights' scale and the block's; the zero point once per group, as
 // scale * zero * (the group's scaled activation sum).
 template <int MB, typename T>
-inline void int4_int8_tile(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
-  const uint8_t* w = op.w + t * K * 4;
-  const Half* sz = op.sz + t * num_groups * 16;
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const GroupScales s = group_scales(sz, g);
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m256i sums[MB];
-      for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
-      for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-        prefetch_weights(w + c * 32);
-        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-        const __m256i lo = _mm256_and_si256(codes, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
-        for (int m = 0; m < MB; ++m)
-          sums[m] = add_chunk_products(
-              sums[m], lo, hi, reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c));
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m256 scale = _mm256_mul_ps(s.scale, _mm256_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
-        acc[m] = _mm256_fmadd_ps(scale, block_sums_to_float(sums[m]), acc[m]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
-                                acc[m]);
-  }
-  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-  for (int m = 0; m < MB; ++m)
-    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
-}
-
-template <int Rows, typename T>
 struct Int4Int8Tile {
-  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m) {
-    int4_int8_tile<Rows, T>(op, t, m);
+  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+    const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
+    const uint8_t* w = op.w + t * K * 4;
+    const Half* sz = op.sz + t * num_groups * 16;
+    __m256 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const GroupScales s = group_scales(sz, g);
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        __m256i sums[MB];
+        for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
+        for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
+          prefetch_weights(w + c * 32);
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+          const __m256i lo = _mm256_and_si256(codes, low_nibbles);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
+          for (int m = 0; m < MB; ++m)
+            sums[m] = add_chunk_products(
+                sums[m], lo, hi, reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c));
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256 scale = _mm256_mul_ps(s.scale, _mm256_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
+          acc[m] = _mm256_fmadd_ps(scale, block_sums_to_float(sums[m]), acc[m]);
+        }
+      }
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
+                                  acc[m]);
+    }
+    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+    for (int m = 0; m < MB; ++m)
+      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
   }
 };
 

@@ -52,50 +52,45 @@ constexpr int kChains = MB <= 2 ? 2 : 1;
 
 // One tile of 16 output rows for MB activation rows from row m0.
 template <int MB, typename T>
-inline void int4_tile(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
-  constexpr int C = kChains<MB>;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F), zero_bytes = _mm512_setzero_si512();
-  const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
-  const uint8_t* w = op.w + t * K * 8;
-  const Half* sz = op.sz + t * num_groups * 32;
-  const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m512i dot[MB][C];
-    for (int m = 0; m < MB; ++m)
-      for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      const __m512i codes = _mm512_loadu_si512(w + c * 64);
-      const __m512i lo = _mm512_and_si512(codes, low_nibbles);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
-      const __m512i pairs[4] = {
-          _mm512_unpacklo_epi8(lo, zero_bytes), _mm512_unpackhi_epi8(lo, zero_bytes),
-          _mm512_unpacklo_epi8(hi, zero_bytes), _mm512_unpackhi_epi8(hi, zero_bytes)};
+struct Int4Tile {
+  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
+    constexpr int C = kChains<MB>;
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F), zero_bytes = _mm512_setzero_si512();
+    const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
+    const uint8_t* w = op.w + t * K * 8;
+    const Half* sz = op.sz + t * num_groups * 32;
+    const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_groups; ++g) {
+      __m512i dot[MB][C];
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
+      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+        const __m512i codes = _mm512_loadu_si512(w + c * 64);
+        const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+        const __m512i pairs[4] = {
+            _mm512_unpacklo_epi8(lo, zero_bytes), _mm512_unpackhi_epi8(lo, zero_bytes),
+            _mm512_unpacklo_epi8(hi, zero_bytes), _mm512_unpackhi_epi8(hi, zero_bytes)};
+        for (int m = 0; m < MB; ++m) {
+          const int32_t* xk = x + m * K / 2 + 4 * c;
+          for (int p = 0; p < 4; ++p)
+            dot[m][p % C] = _mm512_dpwssd_epi32(dot[m][p % C], pairs[p], _mm512_set1_epi32(xk[p]));
+        }
+      }
+      const GroupScales s = group_scales(sz, g);
       for (int m = 0; m < MB; ++m) {
-        const int32_t* xk = x + m * K / 2 + 4 * c;
-        for (int p = 0; p < 4; ++p)
-          dot[m][p % C] = _mm512_dpwssd_epi32(dot[m][p % C], pairs[p], _mm512_set1_epi32(xk[p]));
+        const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][C - 1]) : dot[m][0];
+        const int64_t i = (m0 + m) * num_groups + g;
+        const __m512 scaled = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[i]),
+                                               _mm512_mul_ps(s.scale, _mm512_cvtepi32_ps(d)));
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]), scaled, acc[m]);
       }
     }
-    const GroupScales s = group_scales(sz, g);
-    for (int m = 0; m < MB; ++m) {
-      const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][C - 1]) : dot[m][0];
-      const int64_t i = (m0 + m) * num_groups + g;
-      const __m512 scaled = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[i]),
-                                             _mm512_mul_ps(s.scale, _mm512_cvtepi32_ps(d)));
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]), scaled, acc[m]);
-    }
-  }
-  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-  for (int m = 0; m < MB; ++m)
-    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
-}
-
-template <int Rows, typename T>
-struct Int4Tile {
-  static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m) {
-    int4_tile<Rows, T>(op, t, m);
+    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
+    for (int m = 0; m < MB; ++m)
+      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
   }
 };
 
@@ -131,49 +126,44 @@ void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t 
 
 // One tile of 16 output rows for MB activation rows from row m0.
 template <int MB, typename T>
-inline void int4_int8_tile(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
-  constexpr int C = kChains<MB>;
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-  const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
-  const uint8_t* w = op.w + t * K * 8;
-  const Half* sz = op.sz + t * num_groups * 32;
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    const GroupScales s = group_scales(sz, g);
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m512i dot[MB][C];
-      for (int m = 0; m < MB; ++m)
-        for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
-      for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-        const __m512i codes = _mm512_loadu_si512(w + c * 64);
-        const __m512i lo = _mm512_and_si512(codes, low_nibbles);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+struct Int4Int8Tile {
+  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
+    constexpr int C = kChains<MB>;
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
+    const uint8_t* w = op.w + t * K * 8;
+    const Half* sz = op.sz + t * num_groups * 32;
+    __m512 acc[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const GroupScales s = group_scales(sz, g);
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        __m512i dot[MB][C];
+        for (int m = 0; m < MB; ++m)
+          for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
+        for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
+          const __m512i codes = _mm512_loadu_si512(w + c * 64);
+          const __m512i lo = _mm512_and_si512(codes, low_nibbles);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+          for (int m = 0; m < MB; ++m) {
+            const int32_t* xm = reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c);
+            dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
+            dot[m][C - 1] = _mm512_dpbusd_epi32(dot[m][C - 1], hi, _mm512_set1_epi32(xm[1]));
+          }
+        }
         for (int m = 0; m < MB; ++m) {
-          const int32_t* xm = reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c);
-          dot[m][0] = _mm512_dpbusd_epi32(dot[m][0], lo, _mm512_set1_epi32(xm[0]));
-          dot[m][C - 1] = _mm512_dpbusd_epi32(dot[m][C - 1], hi, _mm512_set1_epi32(xm[1]));
+          const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
+          const __m512 scale = _mm512_mul_ps(s.scale, _mm512_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
+          acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(d), acc[m]);
         }
       }
-      for (int m = 0; m < MB; ++m) {
-        const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
-        const __m512 scale = _mm512_mul_ps(s.scale, _mm512_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
-        acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(d), acc[m]);
-      }
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
+                                  acc[m]);
     }
+    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
     for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
-                                acc[m]);
-  }
-  const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-  for (int m = 0; m < MB; ++m)
-    store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
-}
-
-template <int Rows, typename T>
-struct Int4Int8Tile {
-  static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m) {
-    int4_int8_tile<Rows, T>(op, t, m);
+      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
   }
 };
 

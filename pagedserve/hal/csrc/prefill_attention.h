@@ -214,7 +214,7 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
   auto out = at::empty_like(q);
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "prefill_attn", [&] {
-    const auto run = [&](const auto* kc, const auto* vc) {
+    with_kv_caches<scalar_t>(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
       using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
       const auto task = prefill_task_for<scalar_t, KT>(D, DecodeHeadDims{});
       const auto* qp = q.data_ptr<scalar_t>();
@@ -230,11 +230,7 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
                float(scale), scratch);
         }
       });
-    };
-    if (int8_cache)
-      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
-    else
-      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
   });
   return out;
 }
