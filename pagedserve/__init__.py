@@ -12,7 +12,18 @@ def __getattr__(name: str):
         from pagedserve.entrypoints.llm import LLM
 
         return LLM
+    if name == "LoRARequest":  # vLLM's `from vllm.lora.request import LoRARequest`, at the top
+        from pagedserve.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]

@@ -216,12 +216,28 @@ class SpeculativeConfig(_Config):
             raise ValueError(problems) from None
 
 
+class LoRAConfig(_Config):
+    """vLLM's LoRA settings: adapters beside the base model (``pagedserve/lora``)."""
+
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1)  # distinct adapters in one step: the device slots
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (>= max_loras)
+    # adapters loaded at start-up: {"name", "path", "base_model_name"} (serve's --lora-modules)
+    lora_modules: list[dict[str, str | None]] = Field(default_factory=list)
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 class EngineConfig(_Config):
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
@@ -236,6 +252,7 @@ class EngineConfig(_Config):
             "scheduler": SchedulerConfig,
             "device": DeviceConfig,
             "parallel": ParallelConfig,
+            "lora": LoRAConfig,
         }
         tree: dict = {name: {} for name in sections}
         speculative = kwargs.pop("speculative_config", None)

@@ -93,6 +93,10 @@ class AsyncLLMEngine(EngineClient):
         self.limits = EngineLimits.from_dict(info["limits"])
         self.model = info["model"]
         self.description = info["describe"]
+        self.lora_enabled = info.get("lora_enabled", False)
+        # LoRA adapters by name ({"name", "id", "path", "base_model_name"}): from the core at
+        # start, then as load_lora_adapter / unload_lora_adapter change them
+        self.lora_adapters: dict[str, dict] = {a["name"]: a for a in info.get("lora_adapters", [])}
         if tokenizer is None and info["tokenizer_dir"]:
             from pagedserve.models.tokenizer import Tokenizer
 
@@ -210,8 +214,10 @@ class AsyncLLMEngine(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; aborted if the consumer goes away.
+        ``lora_name``: a loaded LoRA adapter it runs with (None: the base model).
 
         The request is sent to the engine core when the stream is first read (a stream dropped
         unread sends nothing), but it counts as waiting from this call: admission control
@@ -223,7 +229,7 @@ class AsyncLLMEngine(EngineClient):
                 self._num_unread -= 1
 
         self._num_unread += 1
-        stream = self._generate(request_id, prompt_token_ids, params, prompt, unread)
+        stream = self._generate(request_id, prompt_token_ids, params, prompt, unread, lora_name)
         weakref.finalize(stream, on_drop)
         return stream
 
@@ -234,6 +240,7 @@ class AsyncLLMEngine(EngineClient):
         params: SamplingParams,
         prompt: str | None,
         unread: list[bool],
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         unread[0] = False
         self._num_unread -= 1
@@ -243,7 +250,8 @@ class AsyncLLMEngine(EngineClient):
         state = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, params, arrival_time
         )
-        self.client.send([ADD, request_id, prompt_token_ids, params_to_wire(params), arrival_time])
+        wire = params_to_wire(params)
+        self.client.send([ADD, request_id, prompt_token_ids, wire, arrival_time, lora_name])
         self._num_adds_sent += 1
         self._num_streams += 1
         finished = False
@@ -272,6 +280,20 @@ class AsyncLLMEngine(EngineClient):
         self._calls[call_id] = future
         self.client.send([UTILITY, call_id, name, list(args)])
         return await future
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """``{"adapter": info}``, or ``{"error": why}``; listed here once the core has it."""
+        result = await self.call_utility("load_lora_adapter", lora_name, lora_path)
+        if "adapter" in result:
+            self.lora_adapters[lora_name] = result["adapter"]
+        return result
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """``{}``, or ``{"error": why}`` (``not_found``, or ``in_use`` naming the requests)."""
+        result = await self.call_utility("unload_lora_adapter", lora_name)
+        if not result.get("error"):
+            self.lora_adapters.pop(lora_name, None)
+        return result
 
     def tokens_per_second(self) -> float:
         marks = self._token_marks

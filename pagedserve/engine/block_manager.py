@@ -29,6 +29,7 @@ class SequenceLike(Protocol):
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int  # 0: the base model
 
     @property
     def num_tokens(self) -> int: ...
@@ -37,6 +38,14 @@ class SequenceLike(Protocol):
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block: it depends on every token before the block too."""
     return hash((parent_hash, token_ids))
+
+
+def root_hash(lora_int_id: int) -> int | None:
+    """The parent of a sequence's first block: None for the base model, its adapter's own value
+    otherwise, so that the KV a prefix got under one adapter is never reused under another (nor
+    under the base model): every hash of the chain, and the parent each hit is checked
+    against, differs."""
+    return hash(("lora", lora_int_id)) if lora_int_id else None
 
 
 @dataclass(slots=True)
@@ -447,7 +456,7 @@ class BlockManager:
         """Extend ``hashes`` in place to the first ``num_blocks`` full blocks of the request."""
         bs = self.block_size
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else root_hash(req.lora_int_id)
             hashes.append(
                 hash_block_tokens(parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
             )
@@ -455,7 +464,7 @@ class BlockManager:
 
     def _block_key(self, req: SequenceLike, i: int, hashes: list[int]) -> CachedBlock:
         tokens = tuple(req.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-        return CachedBlock(hashes[i], hashes[i - 1] if i else None, tokens)
+        return CachedBlock(hashes[i], hashes[i - 1] if i else root_hash(req.lora_int_id), tokens)
 
     def _cached_block(self, req: SequenceLike, i: int, hashes: list[int]) -> ComputedBlock | None:
         """Block ``i`` of the request in the KV tier's cache, else in the host tier's."""

@@ -60,6 +60,8 @@ class EngineCore:
             "scrub_weights",
             "check_invariants",
             "inject_fault",
+            "load_lora_adapter",
+            "unload_lora_adapter",
         }
     )
 
@@ -79,12 +81,14 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.num_adds += 1
+        request = (request_id, prompt_token_ids, params, arrival_time, lora_name)
         if self.paused:
-            self.held.append((request_id, prompt_token_ids, params, arrival_time))
+            self.held.append(request)
         else:
-            self._admit(request_id, prompt_token_ids, params, arrival_time)
+            self._admit(*request)
 
     def _admit(
         self,
@@ -92,11 +96,25 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None,
+        lora_name: str | None = None,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+            lora = self._lora_request(lora_name)
+            self.engine.add_request(
+                request_id, prompt_token_ids, params, arrival_time=arrival_time, lora_request=lora
+            )
         except ValueError as e:
             self.errors.append([request_id, "rejected", str(e)])
+
+    def _lora_request(self, lora_name: str | None):
+        """The loaded adapter of that name (unloaded since the HTTP process checked: refused)."""
+        if lora_name is None:
+            return None
+        registry = self.engine.lora_registry
+        request = registry.by_name(lora_name) if registry is not None else None
+        if request is None:
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded (unloaded just now?)")
+        return request
 
     def abort(self, targets: list[list]) -> None:
         """``targets``: [request_id, sequence index or None for the whole request]."""
@@ -178,6 +196,35 @@ class EngineCore:
     def inject_fault(self, kind: str, tag: str | None = None, page: int | None = None) -> dict:
         return self.engine.inject_fault(kind, tag, page)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """vLLM's POST /v1/load_lora_adapter, between two steps: the adapter read, checked and
+        kept in host memory under a new id; ``{"error": why}`` when it does not fit."""
+        registry = self.engine.lora_registry
+        if registry is None:
+            return {"error": "LoRA is off; start the server with --enable-lora"}
+        if registry.by_name(lora_name) is not None:
+            return {"error": f"the LoRA adapter {lora_name!r} has already been loaded"}
+        from pagedserve.lora.request import LoRARequest
+
+        request = LoRARequest(lora_name, registry.next_id(), lora_path)
+        try:
+            self.engine.add_lora(request)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"adapter": _adapter_info(request)}
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """vLLM's POST /v1/unload_lora_adapter: refused, naming them, while requests use it."""
+        registry = self.engine.lora_registry
+        request = registry.by_name(lora_name) if registry is not None else None
+        if request is None:
+            return {"error": f"the LoRA adapter {lora_name!r} is not loaded", "not_found": True}
+        try:
+            self.engine.remove_lora(request.lora_int_id)
+        except ValueError as e:
+            return {"error": str(e), "in_use": True}
+        return {}
+
     def reset_prefix_cache(self) -> bool:
         self.engine.block_manager.reset_prefix_cache()
         return True
@@ -203,7 +250,24 @@ class EngineCore:
             "describe": engine.describe(),
             "tokenizer_dir": str(tokenizer_dir) if has_tokenizer else None,
             "worker_pids": engine.executor.worker_pids,
+            "lora_enabled": engine.lora_registry is not None,
+            "lora_adapters": [_adapter_info(r) for r in _loaded_loras(engine)],
         }
+
+
+def _loaded_loras(engine: LLMEngine) -> list:
+    registry = engine.lora_registry
+    return [] if registry is None else list(registry.requests.values())
+
+
+def _adapter_info(request) -> dict:
+    """A LoRA adapter as the HTTP process lists it (``/v1/models``)."""
+    return {
+        "name": request.lora_name,
+        "id": request.lora_int_id,
+        "path": request.lora_path,
+        "base_model_name": request.base_model_name,
+    }
 
 
 def _output(group: RequestGroup, index: int, num_new: int) -> EngineCoreOutput:
@@ -281,9 +345,9 @@ class EngineCoreProc:
     def _handle(self, message: list) -> None:
         kind = message[0]
         if kind == ADD:
-            _, request_id, prompt_token_ids, params, arrival_time = message
+            _, request_id, prompt_token_ids, params, arrival_time, lora_name = message
             self.core.add_request(
-                request_id, prompt_token_ids, params_from_wire(params), arrival_time
+                request_id, prompt_token_ids, params_from_wire(params), arrival_time, lora_name
             )
         elif kind == ABORT:
             self.core.abort(message[1])

@@ -16,6 +16,7 @@ while starting fails the start at once, and no engine blocks its process's exit
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import multiprocessing.connection
 import os
@@ -36,10 +37,11 @@ from pagedserve.config import EngineConfig, ParallelConfig, UsageContext
 from pagedserve.engine.model_runner import ModelInput, ModelRunner, ModelRunnerOutput
 from pagedserve.engine.worker import Worker
 from pagedserve.hal import distributed_backend, load_device_preset
+from pagedserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-STEP, DEVICE_STATS, STOP = 1, 2, 3  # what rank 0 tells the others, once per message
+STEP, DEVICE_STATS, STOP, LORA = 1, 2, 3, 4  # what rank 0 tells the others, once per message
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0's next step
 JOIN_TIMEOUT_S = 10.0
@@ -75,6 +77,14 @@ class Executor:
 
     def execute_model(self, sched, forks) -> ModelRunnerOutput:
         return self.runner.execute_model(sched, forks)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Every rank reads the adapter (its own cut) into host memory; rank 0 first, whose
+        ``LoRAAdapterError`` says why it does not fit (then no other rank is told)."""
+        self.worker.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.worker.lora.remove(lora_int_id)
 
     def check_health(self) -> None:
         """Raise ``RuntimeError`` saying which rank is gone."""
@@ -244,6 +254,21 @@ class MultiprocExecutor(Executor):
         except RuntimeError as e:  # a collective failed: a rank is gone or broken
             self.failed = f"a tensor-parallel rank failed during a step: {e}"
             raise RuntimeError(self.failed) from e
+
+    def add_lora(self, request: LoRARequest) -> None:
+        super().add_lora(request)
+        self._send_lora(["add", request.lora_name, request.lora_int_id, request.lora_path])
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        super().remove_lora(lora_int_id)
+        self._send_lora(["remove", "", lora_int_id, ""])
+
+    def _send_lora(self, message: list) -> None:
+        self.check_health()
+        data = list(json.dumps(message).encode())
+        self._send(
+            LORA, torch.tensor(data, dtype=torch.long, device=self.worker.device.torch_device)
+        )
 
     def _broadcast_step(self, inp: ModelInput) -> None:
         self._send(STEP, inp.to_tensor().to(self.worker.device.torch_device))
@@ -525,7 +550,19 @@ def worker_loop(worker: Worker) -> None:
             dist.gather_object(worker.device_stats(), None, dst=0)
             continue
         payload = device.broadcast(torch.empty(size, dtype=torch.long, device=where), src=0)
-        worker.runner.run_step(ModelInput.from_tensor(payload))
+        if kind == LORA:
+            _lora_message(worker, payload)
+        else:
+            worker.runner.run_step(ModelInput.from_tensor(payload))
+
+
+def _lora_message(worker: Worker, payload: torch.Tensor) -> None:
+    """An adapter added (rank 0 has read it already: this rank reads its own cut) or removed."""
+    op, name, lora_int_id, path = json.loads(bytes(payload.tolist()).decode())
+    if op == "remove":
+        worker.lora.remove(lora_int_id)
+    else:
+        worker.lora.add(LoRARequest(name, lora_int_id, path))
 
 
 def serve_node(config: EngineConfig, log_level: str = "info") -> int:

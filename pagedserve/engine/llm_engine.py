@@ -27,6 +27,8 @@ from pagedserve.engine.stop_checker import check_stop
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
 from pagedserve.hal.faults import UnrecoverableFaultError
+from pagedserve.lora.registry import LoRARegistry
+from pagedserve.lora.request import LoRARequest
 from pagedserve.models import Tokenizer, load_config, resolve_model_path
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
@@ -55,6 +57,7 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
         self._check_max_model_len()
         self._check_tier_settings()
+        self._check_lora_settings()
         self.tokenizer = self._load_tokenizer()
         self.executor = create_executor(config, usage_context)
         # the ranks stop however this engine ends: shutdown(), garbage collection or exit
@@ -84,7 +87,11 @@ class LLMEngine:
             worker.num_swap_frames,
             worker.num_host_cache_frames,
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        lora = config.lora
+        self.lora_registry = LoRARegistry(lora.max_loras) if lora.enable_lora else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, lora.max_loras if lora.enable_lora else 0
+        )
         self.fault_recovery = FaultRecovery(
             self.device,
             self.model,
@@ -122,6 +129,9 @@ class LLMEngine:
         spec = config.speculative
         self.proposer = NgramProposer(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        self.lora_requests_total: dict[str, int] = {}  # adapter name -> requests it served
+        for module in lora.lora_modules:
+            self._add_lora_module(module)
 
     def _load_tokenizer(self) -> Tokenizer | None:
         path = Path(self.config.model.tokenizer or self.model_path)
@@ -154,6 +164,34 @@ class LLMEngine:
                 f"prefix caching is off; turn it on ({ctx.assignment('enable_prefix_caching', True)}) "
                 f"or drop {ctx.name_of('host_prefix_cache')}"
             )
+
+    def _check_lora_settings(self) -> None:
+        lora, ctx = self.config.lora, self.usage_context
+        if lora.lora_modules and not lora.enable_lora:
+            raise ValueError(
+                f"{ctx.name_of('lora_modules')} needs LoRA turned on: "
+                f"{ctx.start_with} {ctx.assignment('enable_lora', True)} as well"
+            )
+        if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+            raise ValueError(
+                f"{ctx.assignment('max_cpu_loras', lora.max_cpu_loras)} is less than "
+                f"{ctx.assignment('max_loras', lora.max_loras)}: host memory keeps at least the "
+                f"adapters of one step; raise {ctx.name_of('max_cpu_loras')} or leave it unset"
+            )
+
+    def _add_lora_module(self, module: dict) -> None:
+        """An adapter of ``lora_modules``, loaded at start-up; a bad one fails the start."""
+        request = LoRARequest(
+            module["name"],
+            self.lora_registry.next_id(),
+            module["path"],
+            module.get("base_model_name"),
+        )
+        try:
+            self.add_lora(request)
+        except ValueError as e:
+            flag = self.usage_context.name_of("lora_modules")
+            raise ValueError(f"{flag} {module['name']}={module['path']}: {e}") from None
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token on each card (its KV heads, in the KV cache's dtype)."""
@@ -200,20 +238,23 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request, or raise ``RequestRejectedError`` saying why it can never run."""
+        """Queue a request, or raise ``RequestRejectedError`` saying why it can never run.
+        ``lora_request``: the adapter it runs with (read and checked on its first use)."""
         if not self._finalizer.alive:
             raise RuntimeError("this engine has been shut down; start a new one")
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = self.check_request(prompt_token_ids, params)
+        self._check_lora_request(lora_request)
         if params.structured_outputs is not None:
             try:
                 self.structured_output_manager.check(params.structured_outputs)
             except ValueError as e:
                 raise RequestRejectedError(str(e)) from e
         seqs = [
-            self._new_seq(request_id, i, prompt_token_ids, params, arrival_time)
+            self._new_seq(request_id, i, prompt_token_ids, params, arrival_time, lora_request)
             for i in range(params.n)
         ]
         if params.structured_outputs is not None:
@@ -235,6 +276,71 @@ class LLMEngine:
         self.groups[request_id] = group
         self.scheduler.add_request(seqs[0])
         self.stats["prompt_tokens_total"] += len(prompt_token_ids)
+        if lora_request is not None:
+            name = lora_request.lora_name
+            self.lora_requests_total[name] = self.lora_requests_total.get(name, 0) + 1
+
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter, added on its first use; ``RequestRejectedError`` when LoRA is off
+        or the adapter does not fit the base model."""
+        if lora_request is None:
+            return
+        if self.lora_registry is None:
+            ctx = self.usage_context
+            raise RequestRejectedError(
+                f"this request asks for LoRA adapter {lora_request.lora_name!r}, but LoRA is off; "
+                f"{ctx.start_with} {ctx.assignment('enable_lora', True)}",
+                param="model",
+            )
+        if lora_request.lora_int_id not in self.lora_registry:
+            try:
+                self.add_lora(lora_request)
+            except ValueError as e:
+                raise RequestRejectedError(
+                    f"LoRA adapter {lora_request.lora_name!r}: {e}", param="model"
+                ) from e
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter on every rank and keep it in host memory; raises
+        ``LoRAAdapterError`` (a ``ValueError``) saying why it does not fit the base model."""
+        if self.lora_registry is None:
+            ctx = self.usage_context
+            raise ValueError(f"LoRA is off; {ctx.start_with} {ctx.assignment('enable_lora', True)}")
+        self.executor.add_lora(lora_request)
+        self.lora_registry.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; a ``ValueError`` naming the requests that still run with it (they
+        keep it until they finish). False when no such adapter is loaded."""
+        registry = self.lora_registry
+        if registry is None or lora_int_id not in registry:
+            return False
+        users = self.lora_users(lora_int_id)
+        if users:
+            name = registry.requests[lora_int_id].lora_name
+            shown = ", ".join(users[:10]) + (
+                f" and {len(users) - 10} more" if len(users) > 10 else ""
+            )
+            raise ValueError(
+                f"LoRA adapter {name!r} is in use by {len(users)} request(s) ({shown}); unload "
+                "it once they finish, or abort them first"
+            )
+        self.executor.remove_lora(lora_int_id)
+        registry.remove(lora_int_id)
+        return True
+
+    def lora_users(self, lora_int_id: int) -> list[str]:
+        """The unfinished requests that run with adapter ``lora_int_id``."""
+        return [
+            rid
+            for rid, group in self.groups.items()
+            if any(s.lora_int_id == lora_int_id for s in group.seqs)
+        ]
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora_registry.requests) if self.lora_registry is not None else set()
 
     def _new_seq(
         self,
@@ -243,6 +349,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         if index and params.seed is not None:
             params = SamplingParams(**{**vars(params), "seed": params.seed + index})
@@ -254,6 +361,7 @@ class LLMEngine:
             self.eos_token_ids,
             arrival_time=arrival_time or time.monotonic(),
             draft_state=DraftState() if self._drafts_for(params) else None,
+            lora_request=lora_request,
         )
 
     def _drafts_for(self, params: SamplingParams) -> bool:
@@ -321,6 +429,7 @@ class LLMEngine:
             self._wait_for_grammars()
             return []
         forks = self._forks_this_step(sched)
+        self._assign_lora_slots(sched)
         try:
             result = self.executor.execute_model(sched, forks)
         except UnrecoverableFaultError:
@@ -337,6 +446,14 @@ class LLMEngine:
             self.block_manager.moves_done()
         self.fault_recovery.step_done()
         return self._update(sched, forks, result)
+
+    def _assign_lora_slots(self, sched: SchedulerOutput) -> None:
+        """The device slot of each adapter the step runs, and the moves into them."""
+        if self.lora_registry is None:
+            return
+        lora_ids = {s.request.lora_int_id for s in sched.scheduled} - {0}
+        if lora_ids:
+            sched.lora_loads, sched.lora_slot_of = self.lora_registry.assign(lora_ids)
 
     def take_failed(self) -> list[tuple[str, str]]:
         failed, self.failed = self.failed, []
@@ -528,6 +645,30 @@ class LLMEngine:
             "collective_bytes_sent_total": self.device.collective_bytes_sent,
             **self.spec_stats.to_dict(),
             **self.stats,
+            **self._lora_stats(),
+        }
+
+    def _lora_stats(self) -> dict:
+        """vLLM's ``lora_requests_info``: the adapters of the running and of the waiting
+        requests (by name), the slots; and the requests each adapter has served."""
+        registry = self.lora_registry
+        if registry is None:
+            return {}
+        sched = self.scheduler
+        names = {i: r.lora_name for i, r in registry.requests.items()}
+
+        def adapters(requests) -> list[str]:
+            return sorted({names.get(r.lora_int_id, "?") for r in requests if r.lora_int_id})
+
+        return {
+            "lora": {
+                "max_lora": registry.max_loras,
+                "running_lora_adapters": adapters(sched.running),
+                "waiting_lora_adapters": adapters(sched.waiting),
+                "requests_total": dict(self.lora_requests_total),
+                "loaded_adapters": sorted(names.values()),
+                "swap_ins_total": registry.num_swap_ins,
+            }
         }
 
     def _host_tier_stats(self) -> dict:

@@ -15,7 +15,9 @@ import msgpack
 from pagedserve.sampling_params import SamplingParams
 
 # HTTP process -> engine core
-ADD = "add"  # [ADD, request_id, prompt_token_ids, sampling params (dict), arrival_time]
+# [ADD, request_id, prompt_token_ids, sampling params (dict), arrival_time, LoRA adapter name
+# or None]
+ADD = "add"
 ABORT = "abort"  # [ABORT, [[request_id, sequence index or None (all)], ...]]
 UTILITY = "utility"  # [UTILITY, call_id, method name, [args]]
 SHUTDOWN = "shutdown"  # [SHUTDOWN]

@@ -18,6 +18,7 @@ from pagedserve.engine.request import Request
 from pagedserve.engine.sampler import Sampler, SamplingMetadata, accept_drafts
 from pagedserve.engine.scheduler import SchedulerOutput
 from pagedserve.hal import AttentionMetadata, Device
+from pagedserve.lora.slots import LoRASlots
 from pagedserve.models.glm4 import GlmForCausalLM
 
 
@@ -37,32 +38,39 @@ class ModelInput:
     # moves between the KV tier and the host tier, done first: every rank holds the same pages
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV page, host frame)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host frame, KV page)
+    # LoRA: each sequence's adapter slot (-1: the base model), and the adapters to move into
+    # their slots first (slot, adapter id); empty without adapters
+    lora_slots: list[int] = field(default_factory=list)  # [B] or []
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     def to_tensor(self) -> torch.Tensor:
         """One int64 tensor: the sizes, then every field flattened."""
         tables = [p for row in self.block_tables for p in row]
-        pairs = [self.page_copies, self.swap_out, self.swap_in]
+        pairs = [self.page_copies, self.swap_out, self.swap_in, self.lora_loads]
         max_blocks = len(self.block_tables[0]) if self.block_tables else 0
         sizes = [len(self.input_ids), len(self.seq_lens), max_blocks, len(self.logits_rows)]
-        sizes += [len(p) for p in pairs]
+        sizes += [len(self.lora_slots)] + [len(p) for p in pairs]
         fields = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc]
-        fields += [self.seq_lens, tables, self.logits_rows]
+        fields += [self.seq_lens, tables, self.logits_rows, self.lora_slots]
         fields += [[x for pair in p for x in pair] for p in pairs]
         return torch.tensor(sizes + [x for f in fields for x in f], dtype=torch.long)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> ModelInput:
         values = t.tolist()
-        T, B, max_blocks, R, C, SO, SI = values[:7]
-        lengths = [T, T, T, B + 1, B, B * max_blocks, R, 2 * C, 2 * SO, 2 * SI]
-        fields, at = [], 7
+        T, B, max_blocks, R, L, C, SO, SI, LL = values[:9]
+        lengths = [T, T, T, B + 1, B, B * max_blocks, R, L, 2 * C, 2 * SO, 2 * SI, 2 * LL]
+        fields, at = [], 9
         for n in lengths:
             fields.append(values[at : at + n])
             at += n
-        ids, pos, slots, qsl, lens, tables, rows, *flat_pairs = fields
+        ids, pos, slots, qsl, lens, tables, rows, lora_slots, *flat_pairs = fields
         table_rows = [tables[i * max_blocks : (i + 1) * max_blocks] for i in range(B)]
-        copies, swap_out, swap_in = (list(zip(f[::2], f[1::2])) for f in flat_pairs)
-        return cls(ids, pos, slots, qsl, lens, table_rows, rows, copies, swap_out, swap_in)
+        copies, swap_out, swap_in, lora_loads = (list(zip(f[::2], f[1::2])) for f in flat_pairs)
+        return cls(
+            ids, pos, slots, qsl, lens, table_rows, rows, copies, swap_out, swap_in, lora_slots,
+            lora_loads,
+        )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -88,9 +96,15 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(
-        self, model: GlmForCausalLM, device: Device, kv_cache: torch.Tensor, block_size: int
+        self,
+        model: GlmForCausalLM,
+        device: Device,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        lora: LoRASlots | None = None,
     ):
         self.model = model
+        self.lora = lora  # this rank's adapter slots (None: LoRA is off)
         self.device = device
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -172,10 +186,12 @@ class ModelRunner:
 
     def move_pages(self, inp: ModelInput) -> None:
         """The step's page moves, in the order the block manager queued them for: swap-outs,
-        swap-ins, copy-on-write."""
+        swap-ins, copy-on-write; then the adapters it needs into their device slots."""
         self.device.swap_out(inp.swap_out)
         self.device.swap_in(inp.swap_in)
         self.device.copy_pages(inp.page_copies)
+        for slot, lora_id in inp.lora_loads:
+            self.lora.activate(slot, lora_id)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput) -> torch.Tensor | None:
@@ -191,10 +207,20 @@ class ModelRunner:
         )
         input_ids = torch.tensor(inp.input_ids, device=dev)
         positions = torch.tensor(inp.positions, device=dev)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        lora = self._lora_step(inp)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, lora)
         if not inp.logits_rows:
             return None
         return self.model.compute_logits(hidden[inp.logits_rows])
+
+    def _lora_step(self, inp: ModelInput):
+        """The step's adapter rows (each token takes its sequence's slot); None when no
+        sequence has an adapter, so that the model keeps its fused decode layers."""
+        if self.lora is None or not any(s >= 0 for s in inp.lora_slots):
+            return None
+        qsl = inp.query_start_loc
+        token_slots = [s for i, s in enumerate(inp.lora_slots) for _ in range(qsl[i + 1] - qsl[i])]
+        return self.lora.step(token_slots)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[ModelInput, dict[int, list[int]]]:
         """Flatten the scheduled requests in one pass in Python; ``logits_rows`` holds each
@@ -245,6 +271,10 @@ class ModelRunner:
             list(sched.swap_out),
             list(sched.swap_in),
         )
+        if sched.lora_slot_of:
+            slot_of = sched.lora_slot_of
+            inp.lora_slots = [slot_of.get(s.request.lora_int_id, -1) for s in sched.scheduled]
+            inp.lora_loads = list(sched.lora_loads)
         return inp, prompt_rows
 
     @staticmethod

@@ -24,6 +24,9 @@ class EngineClient(ABC):
     max_queue_len: int | None  # waiting requests beyond which admission answers 503
     draining: bool  # admitting nothing new (shutting down)
     dead_error: str | None  # why the engine is not running (None: it runs)
+    lora_enabled: bool = False  # the engine serves LoRA adapters (--enable-lora)
+    # the loaded adapters by name: {"name", "id", "path", "base_model_name"}
+    lora_adapters: dict[str, dict] = {}
 
     @abstractmethod
     def start(self) -> None:
@@ -59,8 +62,10 @@ class EngineClient(ABC):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes; aborted if the consumer goes away."""
+        """The request's outputs until it finishes; aborted if the consumer goes away.
+        ``lora_name``: a loaded LoRA adapter it runs with (None: the base model)."""
 
     @abstractmethod
     async def call_utility(self, name: str, *args: Any) -> Any:
@@ -77,3 +82,11 @@ class EngineClient(ABC):
 
     async def reset_prefix_cache(self) -> bool:
         return await self.call_utility("reset_prefix_cache")
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """``{"adapter": info}``, or ``{"error": why}`` (an engine that cannot says so)."""
+        return {"error": f"{type(self).__name__} does not load LoRA adapters at run time"}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """``{}``, or ``{"error": why}`` (``not_found``, or ``in_use`` naming the requests)."""
+        return {"error": f"{type(self).__name__} does not unload LoRA adapters at run time"}

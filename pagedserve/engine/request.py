@@ -12,6 +12,7 @@ from pagedserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedserve.engine.spec_decode import DraftState
     from pagedserve.engine.structured_output.request import StructuredOutputRequest
+    from pagedserve.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Request:
     # its back-off (``spec_decode.DraftState``; None: this engine does not speculate)
     spec_token_ids: list[int] = field(default_factory=list)
     draft_state: DraftState | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -81,6 +83,11 @@ class Request:
         preempted one rebuilds it from its output tokens when it runs again."""
         if self.structured_output is not None:
             self.structured_output.release()
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model (vLLM's convention)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,10 @@ drafts, so they are scheduled (and their KV slots allocated) as extra tokens und
 budget; a budget that cuts them short drops the drafts it has no room for. After the step the
 engine rolls ``num_computed_tokens`` back past the rejected drafts and returns their pages
 (``BlockManager.trim``). A preempted request loses its drafts.
+
+LoRA: the running requests use at most ``max_loras`` distinct adapters (the device slots); a
+waiting request for another adapter keeps its place in the queue until one of them has no
+running request left, and the requests behind it may go first (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class SchedulerOutput:
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (KV page, host frame)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host frame, KV page)
+    # LoRA: the adapters moved into device slots before the step (slot, adapter id), and the
+    # slot of each adapter the step runs (the engine fills them in)
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    lora_slot_of: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -74,8 +82,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int = 0):
         self.config = config
+        self.max_loras = max_loras  # distinct adapters among the running requests (0: none)
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -122,10 +131,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         seats = self.config.max_num_seqs - sum(_num_seats(r) for r in self.running)
-        skipped: list[Request] = []  # waiting for their grammars: they keep their places
+        skipped: list[Request] = []  # waiting for their grammars or adapters: they keep places
+        loras = self.running_loras()
         while self.waiting and budget > 0 and _num_seats(self.waiting[0]) <= seats:
             req = self.waiting[0]
-            if req.waiting_for_grammar:
+            if req.waiting_for_grammar or self._waits_for_lora(req, loras):
                 skipped.append(self.waiting.popleft())
                 continue
             if req.status is RequestStatus.SWAPPED:
@@ -142,7 +152,17 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             seats -= _num_seats(req)
+            loras.add(req.lora_int_id)
         self.waiting.extendleft(reversed(skipped))
+
+    def running_loras(self) -> set[int]:
+        """The adapters of the running requests (0, the base model, among them if it runs)."""
+        return {r.lora_int_id for r in self.running}
+
+    def _waits_for_lora(self, req: Request, loras: set[int]) -> bool:
+        """Whether admitting ``req`` would run one adapter more than ``max_loras``."""
+        lora_id = req.lora_int_id
+        return bool(lora_id) and lora_id not in loras and len(loras - {0}) >= self.max_loras
 
     def _allocate_waiting(self, req: Request, budget: int) -> int | None:
         """Pages for a waiting request's prefix hits and first tokens: how many tokens it gets

@@ -16,6 +16,7 @@ from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.hal import DeviceOutOfMemoryError, get_device
 from pagedserve.hal.memory import format_bytes
+from pagedserve.lora.slots import LoRASlots
 from pagedserve.models import load_config, load_state_dict, resolve_model_path
 from pagedserve.models.glm4 import GlmForCausalLM
 from pagedserve.models.loader import weight_files
@@ -55,6 +56,7 @@ class Worker:
         self.tp = TensorParallel(self.model_config, rank, world_size)
         self.tp.check(self._int4_group_size(), usage_context.name_of("tensor_parallel_size"))
         self.model = self._load_model()
+        self.lora = self._lora_slots()  # before the KV pool is sized: it leaves them room
         self.block_size = config.cache.block_size
         self.kv_cache_dtype = torch.int8 if config.cache.kv_cache_dtype == "int8" else self.dtype
         self.runner: ModelRunner | None = None
@@ -116,6 +118,28 @@ class Worker:
             f"({error}); {advice}"
         )
 
+    def _lora_slots(self) -> LoRASlots | None:
+        lora = self.config.lora
+        if not lora.enable_lora:
+            return None
+        try:
+            return LoRASlots(
+                self.model_config,
+                self.device,
+                self.dtype,
+                self.tp,
+                lora.max_loras,
+                lora.max_lora_rank,
+                lora.cpu_loras,
+                self.usage_context.name_of("max_lora_rank"),
+            )
+        except DeviceOutOfMemoryError as e:
+            name = self.usage_context.name_of
+            raise ValueError(
+                f"the LoRA adapters' device slots do not fit beside the weights ({e}); lower "
+                f"{name('max_loras')} or {name('max_lora_rank')}"
+            ) from None
+
     # ---- the KV cache -------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         """On this card: its KV heads only, in the KV cache's dtype (``--kv-cache-dtype``)."""
@@ -153,7 +177,7 @@ class Worker:
             self.kv_cache_dtype,
         )
         self._init_host_tier()
-        self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size)
+        self.runner = ModelRunner(self.model, self.device, kv_cache, self.block_size, self.lora)
         return self.runner
 
     def _same_on_every_rank(self, count: int) -> int:

@@ -14,6 +14,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pagedserve.config import EngineConfig, UsageContext
 from pagedserve.engine.llm_engine import LLMEngine, RequestRejectedError
 from pagedserve.engine.output_processor import EngineStepError
+from pagedserve.lora.request import LoRARequest
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,8 +90,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``; a prompt is a string or ``{"prompt_token_ids": [...]}``.
+
+        ``lora_request`` (as vLLM's): the LoRA adapter every prompt runs with, or one per prompt
+        (None: the base model); an ``LLM(enable_lora=True)`` reads each adapter on first use.
 
         A prompt that can never run (longer than ``max_model_len``, larger than the whole KV
         cache, empty, or with ids outside the vocabulary) does not stop the others: its output has
@@ -109,6 +114,7 @@ class LLM:
             raise ValueError(
                 f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params"
             )
+        loras = _per_prompt(lora_request, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         request_ids, rejected = [], {}
         for index, (prompt, ids, sp) in enumerate(zip(prompts, encoded, sampling_params)):
@@ -117,7 +123,9 @@ class LLM:
             request_ids.append(request_id)
             text = prompt if isinstance(prompt, str) else None
             try:
-                self.llm_engine.add_request(request_id, ids, sp, prompt=text)
+                self.llm_engine.add_request(
+                    request_id, ids, sp, prompt=text, lora_request=loras[index]
+                )
             except RequestRejectedError as e:
                 logger.warning("prompt %d rejected: %s", index, e)
                 rejected[request_id] = _rejected_output(request_id, text, ids, sp, str(e))
@@ -130,6 +138,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template; ``tools`` (OpenAI's shape) go to the template, as vLLM's ``LLM.chat`` sends
@@ -147,7 +156,7 @@ class LLM:
             }
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _tokenizer(self):
         tok = self.llm_engine.tokenizer
@@ -198,6 +207,15 @@ class LLM:
 
     def _abort_unfinished(self, request_ids: list[str], finished: dict) -> None:
         self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
+
+
+def _per_prompt(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(loras)} lora_request entries")
+    return loras
 
 
 def _rejected_output(

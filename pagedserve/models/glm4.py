@@ -10,6 +10,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,14 @@ logger = logging.getLogger(__name__)
 Linear = torch.Tensor | Int4Linear | Int8Linear
 LM_HEAD_QUANTIZATIONS = ("none", "int8", "int4")
 CanonicalInt4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+class LoRAHook(Protocol):
+    """What a step with adapter rows adds after each target linear (``lora.slots.LoRAStep``):
+    ``y`` plus each row's ``scale * B (A x)``, for ``target`` in qkv_proj, o_proj, gate_up_proj
+    and down_proj of decoder layer ``layer``."""
+
+    def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -258,23 +267,30 @@ class GlmForCausalLM:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: LoRAHook | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the flat batch.
 
         The residual stream is vLLM's: each layer returns its last output and the running sum
         separately, and the next norm adds them (one fused op on backends that have it).
+
+        ``lora``: the step's adapter rows (None: every row is the base model's). The backend's
+        fused decoder layer knows no adapters, so a step with any adapter row runs op by op.
         """
         dev = self.device
         h = self._embed(input_ids)
         rope = dev.rotary_at(self.cos_sin, positions)  # the same for every layer
         residual = None
         fusable = meta.max_query_len <= dev.fused_layer_max_query_rows  # decode (and drafts)
+        fusable = fusable and lora is None
         for i, layer in enumerate(self.layers):
             fused = self.fused_layers[i] if fusable else None
             if fused is not None:  # the backend's one-call kernel for the same computation
                 h, residual = fused(h, residual, rope, meta, kv_cache[i])
             else:
-                h, residual = self._decoder_layer(layer, h, residual, rope, meta, kv_cache[i])
+                h, residual = self._decoder_layer(
+                    layer, h, residual, rope, meta, kv_cache[i], (i, lora)
+                )
         return dev.add_rms_norm(h, residual, self.norm, self.config.rms_norm_eps)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -306,14 +322,15 @@ class GlmForCausalLM:
         rope: object,
         meta: AttentionMetadata,
         kv: torch.Tensor,
+        lora: tuple[int, LoRAHook | None] = (0, None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dev, eps = self.device, self.config.rms_norm_eps
         x, residual = dev.add_rms_norm(h, residual, w.input_layernorm, eps)
-        attn = self._attention(w, x, rope, meta, kv)
+        attn = self._attention(w, x, rope, meta, kv, lora)
         if self.sandwich:
             attn = dev.rms_norm(attn, w.post_self_attn_layernorm, eps)
         x, residual = dev.add_rms_norm(attn, residual, w.post_attention_layernorm, eps)
-        mlp = self._mlp(w, x)
+        mlp = self._mlp(w, x, lora)
         if self.sandwich:
             mlp = dev.rms_norm(mlp, w.post_mlp_layernorm, eps)
         return mlp, residual
@@ -325,15 +342,32 @@ class GlmForCausalLM:
         rope: object,
         meta: AttentionMetadata,
         kv: torch.Tensor,
+        lora: tuple[int, LoRAHook | None] = (0, None),
     ) -> torch.Tensor:
         dev, T, D = self.device, x.shape[0], self.head_dim
         H, KV = self.num_heads, self.num_kv_heads
-        qkv = dev.linear(x, w.qkv_proj, w.qkv_bias).view(T, H + 2 * KV, D)
-        q = dev.rotary_and_write_kv(qkv, H, rope, kv[0], kv[1], meta.slot_mapping)
-        o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale)
-        return dev.all_reduce(dev.linear(o.reshape(T, H * D), w.o_proj))  # row-parallel
+        qkv = _with_lora(lora, "qkv_proj", x, dev.linear(x, w.qkv_proj, w.qkv_bias))
+        q = dev.rotary_and_write_kv(
+            qkv.view(T, H + 2 * KV, D), H, rope, kv[0], kv[1], meta.slot_mapping
+        )
+        o = dev.paged_attention(q, kv[0], kv[1], meta, self.scale).reshape(T, H * D)
+        return dev.all_reduce(
+            _with_lora(lora, "o_proj", o, dev.linear(o, w.o_proj))
+        )  # row-parallel
 
-    def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self, w: DecoderLayerWeights, x: torch.Tensor, lora: tuple[int, LoRAHook | None] = (0, None)
+    ) -> torch.Tensor:
         dev = self.device
-        down = dev.linear(dev.silu_and_mul(dev.linear(x, w.gate_up_proj)), w.down_proj)
+        gate_up = _with_lora(lora, "gate_up_proj", x, dev.linear(x, w.gate_up_proj))
+        act = dev.silu_and_mul(gate_up)
+        down = _with_lora(lora, "down_proj", act, dev.linear(act, w.down_proj))
         return dev.all_reduce(down)  # row-parallel
+
+
+def _with_lora(
+    lora: tuple[int, LoRAHook | None], target: str, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """``y`` (the base layer's output for input ``x``) with the adapter rows' share added."""
+    layer, hook = lora
+    return y if hook is None else hook.apply(layer, target, x, y)

@@ -22,6 +22,7 @@ from pagedserve.server.completions import completions_router
 from pagedserve.server.device import device_router
 from pagedserve.server.errors import error_body, install_error_handlers
 from pagedserve.server.info import info_router
+from pagedserve.server.lora import lora_router, runtime_lora_updating_allowed
 from pagedserve.server.reasoning_parsers import ReasoningParserManager
 from pagedserve.server.sampling import MAX_LOGPROBS
 from pagedserve.server.serving import OpenAIServing
@@ -53,6 +54,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
     chat_template: str | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``: an ``EngineClient`` (an ``AsyncLLMEngine``, the engine
     core in a process of its own, as ``pagedserve serve`` runs it; or the Ray Serve ingress's
@@ -66,7 +68,10 @@ def build_app(
     Tools (vLLM's flags): ``tool_call_parser`` names the parser of the model's tool-call format
     (``--tool-call-parser``), ``enable_auto_tool_choice`` lets the model decide
     (``tool_choice: "auto"``); ``reasoning_parser`` splits a thinking model's output;
-    ``chat_template`` (the text of one) replaces the model's own."""
+    ``chat_template`` (the text of one) replaces the model's own.
+
+    ``allow_runtime_lora_updating`` (or ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``): the LoRA
+    adapters may be loaded and unloaded while serving (``server/lora.py``)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. glm4)")
     tools = ToolParserManager.get_tool_parser(tool_call_parser) if tool_call_parser else None
@@ -110,6 +115,7 @@ def build_app(
         info_router(serving),
         tokenization_router(serving),
         device_router(serving, enable_fault_injection),
+        lora_router(serving, runtime_lora_updating_allowed(allow_runtime_lora_updating)),
     ):
         app.include_router(router)
     app.include_router(sglang_router(serving))

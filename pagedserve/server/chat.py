@@ -86,7 +86,7 @@ def _chat_choice(
 
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, raw: Request):
-    serving.check_model(body.model)
+    lora_name = serving.check_model(body.model)
     tools = tool_request(
         body.tools, body.tool_choice, body.parallel_tool_calls, serving.enable_auto_tool_choice
     )
@@ -99,7 +99,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.check_fits([prompt], params, "messages")
     serving.check_admission()
     request_id = random_id("chatcmpl")
-    streams = serving.start(request_id, [prompt], params, serving.session_key(raw, body.user))
+    session = serving.session_key(raw, body.user)
+    streams = serving.start(request_id, [prompt], params, session, lora_name)
     if body.stream:
         return sse_response(
             _chat_stream(serving, body, tools, parsers, request_id, prompt, streams[0])
@@ -108,7 +109,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     choices = [_chat_choice(serving, body, tools, parsers(), o) for o in final.outputs]
     return ChatCompletionResponse(
         id=request_id,
-        model=serving.model_name,
+        model=serving.model_for(body.model),
         choices=choices,
         usage=usage_info([prompt], [final]),
     )
@@ -128,7 +129,8 @@ async def _chat_stream(
     sent_tokens = [0] * body.n
     done = [False] * body.n
 
-    chunk = partial(sse_chunk, ChatCompletionChunk, request_id, created, serving.model_name)
+    model = serving.model_for(body.model)
+    chunk = partial(sse_chunk, ChatCompletionChunk, request_id, created, model)
 
     yield chunk(
         [

@@ -61,7 +61,7 @@ def _completion_choice(
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw: Request):
-    serving.check_model(body.model)
+    lora_name = serving.check_model(body.model)
     if body.echo and body.stream and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming", "echo")
     prompts = serving.encode_prompts(body.prompt)
@@ -72,7 +72,8 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw
     serving.check_fits(prompts, params)
     serving.check_admission()
     request_id = random_id("cmpl")
-    streams = serving.start(request_id, prompts, params, serving.session_key(raw, body.user))
+    session = serving.session_key(raw, body.user)
+    streams = serving.start(request_id, prompts, params, session, lora_name)
     if body.stream:
         return sse_response(_completion_stream(serving, body, request_id, prompts, streams))
     finals = await serving.collect(raw, streams)
@@ -82,7 +83,10 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, raw
         for o in out.outputs
     ]
     return CompletionResponse(
-        id=request_id, model=serving.model_name, choices=choices, usage=usage_info(prompts, finals)
+        id=request_id,
+        model=serving.model_for(body.model),
+        choices=choices,
+        usage=usage_info(prompts, finals),
     )
 
 
@@ -99,7 +103,7 @@ async def _completion_stream(
     offsets: dict[int, TextOffsets] = {}
     finals: dict[int, RequestOutput] = {}
 
-    chunk = partial(sse_chunk, CompletionChunk, request_id, created, serving.model_name)
+    chunk = partial(sse_chunk, CompletionChunk, request_id, created, serving.model_for(body.model))
 
     async for p, out in merge_streams(streams):
         for o in out.outputs:

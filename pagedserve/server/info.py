@@ -19,12 +19,22 @@ def info_router(serving: OpenAIServing) -> APIRouter:
     mutmut's reach); each one's response model is its return annotation."""
 
     async def models() -> ModelList:
+        """The base model, then each LoRA adapter with its ``parent`` (vLLM's list)."""
         card = ModelCard(
             id=serving.model_name,
             root=serving.engine.model,
             max_model_len=serving.max_model_len,
         )
-        return ModelList(data=[card])
+        adapters = [
+            ModelCard(
+                id=a["name"],
+                root=a["path"],
+                parent=a["base_model_name"] or serving.model_name,
+                max_model_len=serving.max_model_len,
+            )
+            for a in serving.engine.lora_adapters.values()
+        ]
+        return ModelList(data=[card, *adapters])
 
     async def health() -> Response:
         """Answered here, never by the engine: 200 while the engine core is alive (with its step

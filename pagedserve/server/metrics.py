@@ -114,6 +114,7 @@ class _EngineStatsCollector(Collector):
         if per_pos.samples:  # a series per draft position: none on a server that does not draft
             yield per_pos
         yield from self._vllm_names(stats)
+        yield from _lora_metrics(stats.get("lora"))
 
     def _vllm_names(self, stats: dict) -> Iterable[Metric]:
         """vLLM's gauges with its ``model_name`` label, and ``vllm:cache_config_info`` (value 1,
@@ -130,6 +131,31 @@ class _EngineStatsCollector(Collector):
         )
         info.add_metric(list(self.cache_config.values()), 1.0)
         yield info
+
+
+def _lora_metrics(lora: dict | None) -> Iterable[Metric]:
+    """vLLM's ``vllm:lora_requests_info`` under its own name (the Gateway API Inference
+    Extension routes by it): one sample whose labels list the adapters of the running and of the
+    waiting requests (comma-separated) and ``max_lora``, its value the time it was read, as
+    vLLM's; and the requests each adapter has served. Nothing on a server without LoRA."""
+    if lora is None:
+        return
+    info = GaugeMetricFamily(
+        VLLM_PREFIX + "lora_requests_info",
+        "Running and waiting LoRA adapters (labels); the value is when they were read.",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    running, waiting = (
+        ",".join(lora[k]) for k in ("running_lora_adapters", "waiting_lora_adapters")
+    )
+    info.add_metric([str(lora["max_lora"]), running, waiting], time.time())
+    yield info
+    counts = CounterMetricFamily(
+        PREFIX + "lora_requests", "Requests admitted, by LoRA adapter.", labels=["lora_name"]
+    )
+    for name, count in sorted(lora["requests_total"].items()):
+        counts.add_metric([name], float(count))
+    yield counts
 
 
 class ServerMetrics:

@@ -370,7 +370,23 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused, as
+    vLLM's is)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 class ModelList(ResponseModel):

@@ -125,15 +125,26 @@ class OpenAIServing:
         return tuple(sorted(texts, key=len, reverse=True))
 
     # ---- validation ---------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.model_name!r} (see GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); a 404 in
+        OpenAI's shape for a name this server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.engine.lora_adapters:
+            return model
+        adapters = sorted(self.engine.lora_adapters)
+        also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves "
+            f"{self.model_name!r}{also} (see GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
+
+    def model_for(self, model: str | None) -> str:
+        """The name a response gives its model: the adapter's, as vLLM's, else the served name."""
+        return model if model in self.engine.lora_adapters else self.model_name
 
     def check_admission(self) -> None:
         if not self.engine.is_alive:
@@ -227,14 +238,17 @@ class OpenAIServing:
         prompts: list[Prompt],
         params: SamplingParams,
         session: str | None = None,
+        lora_name: str | None = None,
     ):
         """Each prompt's output stream. ``session``: the request's session key, which a
-        data-parallel router may keep on one replica (``session_key``)."""
+        data-parallel router may keep on one replica (``session_key``); ``lora_name``: the LoRA
+        adapter ``check_model`` found (None: the base model)."""
         token = SESSION_KEY.set(session)
         try:
             return [
                 self._timed(
-                    self.engine.generate(f"{request_id}-{i}", ids, params, prompt=text), params.n
+                    self.engine.generate(f"{request_id}-{i}", ids, params, text, lora_name),
+                    params.n,
                 )
                 for i, (text, ids) in enumerate(prompts)
             ]

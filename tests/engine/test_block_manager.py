@@ -32,6 +32,7 @@ class Seq:
     request_id: str
     all_token_ids: list[int]
     num_computed_tokens: int = 0
+    lora_int_id: int = 0
 
     @property
     def num_tokens(self) -> int:

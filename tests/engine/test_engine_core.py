@@ -116,7 +116,9 @@ def test_a_requests_arrival_time_reaches_the_engine_held_or_not(core):
     ctx = zmq.Context.instance()
     sockets = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     try:
-        EngineCoreProc(core, *sockets)._handle([ADD, "wire", PROMPT, params_to_wire(GREEDY), 3.5])
+        EngineCoreProc(core, *sockets)._handle(
+            [ADD, "wire", PROMPT, params_to_wire(GREEDY), 3.5, None]
+        )
     finally:
         for s in sockets:
             s.close(linger=0)
@@ -340,7 +342,7 @@ def test_the_loop_streams_a_request_and_stops_on_shutdown(core):
     expected = reference(core.engine)
     loop = Loop(core)
     try:
-        loop.send([ADD, "a", PROMPT, params_to_wire(GREEDY), 0.0])
+        loop.send([ADD, "a", PROMPT, params_to_wire(GREEDY), 0.0, None])
         messages = loop.receive_until(lambda m: any(o[4] for o in outputs_from_wire(m[1]).outputs))
         outputs = [o for m in messages for o in outputs_from_wire(m[1]).outputs]
         assert [o.new_token_ids[0] for o in outputs] == expected
@@ -354,7 +356,7 @@ def test_the_loop_aborts_a_request_mid_generation(core):
     loop = Loop(core)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     try:
-        loop.send([ADD, "long", PROMPT, params_to_wire(params), 0.0])
+        loop.send([ADD, "long", PROMPT, params_to_wire(params), 0.0, None])
         loop.receive_until(lambda m: outputs_from_wire(m[1]).outputs)
         loop.send([ABORT, [["long", None]]])
         (*_, idle) = loop.receive_until(
@@ -546,7 +548,7 @@ def test_a_busy_core_whose_parent_is_gone_stops_without_finishing_its_request(
     proc = CoreProcess(short_tmp_path, monkeypatch, lambda: engine, os.getppid() + 1)
     try:
         assert proc.receive()[0] == READY
-        proc.to_core.send(encode([ADD, "long", PROMPT, params_to_wire(params), 0.0]))
+        proc.to_core.send(encode([ADD, "long", PROMPT, params_to_wire(params), 0.0, None]))
         assert proc.join() == {"code": 0}
     finally:
         proc.close()

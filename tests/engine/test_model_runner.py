@@ -100,17 +100,20 @@ def test_a_model_input_crosses_to_the_other_ranks_as_one_tensor_and_back():
         page_copies=[(3, 4)],
         swap_out=[(6, 1), (7, 2)],
         swap_in=[(0, 10)],
+        lora_slots=[-1, 2],
+        lora_loads=[(2, 7)],
     )
     t = inp.to_tensor()
-    # the sizes: tokens, sequences, blocks a table, logits rows, copies, swap-outs, swap-ins
-    assert t[:7].tolist() == [3, 2, 3, 2, 1, 2, 1]
-    assert t[7:].tolist() == [
+    # the sizes: tokens, sequences, blocks a table, logits rows, LoRA slots, copies, swap-outs,
+    # swap-ins, LoRA loads
+    assert t[:9].tolist() == [3, 2, 3, 2, 2, 1, 2, 1, 1]
+    assert t[9:].tolist() == [
         *[5, 6, 7, 0, 1, 9, 4, 5, 38, 0, 2, 3, 2, 10],
-        *[1, 0, 0, 2, 8, 9, 1, 2, 3, 4, 6, 1, 7, 2, 0, 10],
+        *[1, 0, 0, 2, 8, 9, 1, 2, -1, 2, 3, 4, 6, 1, 7, 2, 0, 10, 2, 7],
     ]
     assert ModelInput.from_tensor(t) == inp
     empty = ModelInput([], [], [], [0], [], [], [], [], swap_out=[(1, 2)])
-    assert empty.to_tensor().tolist()[:7] == [0, 0, 0, 0, 0, 1, 0]
+    assert empty.to_tensor().tolist()[:9] == [0, 0, 0, 0, 0, 0, 1, 0, 0]
     assert ModelInput.from_tensor(empty.to_tensor()) == empty
 
 

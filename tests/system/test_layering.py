@@ -13,10 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "pagedserve"
 TYPES = ("config", "sampling_params", "outputs", "presets")
 SDK = ("client", "lang")
-RANKS = {"types": 0, "hal": 1, "models": 2, "engine": 3, "rest": 4, "client": 4, "lang": 4}
+RANKS = {
+    "types": 0, "hal": 1, "models": 2, "lora": 2.5, "engine": 3, "rest": 4, "client": 4, "lang": 4,
+}  # fmt: skip
 # Imports that run up the layers on purpose, each with the reason.
 ALLOWED_UPWARD = {
     ("pagedserve", "pagedserve.entrypoints.llm"): "the package's lazy `from pagedserve import LLM`",
+    ("pagedserve", "pagedserve.lora.request"): "the lazy `from pagedserve import LoRARequest` "
+    "(no torch there)",
 }
 SDK_MAY_NOT_REACH = ("torch", "pagedserve.hal", "pagedserve.models", "pagedserve.engine")
 

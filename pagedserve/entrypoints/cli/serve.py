@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -40,7 +41,8 @@ ENGINE_ARGS = (
     "num_kv_pages", "enable_prefix_caching", "seed", "device", "kernels", "enforce_eager",
     "quantize_lm_head", "weight_scrub_pages", "tensor_parallel_size", "nnodes", "node_rank",
     "dist_init_addr", "dist_timeout", "kv_cache_dtype", "swap_space", "host_prefix_cache",
-    "preemption_mode", "speculative_config",
+    "preemption_mode", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
+    "max_cpu_loras",
 )  # fmt: skip
 
 
@@ -53,6 +55,8 @@ SERVE_GROUPS = {
     "Scheduler": "How many sequences and tokens one engine step takes; the waiting queue.",
     "Device": "Where the model runs, on how many ranks, with which kernels; how many "
     "data-parallel replicas of it.",
+    "LoRA": "Fine-tuned LoRA adapters (PEFT directories) served beside the base model; a "
+    "request picks one by its model name.",
     "Server": "The HTTP front end.",
     "Ray Serve": "Data-parallel replicas on Ray Serve (--data-parallel-backend ray): how "
     "requests are routed to them, how many run, where they go.",
@@ -71,6 +75,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_cache_args(groups["Cache"].add_argument)
     _add_scheduler_args(groups["Scheduler"].add_argument)
     _add_device_args(groups["Device"].add_argument)
+    _add_lora_args(groups["LoRA"].add_argument)
     _add_server_args(groups["Server"].add_argument)
     _add_tool_args(groups["Server"].add_argument)  # vLLM keeps them with its frontend's flags
     _add_ray_serve_args(groups["Ray Serve"].add_argument)
@@ -326,6 +331,64 @@ def _add_device_args(a: Callable[..., argparse.Action]) -> None:
     )
 
 
+def _add_lora_args(a: Callable[..., argparse.Action]) -> None:
+    a(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="serve LoRA adapters beside the base model (an INT4 base stays INT4; adapters are "
+        "16-bit); a request picks one by its model name",
+    )
+    a(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="adapters loaded at start-up, each name=path or vLLM's JSON "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "glm-4"}\'; a path is a '
+        "PEFT directory (adapter_config.json + adapter_model.safetensors) whose target modules "
+        "are GLM-4's linear layers (HF names or the original chatglm ones) (default: none)",
+    )
+    a(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="most distinct adapters in one engine step (each has a device slot); a request "
+        "for another waits (default 1)",
+    )
+    a(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="highest adapter rank served; an adapter of a higher rank is refused (default 16)",
+    )
+    a(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory, least recently used leave first (then read from disk "
+        "again when needed); at least --max-loras (default: --max-loras)",
+    )
+    a(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=None,
+        help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters "
+        "while serving (the same as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+    )
+
+
+def _lora_module(text: str):
+    """One ``--lora-modules`` entry, or argparse's error saying what is wrong."""
+    from pagedserve.lora.request import LoRAModulePath
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_server_args(a: Callable[..., argparse.Action]) -> None:
     a("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all interfaces")
     a("--port", type=int, default=8000, help="TCP port to listen on")
@@ -565,7 +628,23 @@ def flag_defaults(parser: argparse.ArgumentParser, data: dict, where: str) -> di
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
+    kwargs = {k: getattr(args, k) for k in ENGINE_ARGS if getattr(args, k, None) is not None}
+    modules = getattr(args, "lora_modules", None)
+    if modules:
+        kwargs["lora_modules"] = [_lora_module_dict(m) for m in modules]
+    return kwargs
+
+
+def _lora_module_dict(module) -> dict:
+    """A ``--lora-modules`` entry as the engine takes it (a YAML ``--config`` gives strings or
+    mappings, which argparse's type does not see)."""
+    from pagedserve.lora.request import LoRAModulePath
+
+    if isinstance(module, dict):
+        module = LoRAModulePath.parse(json.dumps(module))
+    elif isinstance(module, str):
+        module = LoRAModulePath.parse(module)
+    return {"name": module.name, "path": module.path, "base_model_name": module.base_model_name}
 
 
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
@@ -686,6 +765,7 @@ def _serve(engine, args: argparse.Namespace, tools: dict) -> int:
         max_logprobs=args.max_logprobs,
         max_request_body=args.max_request_body,
         allowed_origins=args.allowed_origins,
+        allow_runtime_lora_updating=bool(args.allow_runtime_lora_updating),
         **tools,
     )
     # httptools parses HTTP faster than h11 (a dependency; uvicorn's "auto" picks it); uvloop

@@ -53,6 +53,9 @@ class ReplicasEngine(EngineClient):
         self.limits = EngineLimits.from_dict(info["limits"])
         self.model = info["model"]
         self.description = info["describe"]
+        # every replica loads the same --lora-modules (run-time loads are one engine's: refused)
+        self.lora_enabled = info.get("lora_enabled", False)
+        self.lora_adapters = {a["name"]: a for a in info.get("lora_adapters", [])}
         if tokenizer is None and info["tokenizer_dir"]:
             from pagedserve.models.tokenizer import Tokenizer
 
@@ -156,8 +159,10 @@ class ReplicasEngine(EngineClient):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        return self._generate(request_id, prompt_token_ids, params, prompt, SESSION_KEY.get())
+        session = SESSION_KEY.get()
+        return self._generate(request_id, prompt_token_ids, params, prompt, session, lora_name)
 
     async def _generate(
         self,
@@ -166,6 +171,7 @@ class ReplicasEngine(EngineClient):
         params: SamplingParams,
         prompt: str | None,
         session: str | None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         exclude: list[str] = []
         self._num_streams += 1
@@ -174,7 +180,7 @@ class ReplicasEngine(EngineClient):
                 stream = _as_own_request(
                     self.handle.options(stream=True).generate.remote,
                     request_id, prompt_token_ids, params, prompt, session=session,
-                    exclude=tuple(exclude),
+                    exclude=tuple(exclude), lora_name=lora_name,
                 )  # fmt: skip
                 try:
                     first = True

@@ -66,14 +66,17 @@ class EngineReplica:
         prompt: str | None = None,
         session: str | None = None,
         exclude: tuple[str, ...] = (),
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; ``session`` and ``exclude`` are for the router."""
+        """The request's outputs; ``session`` and ``exclude`` are for the router; ``lora_name``:
+        the LoRA adapter it runs with."""
         if not self.engine.is_alive:
             reason = self.engine.dead_error or self.engine.client.exit_reason()
             raise ReplicaUnavailableError(
                 self.replica_id, f"the engine loop is not running: {reason}"
             )
-        async for output in self.engine.generate(request_id, prompt_token_ids, params, prompt):
+        stream = self.engine.generate(request_id, prompt_token_ids, params, prompt, lora_name)
+        async for output in stream:
             yield output
 
     async def call_utility(self, name: str, *args: Any) -> Any:

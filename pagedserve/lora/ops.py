@@ -1,0 +1,137 @@
+"""``y += scale * B_a (A_a x)`` for every row of a flat batch, each row with its own adapter.
+
+The adapters of one linear layer sit in device slots: ``a`` [slots, in, r] and ``b`` [slots, r,
+out] (scale folded into ``b``); each row of the batch carries its slot, -1 for a base-model row.
+``add_lora_reference`` is the definition, a row at a time; ``add_lora`` is what the model runs,
+held to it by the tests:
+
+- the adapter rows are sorted by slot once per step (``LoRABatch``, shared by every layer);
+- *grouped*: one grouped GEMM (``torch._grouped_mm``, a matmul per slot's run of rows inside one
+  call) for the shrink, one for the expand, one ``index_add_`` back: four ops per layer however
+  many adapters, the work in proportion to the rows;
+- *padded*: where the step's rows are spread evenly over two or more adapters (decode), the
+  runs padded to one length and two ``bmm`` calls over just those slots: fewer kernel calls
+  than the grouped GEMM's one per slot, which costs most for 16-bit matmuls of a few rows.
+
+``benchmarks/lora.py`` measured both against a loop of matmuls per adapter, a gathered
+per-row ``bmm`` (Punica's BGMV) and one matmul over every slot with the other slots' columns
+masked; README "LoRA adapters" has the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# padded bmm when the padded runs hold at most this many rows per real one (and >= 2 adapters)
+PADDED_MAX_FILL = 1.25
+
+
+@dataclass
+class LoRABatch:
+    """One step's rows grouped by adapter slot (every layer of the step reuses it)."""
+
+    num_tokens: int
+    order: torch.Tensor  # [N]: the adapter rows, sorted by slot (stable)
+    offsets: torch.Tensor  # [slots] int32: where each slot's run ends in ``order``
+    runs: list[tuple[int, int, int]]  # (slot, start, end) in ``order``, present slots only
+    padded: torch.Tensor | None = None  # [k, L]: rows of x per present slot, num_tokens = pad
+    padded_valid: torch.Tensor | None = None  # flat positions of real rows in [k * L]
+    slots: torch.Tensor | None = None  # [k]: the present slots (None: a contiguous range)
+    slot_range: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def build(cls, token_slots: list[int], num_slots: int) -> LoRABatch | None:
+        """None when no row has an adapter (the model then runs no LoRA at all)."""
+        per_slot: list[list[int]] = [[] for _ in range(num_slots)]
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                per_slot[slot].append(row)
+        order = [row for rows in per_slot for row in rows]
+        if not order:
+            return None
+        runs, ends, at = [], [], 0
+        for slot, rows in enumerate(per_slot):
+            if rows:
+                runs.append((slot, at, at + len(rows)))
+            at += len(rows)
+            ends.append(at)
+        batch = cls(
+            len(token_slots),
+            torch.tensor(order, dtype=torch.long),
+            torch.tensor(ends, dtype=torch.int32),
+            runs,
+        )
+        batch._plan_padded(per_slot)
+        return batch
+
+    def _plan_padded(self, per_slot: list[list[int]]) -> None:
+        present = [(slot, per_slot[slot]) for slot, _, _ in self.runs]
+        longest = max(len(rows) for _, rows in present)
+        if len(present) < 2 or len(present) * longest > PADDED_MAX_FILL * len(self.order):
+            return
+        grid = [rows + [self.num_tokens] * (longest - len(rows)) for _, rows in present]
+        self.padded = torch.tensor(grid, dtype=torch.long)
+        flat = [i * longest + j for i, (_, rows) in enumerate(present) for j in range(len(rows))]
+        self.padded_valid = torch.tensor(flat, dtype=torch.long)
+        slots = [slot for slot, _ in present]
+        if slots == list(range(slots[0], slots[-1] + 1)):
+            self.slot_range = (slots[0], slots[-1] + 1)
+        else:
+            self.slots = torch.tensor(slots, dtype=torch.long)
+
+    def to(self, device: torch.device) -> LoRABatch:
+        for name in ("order", "offsets", "padded", "padded_valid", "slots"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch):
+    """``y[t] += x[t] @ a[s] @ b[s]`` for every row ``t`` whose slot ``s`` is not -1, in place."""
+    if batch.padded is not None:
+        _add_padded(y, x, a, b, batch)
+    elif _grouped_gemm_ok(x, a, b):
+        xs = x.index_select(0, batch.order)
+        h = torch._grouped_mm(xs, a, offs=batch.offsets)
+        y.index_add_(0, batch.order, torch._grouped_mm(h, b, offs=batch.offsets))
+    else:  # a device without the grouped GEMM, or strides it refuses
+        xs = x.index_select(0, batch.order)
+        out = torch.cat([xs[i:j] @ a[s] @ b[s] for s, i, j in batch.runs])
+        y.index_add_(0, batch.order, out)
+    return y
+
+
+def _add_padded(y, x, a, b, batch: LoRABatch) -> None:
+    k, longest = batch.padded.shape
+    if batch.slots is None:
+        a, b = a[batch.slot_range[0] : batch.slot_range[1]], b[slice(*batch.slot_range)]
+    else:
+        a, b = a.index_select(0, batch.slots), b.index_select(0, batch.slots)
+    x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.padded]  # [k, L, in]
+    out = torch.bmm(torch.bmm(x_padded, a), b).view(k * longest, -1)
+    rows = batch.padded.view(-1)
+    if out.shape[0] != len(batch.order):
+        out, rows = out.index_select(0, batch.padded_valid), rows[batch.padded_valid]
+    y.index_add_(0, rows, out)
+
+
+def _grouped_gemm_ok(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` on the CPU, where every row it reads starts on 16 bytes."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size = x.element_size()
+    return all((n * size) % 16 == 0 for n in (x.shape[1], a.shape[2], b.shape[2]))
+
+
+def add_lora_reference(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: list[int]
+) -> torch.Tensor:
+    """The definition, a row at a time: ``y[t] += (x[t] @ a[s]) @ b[s]`` where ``s`` is row
+    ``t``'s slot (-1: a base-model row, left as it is)."""
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            y[t] += (x[t] @ a[s]) @ b[s]
+    return y
