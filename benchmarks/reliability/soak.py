@@ -35,8 +35,11 @@ WORDS = "river stone lamp winter paper orange quiet engine garden letter window 
 WARMUP, MEASURED = 0.4, 0.4  # shares of the requests: warm-up, then the measured stretch
 
 
-def _request(rng: random.Random, prefix_copies: int) -> tuple[str, dict, bool]:
-    """One request of the mix: (path, body, whether this client goes away early)."""
+def _request(
+    rng: random.Random, prefix_copies: int, models: list[str] | None = None
+) -> tuple[str, dict, bool]:
+    """One request of the mix: (path, body, whether this client goes away early); ``models``:
+    the names it picks its ``model`` from (LoRA adapters among them), else none sent."""
     prefix = rng.choice(PREFIXES) * prefix_copies
     prompt = prefix + " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))
     body = {
@@ -45,6 +48,8 @@ def _request(rng: random.Random, prefix_copies: int) -> tuple[str, dict, bool]:
         "stream": rng.random() < 0.5,
         "temperature": rng.choice([0.0, 0.8]),
     }
+    if models:
+        body["model"] = rng.choice(models)
     if rng.random() < 0.5:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
     else:
@@ -91,7 +96,13 @@ async def _enumerate(lines):
 
 
 async def _drive(
-    url: str, num_requests: int, concurrency: int, memory_pids, seed: int, prefix_copies: int
+    url: str,
+    num_requests: int,
+    concurrency: int,
+    memory_pids,
+    seed: int,
+    prefix_copies: int,
+    models: list[str] | None = None,
 ) -> dict:
     import httpx
 
@@ -105,7 +116,7 @@ async def _drive(
         for i in todo:
             if i in tenths and memory_pids:
                 rss[tenths[i]] = rss_by_process(memory_pids)
-            await _send(http, url, *_request(rng, prefix_copies), rng, outcomes)
+            await _send(http, url, *_request(rng, prefix_copies, models), rng, outcomes)
 
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120)) as http:
@@ -133,13 +144,16 @@ def run_soak(
     memory_pids: list[int],
     seed: int = 0,
     prefix_copies: int = 4,
+    models: list[str] | None = None,
 ) -> dict:
     """The soak against a running server; its figures (``memory_pids``: whose RSS to sample;
     ``prefix_copies``: how many times the shared prefix sentence repeats, 4: about 80 tokens
-    of the demo model's)."""
+    of the demo model's; ``models``: the model names the requests spread over)."""
     assert url.startswith(("http://127.", "http://localhost", "http://[::1]")), url
     start = time.monotonic()
-    driven = asyncio.run(_drive(url, num_requests, concurrency, memory_pids, seed, prefix_copies))
+    driven = asyncio.run(
+        _drive(url, num_requests, concurrency, memory_pids, seed, prefix_copies, models)
+    )
     outcomes = driven["outcomes"]
     end = _end_state(url)
     figures = {

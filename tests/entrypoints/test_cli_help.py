@@ -93,6 +93,8 @@ SERVE_GROUPS = {  # vLLM's grouping of its own flags, as far as serve has them
     "Scheduler": {"--max-num-seqs", "--max-num-batched-tokens"},
     "Device": {"--device", "--tensor-parallel-size", "--data-parallel-size",
                "--data-parallel-backend", "--ray-address"},
+    "LoRA": {"--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank",
+             "--max-cpu-loras"},
     "Server": {"--host", "--port", "--api-key", "--shutdown-timeout"},
     # not vLLM's: the flags of the data-parallel replicas on Ray Serve
     "Ray Serve": {"--request-router", "--router-imbalance-threshold", "--min-replicas",

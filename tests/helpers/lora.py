@@ -61,7 +61,8 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], **confi
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors")
+        {k: v.clone().contiguous() for k, v in tensors.items()},
+        str(out_dir / "adapter_model.safetensors"),
     )
     fields = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none", **config}
     (out_dir / "adapter_config.json").write_text(json.dumps(fields))

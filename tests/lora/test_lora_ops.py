@@ -1,0 +1,58 @@
+"""The grouped LoRA ops against the per-row reference, on every path they take: grouped GEMMs
+(uneven runs, one adapter), padded bmm (even runs, contiguous or scattered slots), the loop of
+matmuls (strides the grouped GEMM refuses); fp32 exactly, bf16 within its rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.lora.ops import LoRABatch, add_lora, add_lora_reference
+
+SLOTS = 4
+
+
+def _weights(dtype, fan_in=64, r=16, fan_out=96):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(SLOTS, fan_in, r, generator=g).to(dtype)
+    b = torch.randn(SLOTS, r, fan_out, generator=g).to(dtype) * 0.1
+    return a, b
+
+
+CASES = {
+    # token slots -> the path LoRABatch chooses
+    "uneven runs: grouped GEMM": ([0, 0, 0, 0, 0, 0, 2, -1, 0, 0], "grouped"),
+    "one adapter: grouped GEMM": ([3, -1, 3, 3], "grouped"),
+    "even runs, contiguous slots: padded bmm": ([1, 2, 1, 2, -1, 2, 1], "padded"),
+    "even runs, scattered slots: padded bmm": ([0, 3, 3, 0, -1, 0, 3], "padded"),
+    "nearly even runs: padded bmm with padding": ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], "padded"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_ops_add_what_the_reference_adds_row_by_row(case, dtype):
+    token_slots, path = CASES[case]
+    batch = LoRABatch.build(token_slots, SLOTS)
+    assert (batch.padded is not None) == (path == "padded")
+    a, b = _weights(dtype)
+    x = torch.randn(len(token_slots), a.shape[1]).to(dtype)
+    y = torch.randn(len(token_slots), b.shape[2]).to(dtype)
+    got = add_lora(y.clone(), x, a, b, batch)
+    want = add_lora_reference(y.double(), x.double(), a.double(), b.double(), token_slots)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(got.double(), want, **tol)
+    base_rows = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows])  # a base row is left exactly as it was
+
+
+def test_a_rank_whose_rows_the_grouped_gemm_refuses_takes_the_loop_of_matmuls():
+    token_slots = [0, 0, 0, 1]  # uneven: not padded
+    a, b = _weights(torch.float32, r=3)  # 12-byte rows: the grouped GEMM refuses them
+    x, y = torch.randn(4, 64), torch.zeros(4, 96)
+    got = add_lora(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
+    torch.testing.assert_close(got, add_lora_reference(y, x, a, b, token_slots))
+
+
+def test_a_batch_of_base_rows_only_has_no_lora_at_all():
+    assert LoRABatch.build([-1, -1, -1], SLOTS) is None
