@@ -452,8 +452,13 @@ class LLMEngine:
         if self.lora_registry is None:
             return
         lora_ids = {s.request.lora_int_id for s in sched.scheduled} - {0}
-        if lora_ids:
-            sched.lora_loads, sched.lora_slot_of = self.lora_registry.assign(lora_ids)
+        if not lora_ids:
+            return
+        sched.lora_loads, sched.lora_slot_of = self.lora_registry.assign(lora_ids)
+        # base rows first, then each slot's rows together: the LoRA ops take views of the batch
+        # instead of gathering and scattering rows (lora/ops.py)
+        slot_of = sched.lora_slot_of
+        sched.scheduled.sort(key=lambda s: slot_of.get(s.request.lora_int_id, -1))
 
     def take_failed(self) -> list[tuple[str, str]]:
         failed, self.failed = self.failed, []

@@ -5,13 +5,18 @@ out] (scale folded into ``b``); each row of the batch carries its slot, -1 for a
 ``add_lora_reference`` is the definition, a row at a time; ``add_lora`` is what the model runs,
 held to it by the tests:
 
-- the adapter rows are sorted by slot once per step (``LoRABatch``, shared by every layer);
-- *grouped*: one grouped GEMM (``torch._grouped_mm``, a matmul per slot's run of rows inside one
-  call) for the shrink, one for the expand, one ``index_add_`` back: four ops per layer however
-  many adapters, the work in proportion to the rows;
-- *padded*: where the step's rows are spread evenly over two or more adapters (decode), the
-  runs padded to one length and two ``bmm`` calls over just those slots: fewer kernel calls
-  than the grouped GEMM's one per slot, which costs most for 16-bit matmuls of a few rows.
+- the engine puts a step's sequences in slot order (base rows first), so the adapter
+  rows are one span of the batch, each slot's rows together (``LoRABatch``, shared by every
+  layer): the ops take views of ``x`` and add into a view of ``y``, no gather, no scatter;
+- one adapter: two matmuls;
+- *padded*: two or more adapters whose runs are about as long (decode spread over adapters):
+  the runs padded to one length (a view of the span when they are equal) and two ``bmm`` calls
+  over their slots. A 16-bit matmul of a few rows costs some 15 us on the CPU whatever its size;
+  ``bmm`` pays that once for every adapter;
+- *grouped*: otherwise (a long prompt beside short ones), one grouped GEMM
+  (``torch._grouped_mm``, a matmul per slot's run inside one call) for the shrink and one for
+  the expand: no padding, the work in proportion to the rows.
+Rows in any other order (a caller that does not sort) are gathered and scattered back.
 
 ``benchmarks/lora.py`` measured both against a loop of matmuls per adapter, a gathered
 per-row ``bmm`` (Punica's BGMV) and one matmul over every slot with the other slots' columns
@@ -36,14 +41,20 @@ class LoRABatch:
     order: torch.Tensor  # [N]: the adapter rows, sorted by slot (stable)
     offsets: torch.Tensor  # [slots] int32: where each slot's run ends in ``order``
     runs: list[tuple[int, int, int]]  # (slot, start, end) in ``order``, present slots only
+    # the adapter rows are rows [span) of x, already in slot order (the model runner sorts a
+    # step's sequences by slot): no gather and no scatter, only views of x and y
+    span: tuple[int, int] | None = None
     padded: torch.Tensor | None = None  # [k, L]: rows of x per present slot, num_tokens = pad
     padded_valid: torch.Tensor | None = None  # flat positions of real rows in [k * L]
-    slots: torch.Tensor | None = None  # [k]: the present slots (None: a contiguous range)
+    slots: torch.Tensor | None = None  # [k]: the present slots (None: the range below)
     slot_range: tuple[int, int] = (0, 0)
 
     @classmethod
-    def build(cls, token_slots: list[int], num_slots: int) -> LoRABatch | None:
-        """None when no row has an adapter (the model then runs no LoRA at all)."""
+    def build(
+        cls, token_slots: list[int], num_slots: int, padded: bool | None = None
+    ) -> LoRABatch | None:
+        """None when no row has an adapter (the model then runs no LoRA at all). ``padded``:
+        None chooses the path by the rules above; True or False forces it (the benchmark)."""
         per_slot: list[list[int]] = [[] for _ in range(num_slots)]
         for row, slot in enumerate(token_slots):
             if slot >= 0:
@@ -63,23 +74,33 @@ class LoRABatch:
             torch.tensor(ends, dtype=torch.int32),
             runs,
         )
-        batch._plan_padded(per_slot)
+        if order == list(range(order[0], order[0] + len(order))):
+            batch.span = (order[0], order[0] + len(order))
+        batch._plan_padded(per_slot, padded)
         return batch
 
-    def _plan_padded(self, per_slot: list[list[int]]) -> None:
+    def _plan_padded(self, per_slot: list[list[int]], force: bool | None) -> None:
         present = [(slot, per_slot[slot]) for slot, _, _ in self.runs]
+        slots = [slot for slot, _ in present]
         longest = max(len(rows) for _, rows in present)
-        if len(present) < 2 or len(present) * longest > PADDED_MAX_FILL * len(self.order):
+        if slots == list(range(slots[0], slots[-1] + 1)):
+            self.slot_range = (slots[0], slots[-1] + 1)
+        else:
+            self.slots = torch.tensor(slots, dtype=torch.long)
+        fill = len(present) * longest
+        even = len(present) >= 2 and fill <= PADDED_MAX_FILL * len(self.order)
+        if not (even if force is None else force):
             return
         grid = [rows + [self.num_tokens] * (longest - len(rows)) for _, rows in present]
         self.padded = torch.tensor(grid, dtype=torch.long)
         flat = [i * longest + j for i, (_, rows) in enumerate(present) for j in range(len(rows))]
         self.padded_valid = torch.tensor(flat, dtype=torch.long)
-        slots = [slot for slot, _ in present]
-        if slots == list(range(slots[0], slots[-1] + 1)):
-            self.slot_range = (slots[0], slots[-1] + 1)
-        else:
-            self.slots = torch.tensor(slots, dtype=torch.long)
+
+    @property
+    def views_only(self) -> bool:
+        """The padded bmm over a view of x: a span of equal runs (no padding at all)."""
+        k, (start, end) = len(self.runs), self.span or (0, -1)
+        return self.span is not None and (end - start) == k * self.padded.shape[1]
 
     def to(self, device: torch.device) -> LoRABatch:
         for name in ("order", "offsets", "padded", "padded_valid", "slots"):
@@ -90,32 +111,48 @@ class LoRABatch:
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch):
-    """``y[t] += x[t] @ a[s] @ b[s]`` for every row ``t`` whose slot ``s`` is not -1, in place."""
+    """``y[t] + x[t] @ a[s] @ b[s]`` for every row ``t`` whose slot ``s`` is not -1: ``y``
+    itself, added to in place, when it is contiguous (a kernel's output may be a view of a wider
+    buffer, and ``index_add_`` into one is a hundred times slower on the CPU)."""
+    if not y.is_contiguous():
+        y = y.contiguous()
     if batch.padded is not None:
-        _add_padded(y, x, a, b, batch)
-    elif _grouped_gemm_ok(x, a, b):
-        xs = x.index_select(0, batch.order)
-        h = torch._grouped_mm(xs, a, offs=batch.offsets)
-        y.index_add_(0, batch.order, torch._grouped_mm(h, b, offs=batch.offsets))
-    else:  # a device without the grouped GEMM, or strides it refuses
-        xs = x.index_select(0, batch.order)
-        out = torch.cat([xs[i:j] @ a[s] @ b[s] for s, i, j in batch.runs])
+        out = _padded(x, a, b, batch)
+    else:
+        xs = x[slice(*batch.span)] if batch.span else x.index_select(0, batch.order)
+        if len(batch.runs) > 1 and _grouped_gemm_ok(x, a, b):
+            offs = batch.offsets
+            out = torch._grouped_mm(torch._grouped_mm(xs.contiguous(), a, offs=offs), b, offs=offs)
+        else:  # one adapter: two matmuls; or a device without the grouped GEMM
+            out = torch.cat([xs[i:j] @ a[s] @ b[s] for s, i, j in batch.runs])
+    if batch.span is not None:
+        y[batch.span[0] : batch.span[1]] += out.view(-1, y.shape[1])
+    elif batch.padded is not None:
+        rows = batch.padded.view(-1)
+        if out.shape[0] != len(batch.order):
+            out, rows = out.index_select(0, batch.padded_valid), rows[batch.padded_valid]
+        y.index_add_(0, rows, out)
+    else:
         y.index_add_(0, batch.order, out)
     return y
 
 
-def _add_padded(y, x, a, b, batch: LoRABatch) -> None:
+def _padded(x, a, b, batch: LoRABatch) -> torch.Tensor:
+    """The runs' rows padded to one length, two bmm over just their slots: [k * L, out] (the
+    rows of the span, in order, when ``views_only``)."""
     k, longest = batch.padded.shape
     if batch.slots is None:
         a, b = a[batch.slot_range[0] : batch.slot_range[1]], b[slice(*batch.slot_range)]
     else:
         a, b = a.index_select(0, batch.slots), b.index_select(0, batch.slots)
-    x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.padded]  # [k, L, in]
+    if batch.views_only:
+        x_padded = x[batch.span[0] : batch.span[1]].reshape(k, longest, -1)
+    else:
+        x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.padded]  # [k, L, in]
     out = torch.bmm(torch.bmm(x_padded, a), b).view(k * longest, -1)
-    rows = batch.padded.view(-1)
-    if out.shape[0] != len(batch.order):
-        out, rows = out.index_select(0, batch.padded_valid), rows[batch.padded_valid]
-    y.index_add_(0, rows, out)
+    if batch.span is not None and not batch.views_only:  # back to the span's rows, in order
+        out = out.index_select(0, batch.padded_valid)
+    return out
 
 
 def _grouped_gemm_ok(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:

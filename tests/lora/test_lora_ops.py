@@ -1,6 +1,7 @@
-"""The grouped LoRA ops against the per-row reference, on every path they take: grouped GEMMs
-(uneven runs, one adapter), padded bmm (even runs, contiguous or scattered slots), the loop of
-matmuls (strides the grouped GEMM refuses); fp32 exactly, bf16 within its rounding."""
+"""The grouped LoRA ops against the per-row reference, on every path they take, for rows sorted
+by slot (as the engine sorts a step) and not: grouped GEMMs (uneven runs), padded bmm (even runs,
+contiguous or scattered slots), matmuls (one adapter; strides the grouped GEMM refuses); fp32
+exactly, bf16 within its rounding."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ def _weights(dtype, fan_in=64, r=16, fan_out=96):
 
 
 CASES = {
-    # token slots -> the path LoRABatch chooses
-    "uneven runs: grouped GEMM": ([0, 0, 0, 0, 0, 0, 2, -1, 0, 0], "grouped"),
-    "one adapter: grouped GEMM": ([3, -1, 3, 3], "grouped"),
-    "even runs, contiguous slots: padded bmm": ([1, 2, 1, 2, -1, 2, 1], "padded"),
-    "even runs, scattered slots: padded bmm": ([0, 3, 3, 0, -1, 0, 3], "padded"),
-    "nearly even runs: padded bmm with padding": ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], "padded"),
+    # token slots -> the path LoRABatch chooses; sorted by slot (as the engine sorts a step),
+    # the adapter rows are one span of the batch and the ops take views of it
+    "sorted, uneven runs: grouped GEMM on views": ([-1, -1, 0, 0, 0, 1], "grouped"),
+    "sorted, one adapter: matmuls on views": ([-1, 2, 2, 2], "grouped"),
+    "sorted, equal runs: padded bmm on views": ([-1, 1, 1, 2, 2, 3, 3], "padded"),
+    "sorted, equal runs, scattered slots: padded bmm on views": ([0, 0, 3, 3], "padded"),
+    "unsorted, uneven runs: grouped GEMM": ([0, 0, 0, 0, 0, 0, 2, -1, 0, 0], "grouped"),
+    "unsorted, one adapter: matmuls": ([3, -1, 3, 3], "grouped"),
+    "unsorted, even runs, contiguous slots: padded bmm": ([1, 2, 1, 2, -1, 2, 1], "padded"),
+    "unsorted, even runs, scattered slots: padded bmm": ([0, 3, 3, 0, -1, 0, 3], "padded"),
+    "unsorted, nearly even runs: padded bmm": ([0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1], "padded"),
 }
 
 
@@ -52,6 +58,18 @@ def test_a_rank_whose_rows_the_grouped_gemm_refuses_takes_the_loop_of_matmuls():
     x, y = torch.randn(4, 64), torch.zeros(4, 96)
     got = add_lora(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
     torch.testing.assert_close(got, add_lora_reference(y, x, a, b, token_slots))
+
+
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("token_slots", [[-1, 0, 0, 0, 2], [1, 0, 1, 0], [0, 0, 1, 1]])
+def test_either_path_forced_adds_what_the_reference_adds(token_slots, padded):
+    """The benchmark forces each path on the same rows: each gives the reference's sums."""
+    batch = LoRABatch.build(token_slots, SLOTS, padded)
+    assert (batch.padded is not None) == padded
+    a, b = _weights(torch.float32)
+    x, y = torch.randn(len(token_slots), 64), torch.randn(len(token_slots), 96)
+    got = add_lora(y.clone(), x, a, b, batch)
+    torch.testing.assert_close(got, add_lora_reference(y.clone(), x, a, b, token_slots))
 
 
 def test_a_batch_of_base_rows_only_has_no_lora_at_all():

@@ -1,0 +1,331 @@
+"""Multi-LoRA serving on the ~122M GLM-4-0414 (INT4 base, rank-16 adapters): the throughput of
+32 concurrent requests spread over 1, 4 and 8 distinct adapters against the same requests on
+the base alone, the time of an adapter's swap-in from host memory, and the grouped LoRA ops
+that decided ``lora/ops.py``.
+
+    python -m benchmarks.lora [--runs 3] [--threads 2]   # writes benchmarks/results/lora.json
+
+- **Throughput**: ``LLM.generate`` over 32 requests of 64 random prompt tokens and 64 greedy
+  output tokens each (``ignore_eos``), all submitted at once (``--max-num-seqs 32``), prompts
+  included in the time; tokens/s = generated tokens / seconds. The requests go round-robin over
+  the adapters (vLLM's bench spreads them over ``--lora-modules`` at random), ``--max-loras 8``.
+  The base-only figure runs on an engine without ``enable_lora`` (what a server of the base
+  alone does: its decode steps take the native fused layers); the adapter runs on one with
+  ``enable_lora=True``, whose steps with adapter rows run op by op plus the LoRA ops. Each
+  run times the four cases in turn; the figure is the median of ``--runs`` runs.
+- **Swap-in**: one adapter copied from host memory into a device slot (``LoRASlots.activate``),
+  the median of 20; and read from disk (the host cache dropped) for comparison.
+- **Ops**: the added ``B (A x)`` of every target of the 12 layers, for 32 decode rows and for a
+  512-token prefill, over 1, 4 and 8 adapters (bf16, rank 16, every row with an adapter): grouped
+  GEMMs (rows sorted by adapter, ``torch._grouped_mm``), padded bmm (the runs padded to one
+  length), a loop of two matmuls per adapter, a gathered per-row bmm (Punica's BGMV), one
+  matmul over every slot with the others' columns masked; and ``add_lora``'s own choice. Each
+  the best of ``--op-repeats`` timings, one thread.
+
+The machine should be quiet (`uptime`); the results file records the load average at the start
+and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.bench_models import SHAPES, build_model, cache_root
+from benchmarks.results import spread, write_result
+
+RANK, ALPHA = 16, 32
+NUM_ADAPTERS = 8
+NUM_REQUESTS, PROMPT_LEN, MAX_TOKENS = 32, 64, 64
+CASES = {"base only": 0, "1 adapter": 1, "4 adapters": 4, "8 adapters": 8}
+TARGET_RATIO = 0.8
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- adapters ---------------------------------------------------------------------------------
+def build_adapters(model: str = "122m") -> list[Path]:
+    """``NUM_ADAPTERS`` random rank-16 PEFT adapters on every linear layer, built once."""
+    root = cache_root() / f"lora-{model}-r{RANK}"
+    paths = [root / f"adapter-{i}" for i in range(NUM_ADAPTERS)]
+    for seed, path in enumerate(paths):
+        if not (path / "adapter_model.safetensors").is_file():
+            log(f"building adapter {path.name} in {root} ...")
+            _write_adapter(path, SHAPES[model], seed)
+    return paths
+
+
+def _write_adapter(path: Path, shape: dict, seed: int) -> None:
+    g = torch.Generator().manual_seed(1000 + seed)
+    h, inter, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    modules = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_up_proj": (h, 2 * inter),
+        "mlp.down_proj": (inter, h),
+    }
+    tensors = {}
+    for layer in range(shape["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in modules.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            a = torch.randn(RANK, fan_in, generator=g) / fan_in**0.5
+            b = torch.randn(fan_out, RANK, generator=g) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": ALPHA,
+        "target_modules": [m.rsplit(".", 1)[1] for m in modules],
+        "bias": "none",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+# ---- throughput -------------------------------------------------------------------------------
+def engine_kwargs() -> dict:
+    return dict(
+        quantization="int4",
+        max_num_seqs=NUM_REQUESTS,
+        max_num_batched_tokens=2048,
+        num_kv_pages=NUM_REQUESTS * (PROMPT_LEN + MAX_TOKENS) // 16 + 64,
+        max_model_len=PROMPT_LEN + MAX_TOKENS + 16,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+
+
+def time_generate(llm, prompts, loras) -> dict:
+    from pagedserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    seconds = time.perf_counter() - start
+    assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
+
+
+def throughput(model_dir: Path, adapters: list[Path], runs: int, threads: int) -> dict:
+    from pagedserve import LLM, LoRARequest
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(100, 30000, (PROMPT_LEN,), generator=g).tolist()}
+        for _ in range(NUM_REQUESTS)
+    ]
+    requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+    log("loading the base-only engine and the LoRA engine ...")
+    base = LLM(str(model_dir), **engine_kwargs())
+    lora = LLM(
+        str(model_dir),
+        **engine_kwargs(),
+        enable_lora=True,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=RANK,
+    )
+    for r in requests:  # read and checked before timing (a server loads --lora-modules at start)
+        lora.llm_engine.add_lora(r)
+    time_generate(base, prompts[:4], None)  # warm-up: kernels, allocator
+    time_generate(lora, prompts[:4], requests[:4])
+    figures: dict[str, list[dict]] = {case: [] for case in CASES}
+    for run in range(runs):
+        for case, k in CASES.items():
+            llm = base if k == 0 else lora
+            loras = None if k == 0 else [requests[i % k] for i in range(NUM_REQUESTS)]
+            result = time_generate(llm, prompts, loras)
+            figures[case].append(result)
+            log(f"run {run + 1}/{runs} {case}: {result['tokens_per_s']:.1f} tokens/s")
+    swap = swap_in_times(lora, requests)
+    base_rate = statistics.median(r["tokens_per_s"] for r in figures["base only"])
+    out = {}
+    for case, results in figures.items():
+        rates = [r["tokens_per_s"] for r in results]
+        out[case] = {
+            "tokens_per_s": spread(rates),
+            "of_base_only": statistics.median(rates) / base_rate,
+        }
+    return {"throughput": out, "swap_in": swap}
+
+
+def swap_in_times(llm, requests) -> dict:
+    """One adapter into a device slot: from host memory (the median of 20), and from disk."""
+    slots = llm.llm_engine.executor.worker.lora
+    lora_id = requests[0].lora_int_id
+    host = []
+    for _ in range(20):
+        slots.activate(0, lora_id)
+        host.append(slots.last_swap_in_seconds)
+    disk = []
+    for _ in range(3):
+        slots.host.pop(lora_id, None)
+        slots.activate(0, lora_id)
+        disk.append(slots.last_swap_in_seconds)
+    adapter = slots.host[lora_id]
+    llm.llm_engine.lora_registry.slot_ids[0] = lora_id
+    return {
+        "adapter_mb": adapter.nbytes / 2**20,
+        "from_host_memory_ms": spread([t * 1e3 for t in host]),
+        "from_disk_ms": spread([t * 1e3 for t in disk]),
+        "device_slots_mb": slots.nbytes / 2**20,
+    }
+
+
+# ---- the grouped ops --------------------------------------------------------------------------
+def op_variants():
+    """name -> (the op, ``padded`` for ``LoRABatch.build``: forced, or None to let it choose).
+    The rows are sorted by adapter, as the engine sorts a step's: one span of the batch."""
+    from pagedserve.lora.ops import add_lora
+
+    def grouped(x, y, a, b, batch):
+        (s, e), offs = batch.span, batch.offsets
+        y[s:e] += torch._grouped_mm(torch._grouped_mm(x[s:e], a, offs=offs), b, offs=offs)
+
+    def loop(x, y, a, b, batch):
+        s, e = batch.span
+        y[s:e] += torch.cat([x[s + i : s + j] @ a[t] @ b[t] for t, i, j in batch.runs])
+
+    def gathered(x, y, a, b, batch):
+        rows, slots = batch.order, batch.token_slots[batch.order]
+        h = torch.bmm(x[rows].unsqueeze(1), a[slots])
+        y.index_add_(0, rows, torch.bmm(h, b[slots]).squeeze(1))
+
+    def masked(x, y, a, b, batch):
+        n, fan_in, r = a.shape
+        h = (x @ a.permute(1, 0, 2).reshape(fan_in, n * r)).view(-1, n, r)
+        y += (h * batch.mask.unsqueeze(-1)).view(-1, n * r) @ b.reshape(n * r, -1)
+
+    def lora(x, y, a, b, batch):
+        add_lora(y, x, a, b, batch)
+
+    return {
+        "grouped GEMM": (grouped, None),
+        "padded bmm": (lora, True),
+        "loop of matmuls": (loop, None),
+        "gathered per-row bmm (BGMV)": (gathered, None),
+        "masked, every slot": (masked, None),
+        "add_lora (chosen)": (lora, None),
+    }
+
+
+def op_timings(repeats: int) -> dict:
+    from pagedserve.lora.ops import LoRABatch, add_lora_reference
+    from pagedserve.lora.slots import slot_shapes
+    from pagedserve.models.config import GlmConfig
+    from pagedserve.models.tensor_parallel import TensorParallel
+
+    torch.set_num_threads(1)
+    shape = SHAPES["122m"]
+    config = GlmConfig(architecture="glm4", **shape)
+    targets = slot_shapes(config, TensorParallel(config), RANK)
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        t: (
+            (torch.randn(NUM_ADAPTERS, i, r, generator=g) * 0.05).to(torch.bfloat16),
+            (torch.randn(NUM_ADAPTERS, r, o, generator=g) * 0.05).to(torch.bfloat16),
+        )
+        for t, (i, r, o) in targets.items()
+    }
+    out: dict[str, dict] = {}
+    for rows, label in ((32, "32 decode rows"), (512, "512-token prefill")):
+        for k in (1, 4, 8):
+            token_slots = _spread_slots(rows, k)
+            xs = {t: torch.randn(rows, i).to(torch.bfloat16) for t, (i, _, _) in targets.items()}
+            row = {}
+            for name, (fn, padded) in op_variants().items():
+                batch = LoRABatch.build(token_slots, NUM_ADAPTERS, padded)
+                batch.token_slots = torch.tensor(token_slots)
+                batch.mask = torch.nn.functional.one_hot(batch.token_slots, NUM_ADAPTERS)
+                batch.mask = batch.mask.to(torch.bfloat16)
+                _check(fn, xs, weights, batch, token_slots, add_lora_reference)
+                row[name] = _best_ms(fn, xs, weights, batch, repeats, shape["num_hidden_layers"])
+            out[f"{label}, {k} adapter{'s' if k > 1 else ''}"] = row
+            log(f"ops {label}, {k} adapters: " + ", ".join(f"{n} {v:.2f}" for n, v in row.items()))
+    return out
+
+
+def _spread_slots(rows: int, k: int) -> list[int]:
+    """Rows spread evenly over k adapters, sorted by adapter (as the engine sorts a step)."""
+    return [i * k // rows for i in range(rows)]
+
+
+def _check(fn, xs, weights, batch, token_slots, reference) -> None:
+    t = "down_proj"
+    a, b = weights[t]
+    y = torch.zeros(xs[t].shape[0], b.shape[2], dtype=torch.bfloat16)
+    fn(xs[t], y, a, b, batch)
+    want = reference(y.double() * 0, xs[t].double(), a.double(), b.double(), token_slots)
+    err = (y.double() - want).abs().max().item() / want.abs().max().item()
+    assert err < 0.05, f"{fn.__name__}: relative error {err:.3f}"
+
+
+def _best_ms(fn, xs, weights, batch, repeats: int, num_layers: int) -> float:
+    ys = {t: torch.zeros(xs[t].shape[0], weights[t][1].shape[2], dtype=torch.bfloat16) for t in xs}
+    best = float("inf")
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        for t, (a, b) in weights.items():
+            fn(xs[t], ys[t], a, b, batch)
+        best = min(best, time.perf_counter() - start)
+    return best * num_layers * 1e3  # ms per step: every target of every layer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="timed runs of the four cases")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the engines")
+    parser.add_argument("--op-repeats", type=int, default=20, help="timings per op (best kept)")
+    parser.add_argument("--skip-ops", action="store_true", help="throughput and swap-in only")
+    parser.add_argument("--output", default="lora", help="results file name")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    model_dir = build_model("122m")
+    adapters = build_adapters()
+    ops = {} if args.skip_ops else op_timings(args.op_repeats)
+    torch.set_num_threads(args.threads)
+    figures = throughput(model_dir, adapters, args.runs, args.threads)
+    rates = figures["throughput"]
+    worst = min(v["of_base_only"] for k, v in rates.items() if k != "base only")
+    result = {
+        "model": "122m",
+        "quantization": "int4",
+        "rank": RANK,
+        "requests": NUM_REQUESTS,
+        "prompt_tokens": PROMPT_LEN,
+        "max_tokens": MAX_TOKENS,
+        "threads": args.threads,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        **figures,
+        "worst_of_base_only": worst,
+        "target": f">= {TARGET_RATIO} of base-only throughput",
+        "met": worst >= TARGET_RATIO,
+        "ops_ms_per_step": ops,
+    }
+    path = write_result(args.output, result)
+    log(f"wrote {path}")
+    for case, v in rates.items():
+        log(f"{case}: {v['tokens_per_s']['median']:.1f} tokens/s ({v['of_base_only']:.2f} of base)")
+    swap = figures["swap_in"]
+    log(f"swap-in from host memory: {swap['from_host_memory_ms']['median']:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
