@@ -226,14 +226,13 @@ def op_variants():
 
 def op_timings(repeats: int) -> dict:
     from pagedserve.lora.ops import LoRABatch, add_lora_reference
-    from pagedserve.lora.slots import slot_shapes
+    from pagedserve.lora.sizes import slot_shapes
     from pagedserve.models.config import GlmConfig
-    from pagedserve.models.tensor_parallel import TensorParallel
 
     torch.set_num_threads(1)
     shape = SHAPES["122m"]
     config = GlmConfig(architecture="glm4", **shape)
-    targets = slot_shapes(config, TensorParallel(config), RANK)
+    targets = slot_shapes(config, 1, RANK)
     g = torch.Generator().manual_seed(0)
     weights = {
         t: (

@@ -7,6 +7,9 @@
 Responses are the server's own pydantic schemas. 503s and connection errors are retried with
 backoff. Importing this module does not import torch.
 
+A request picks a LoRA adapter by ``model``; ``load_lora_adapter`` and ``unload_lora_adapter``
+change a server's adapters at run time (where it allows it).
+
 Every request field goes through as given: a chat request's ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` too, and the answer's ``message.tool_calls`` (streamed:
 ``delta.tool_calls``, each with its ``index``) come back typed.
@@ -155,6 +158,18 @@ class Client(_Base):
         response = self._send(method, path, body, stream=False)
         return response.json()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """vLLM's ``POST /v1/load_lora_adapter`` (on a server that allows it): the adapter at
+        ``lora_path`` (a PEFT directory on the server's machine), served as model
+        ``lora_name``; ``APIError`` saying why not."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return self._send("POST", "/v1/load_lora_adapter", body, stream=False).text
+
+    def unload_lora_adapter(self, lora_name: str) -> str:
+        """vLLM's ``POST /v1/unload_lora_adapter``; ``APIError`` 409 while requests use it."""
+        body = {"lora_name": lora_name}
+        return self._send("POST", "/v1/unload_lora_adapter", body, stream=False).text
+
     def stream(self, path: str, body: dict) -> Iterator[dict]:
         """Send now (so errors raise here), then iterate the SSE payloads."""
         response = self._send("POST", path, body, stream=True)
@@ -253,6 +268,16 @@ class AsyncClient(_Base):
     async def request(self, method: str, path: str, body: dict | None = None) -> dict:
         response = await self._send(method, path, body, stream=False)
         return response.json()
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """As ``Client.load_lora_adapter``."""
+        body = {"lora_name": lora_name, "lora_path": lora_path}
+        return (await self._send("POST", "/v1/load_lora_adapter", body, stream=False)).text
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        """As ``Client.unload_lora_adapter``."""
+        body = {"lora_name": lora_name}
+        return (await self._send("POST", "/v1/unload_lora_adapter", body, stream=False)).text
 
     async def stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """Send now (so errors raise here), then iterate the SSE payloads."""

@@ -47,9 +47,10 @@ class RequestFuncOutput:
     error: str = ""
 
 
-def request_body(args: argparse.Namespace, sample: SampleRequest) -> dict:
+def request_body(args: argparse.Namespace, sample: SampleRequest, model: str | None = None) -> dict:
+    """``model``: a LoRA adapter's name for this request (``--lora-modules``), else the model's."""
     body = {
-        "model": args.served_model_name or args.model,
+        "model": model or args.served_model_name or args.model,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": args.temperature,

@@ -87,9 +87,11 @@ async def run_benchmark(
     semaphore = asyncio.Semaphore(limit)
     bar = tqdm(total=len(samples), disable=args.disable_tqdm, desc="requests")
 
-    async def one(client: httpx.AsyncClient, sample: SampleRequest) -> RequestFuncOutput:
+    models = lora_models(args, len(samples))
+
+    async def one(client: httpx.AsyncClient, sample: SampleRequest, model) -> RequestFuncOutput:
         async with semaphore:
-            result = await send_request(client, url, request_body(args, sample), sample)
+            result = await send_request(client, url, request_body(args, sample, model), sample)
         bar.update(1)
         return result
 
@@ -101,14 +103,24 @@ async def run_benchmark(
     ) as client:
         start = time.perf_counter()
         tasks = []
-        for gap, sample in zip(gaps, samples, strict=True):
+        for gap, sample, model in zip(gaps, samples, models, strict=True):
             if gap > 0:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(client, sample)))
+            tasks.append(asyncio.create_task(one(client, sample, model)))
         outputs = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
     return list(outputs), duration
+
+
+def lora_models(args: argparse.Namespace, num: int) -> list[str | None]:
+    """Each request's model: one of ``--lora-modules`` at random (seeded), as vLLM's bench
+    spreads requests over adapters; None (the base model) without them."""
+    modules = getattr(args, "lora_modules", None)
+    if not modules:
+        return [None] * num
+    rng = random.Random(args.seed)
+    return [rng.choice(modules) for _ in range(num)]
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -159,6 +171,14 @@ def server_model(args: argparse.Namespace, http: httpx.Client) -> None:
     name = args.served_model_name or args.model
     card = next((c for c in cards if c.get("id") == name), None)
     args.max_model_len = card.get("max_model_len") if card else None
+    served = [c.get("id") for c in cards]
+    missing = [m for m in getattr(args, "lora_modules", None) or [] if m not in served]
+    if missing:
+        raise ValueError(
+            f"--lora-modules {' '.join(missing)}: {args.base_url} does not serve "
+            f"{'it' if len(missing) == 1 else 'them'} (its /v1/models: {', '.join(served)}); "
+            "load the adapters first (serve --lora-modules, or POST /v1/load_lora_adapter)"
+        )
 
 
 def prompt_tokenizer(args: argparse.Namespace, http: httpx.Client) -> PromptTokenizer | None:

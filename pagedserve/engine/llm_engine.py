@@ -714,6 +714,7 @@ class LLMEngine:
             },
             "generation_tokens_total": self.stats["generation_tokens_total"],
             **self._speculative_stats(),
+            **self._lora_device_stats(),
             "faults_detected": dev.num_faults_detected,
             "faults": dev.faults.to_dict(),
             "weight_pages": {
@@ -724,6 +725,26 @@ class LLMEngine:
         }
         cards = [{**card, **shared} for card in self.executor.device_stats()]
         return cards[0] if len(cards) == 1 else cards
+
+    def _lora_device_stats(self) -> dict:
+        """``lora`` for ``get_device_stats``: which adapter each device slot holds (None: empty),
+        the loaded, running and waiting ones (LoRA off: no entry)."""
+        registry = self.lora_registry
+        if registry is None:
+            return {}
+        names = {i: r.lora_name for i, r in registry.requests.items()}
+        info = self._lora_stats()["lora"]
+        return {
+            "lora": {
+                "max_loras": registry.max_loras,
+                "max_lora_rank": self.config.lora.max_lora_rank,
+                "slots": [names.get(i) if i is not None else None for i in registry.slot_ids],
+                "loaded": info["loaded_adapters"],
+                "running": info["running_lora_adapters"],
+                "waiting": info["waiting_lora_adapters"],
+                "swap_ins_total": registry.num_swap_ins,
+            }
+        }
 
     def _speculative_stats(self) -> dict:
         """``speculative`` for ``get_device_stats``: the drafts' figures (no speculation: none)."""

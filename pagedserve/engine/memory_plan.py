@@ -19,6 +19,9 @@ All figures are per tensor-parallel rank, in bytes:
   bf16: 40 KiB, so a 131072-token sequence needs 5.00 GiB (the Kunlun XPU deployment guide's
   KV-cache formula gave about 4.6 GB; that figure is too low). With ``--kv-cache-dtype int8`` a
   head costs ``head_dim + 4`` bytes (its int8 codes and an fp32 scale): GLM-4-9B 20.6 KiB a token.
+- LoRA (``--enable-lora``): ``--max-loras`` device slots in the weight tier beside the weights,
+  each ``(in + out) x rank`` per target and layer in the 16-bit dtype (``lora/sizes.py``, the
+  rule the engine allocates them by; q/k/v stack three ranks); the pool is planned after them.
 - the KV pool: the least of the KV tier, ``memory x gpu_memory_utilization - weights`` on a card
   whose tiers share one HBM (``memory_bytes``), and, on a device in host memory (``cpu``,
   ``kunlun-emu``), half this machine's free RAM. Activations are not budgeted: the engine does not
@@ -48,6 +51,7 @@ from pagedserve.hal.device_preset import (
     load_device_preset,
 )
 from pagedserve.hal.memory import format_bytes
+from pagedserve.lora.sizes import slots_nbytes
 from pagedserve.models.config import GlmConfig, load_config, pad_vocab_size
 from pagedserve.presets import DEMO_MODEL, DEMO_MODEL_PRESET, find_preset, preset_names
 
@@ -91,6 +95,10 @@ class TuneResult:
     pages_per_seq: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # LoRA: the device slots' bytes per card (0: LoRA off), beside the weights in their tier
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    lora_bytes: int = 0  # included in weight_bytes: the slots sit in the weight tier
     launch_script: str = ""
 
 
@@ -246,9 +254,12 @@ def tune(
     max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
     host_limit: float | None = None,
+    max_loras: int = 0,
+    max_lora_rank: int = 16,
 ) -> TuneResult:
     """The plan ``serve`` would start with. ``host_limit``: the bytes an emulated pool may take
-    from this machine (default: half its free RAM, as ``serve`` reads it)."""
+    from this machine (default: half its free RAM, as ``serve`` reads it); ``max_loras`` > 0:
+    with ``--enable-lora``, that many adapter slots of ``max_lora_rank``."""
     (name, model), device = load_model(model_arg), load_device(device_arg)
     tp = tensor_parallel_size
     check_tensor_parallel(name, model, tp)
@@ -276,7 +287,10 @@ def tune(
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, dtype_bytes)
-    weights = w16 + wlin
+    if max_loras < 0 or max_lora_rank < 1:
+        raise TuneError("--max-loras and --max-lora-rank must be positive")
+    lora = slots_nbytes(model, tp, max_loras, max_lora_rank, dtype_bytes) if max_loras else 0
+    weights = w16 + wlin + lora
     if not _weights_fit(device, weights, gpu_memory_utilization):
         fewest = _smallest_fitting_tp(model, device, quantization, quant_group_size, dtype_bytes)
         raise _weights_do_not_fit(name, device, weights, gpu_memory_utilization, tp, fewest)
@@ -332,6 +346,9 @@ def tune(
         pages_per_seq=pages_per_seq,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank if max_loras else 0,
+        lora_bytes=lora,
     )
     result.launch_script = launch_script(result)
     return result
@@ -403,6 +420,9 @@ def serve_args(result: TuneResult) -> list[str]:
         args += ["--quantization", "int4"]
     if result.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", result.kv_cache_dtype]
+    if result.max_loras:
+        args += ["--enable-lora", "--max-loras", str(result.max_loras)]
+        args += ["--max-lora-rank", str(result.max_lora_rank)]
     return args
 
 
@@ -419,11 +439,20 @@ def launch_script(result: TuneResult) -> str:
     if _serve_model(result).startswith("${"):
         lines.append(f"# MODEL_DIR: the local checkpoint directory of {result.model}")
     lines.append(
-        "exec pagedserve serve \\\n  "
-        + " \\\n  ".join(" ".join(quoted[i : i + 2]) for i in range(0, len(quoted), 2))
-        + ' \\\n  "$@"'
+        "exec pagedserve serve \\\n  " + " \\\n  ".join(_flag_lines(quoted)) + ' \\\n  "$@"'
     )
     return "\n".join(lines) + "\n"
+
+
+def _flag_lines(args: list[str]) -> list[str]:
+    """A flag and its value on one line; a flag without one (``--enable-lora``) alone."""
+    lines: list[str] = []
+    for arg in args:
+        if lines and not arg.startswith("--") and " " not in lines[-1]:
+            lines[-1] += " " + arg
+        else:
+            lines.append(arg)
+    return lines
 
 
 POOL_BOUNDS = {
@@ -458,7 +487,24 @@ def explain(result: TuneResult) -> str:
             size(r.weight_bytes_linear),
             f"q/k/v/o, gate_up, down split over tp={r.tensor_parallel_size}: {linear}",
         ),
-        ("weights per rank", size(r.weight_bytes), f"{r.weight_bytes} bytes"),
+        *(
+            [
+                (
+                    "LoRA device slots",
+                    size(r.lora_bytes),
+                    f"{r.max_loras} adapters of rank <= {r.max_lora_rank}: (in + out) x rank "
+                    "per target and layer, 16-bit",
+                )
+            ]
+            if r.max_loras
+            else []
+        ),
+        (
+            "weights + LoRA slots" if r.max_loras else "weights per rank",
+            size(r.weight_bytes),
+            f"{r.weight_bytes} bytes"
+            + (" per rank, the weight tier's share" if r.max_loras else ""),
+        ),
         ("KV bytes per token", f"{r.kv_bytes_per_token} B", _kv_formula(r)),
         (
             "KV per max-model-len seq",

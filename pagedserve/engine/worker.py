@@ -228,4 +228,11 @@ class Worker:
         }
         if dev.world_size > 1:
             stats |= {"tp_rank": dev.rank, "collective_bytes_sent": dev.collective_bytes_sent}
+        if self.lora is not None:  # this card's share of the adapters
+            stats["lora_memory"] = {
+                "slots_bytes": self.lora.nbytes,
+                "host_bytes": self.lora.host_nbytes,
+                "host_adapters": len(self.lora.host),
+                "disk_loads_total": self.lora.num_disk_loads,
+            }
         return stats

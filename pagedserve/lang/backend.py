@@ -49,18 +49,20 @@ class Runtime:
         body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         return self._post("/tokenize", body | ({"tools": tools} if tools else {}))["prompt"]
 
-    def cache_prefix(self, text: str) -> int:
+    def cache_prefix(self, text: str, **extra: Any) -> int:
         """Prefill ``text`` (its full pages enter the prefix cache); its number of tokens."""
-        return self.generate(text, {"max_new_tokens": 0})["meta_info"]["prompt_tokens"]
+        return self.generate(text, {"max_new_tokens": 0}, **extra)["meta_info"]["prompt_tokens"]
 
-    def score(self, text: str, choices: list[str]) -> list[float]:
-        """Each choice's mean logprob per token after ``text``."""
-        prompt_len = self.cache_prefix(text)
+    def score(self, text: str, choices: list[str], **extra: Any) -> list[float]:
+        """Each choice's mean logprob per token after ``text`` (``extra``: e.g. SGLang's
+        ``lora_path``, the adapter that scores)."""
+        prompt_len = self.cache_prefix(text, **extra)
         results = self.generate(
             [text + c for c in choices],
             {"max_new_tokens": 0, "temperature": 0},
             return_logprob=True,
             logprob_start_len=prompt_len,
+            **extra,
         )
         scores = []
         for r in results:

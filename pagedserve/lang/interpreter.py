@@ -33,9 +33,18 @@ def get_default_backend() -> Runtime:
 class ProgramState:
     """``s`` in a program: its text, its named results (``s[name]``) and ``s.state``."""
 
-    def __init__(self, backend: Runtime, state: dict, text: str = "", stream: bool = False):
+    def __init__(
+        self,
+        backend: Runtime,
+        state: dict,
+        text: str = "",
+        stream: bool = False,
+        lora_path: str | None = None,
+    ):
         self.backend = backend
         self.state = state
+        # SGLang's: the LoRA adapter every request of the program runs with (None: the base)
+        self.extra = {"lora_path": lora_path} if lora_path else {}
         self._text = text
         self.variables: dict[str, Any] = {}
         self.error: BaseException | None = None
@@ -105,12 +114,13 @@ class ProgramState:
         params, tools = g.sampling_params(), g.tool_fields()
         meta: dict = {}
         if not self.stream_gen:
-            result = self.backend.generate(self._text, params, **tools)
+            result = self.backend.generate(self._text, params, **tools, **self.extra)
             out, meta = result["text"], result["meta_info"]
             self._add_text(out)
         else:
             out = ""
-            for piece, piece_meta in self.backend.generate_stream(self._text, params, **tools):
+            pieces = self.backend.generate_stream(self._text, params, **tools, **self.extra)
+            for piece, piece_meta in pieces:
                 out += piece
                 self._add_text(piece)
                 meta = piece_meta  # the last one carries the calls
@@ -118,7 +128,7 @@ class ProgramState:
             self.variables[g.name] = _tool_result(g, meta) if tools else out
 
     def _select(self, s: Select) -> None:
-        scores = self.backend.score(self._text, s.choices)
+        scores = self.backend.score(self._text, s.choices, **self.extra)
         best = s.choices[max(range(len(scores)), key=scores.__getitem__)]
         self._add_text(best)
         if s.name:
@@ -189,10 +199,11 @@ class ProgramState:
     def fork(self, n: int = 1) -> ForkGroup:
         """``n`` branches that continue from this text; the server prefills it once and every
         branch's requests reuse its pages (prefix caching)."""
-        self.backend.cache_prefix(self._text)
+        self.backend.cache_prefix(self._text, **self.extra)
         branches = []
         for _ in range(n):
             branch = ProgramState(self.backend, self.state)
+            branch.extra = self.extra
             branch._text = self._text
             branch.stream_gen = self.stream_gen
             branch.variables = dict(self.variables)
@@ -248,13 +259,17 @@ class SglFunction:
     ) -> ProgramState:
         return self.run(*args, session_id=session_id, backend=backend, stream=stream, **kwargs)
 
-    def run(self, *args, session_id=None, backend=None, stream=False, **kwargs) -> ProgramState:
+    def run(
+        self, *args, session_id=None, backend=None, stream=False, lora_path=None, **kwargs
+    ) -> ProgramState:
+        """``lora_path``: the LoRA adapter (its name on the server) every request of this run
+        uses, as SGLang's ``lora_path``."""
         backend = backend or get_default_backend()
         text = ""
         if len(args) > len(self.arg_names) and isinstance(args[len(self.arg_names)], str):
             text, args = args[len(self.arg_names)], args[: len(self.arg_names)]
         state = backend.load_state(session_id) if session_id else self.state
-        s = ProgramState(backend, state, text, stream)
+        s = ProgramState(backend, state, text, stream, lora_path)
         if stream:
             threading.Thread(
                 target=self._execute, args=(s, args, kwargs, session_id), daemon=True

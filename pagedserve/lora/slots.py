@@ -22,33 +22,11 @@ from pagedserve.hal import Device
 from pagedserve.lora.ops import LoRABatch, add_lora
 from pagedserve.lora.peft import TARGETS, LoRAAdapter, LoRALayerWeights, load_peft_adapter
 from pagedserve.lora.request import LoRARequest
+from pagedserve.lora.sizes import slot_shapes
 from pagedserve.models.config import GlmConfig
 from pagedserve.models.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
-
-
-def slot_rank(max_lora_rank: int) -> int:
-    """A slot's rank: the maximum, rounded up to 8 (rows of 16 bytes, as grouped GEMMs ask)."""
-    return -(-max_lora_rank // 8) * 8
-
-
-def slot_shapes(config: GlmConfig, tp: TensorParallel, max_lora_rank: int) -> dict:
-    """target -> (in, r, out) of one slot on this rank."""
-    c, D, r = config, config.head_dim, slot_rank(max_lora_rank)
-    heads, kv_heads, inter = tp.num_heads, tp.num_kv_heads, c.intermediate_size // tp.size
-    return {
-        "qkv_proj": (c.hidden_size, 3 * r, (heads + 2 * kv_heads) * D),
-        "o_proj": (heads * D, r, c.hidden_size),
-        "gate_up_proj": (c.hidden_size, r, 2 * inter),
-        "down_proj": (inter, r, c.hidden_size),
-    }
-
-
-def slots_nbytes(config: GlmConfig, tp: TensorParallel, max_loras: int, max_rank: int, elem: int):
-    """Bytes of every slot on one card (``pagedserve tune`` counts them)."""
-    per_layer = sum((i + o) * r for i, r, o in slot_shapes(config, tp, max_rank).values())
-    return per_layer * config.num_hidden_layers * max_loras * elem
 
 
 @dataclass
@@ -81,7 +59,7 @@ class LoRASlots:
         self.max_rank_setting = max_rank_setting
         self.lora_a: dict[str, list[torch.Tensor]] = {}
         self.lora_b: dict[str, list[torch.Tensor]] = {}
-        for target, (fan_in, r, fan_out) in slot_shapes(config, tp, max_lora_rank).items():
+        for target, (fan_in, r, fan_out) in slot_shapes(config, tp.size, max_lora_rank).items():
             self.lora_a[target] = [
                 device.empty((max_loras, fan_in, r), dtype, "weight", f"lora.{i}.{target}.a")
                 for i in range(config.num_hidden_layers)

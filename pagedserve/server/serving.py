@@ -125,9 +125,10 @@ class OpenAIServing:
         return tuple(sorted(texts, key=len, reverse=True))
 
     # ---- validation ---------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> str | None:
+    def check_model(self, model: str | None, param: str = "model") -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model); a 404 in
-        OpenAI's shape for a name this server does not serve."""
+        OpenAI's shape for a name this server does not serve (``param``: the field that named
+        it: SGLang's /generate names adapters by ``lora_path``)."""
         if model is None or model == self.model_name:
             return None
         if model in self.engine.lora_adapters:
@@ -138,7 +139,7 @@ class OpenAIServing:
             404,
             f"the model {model!r} does not exist; this server serves "
             f"{self.model_name!r}{also} (see GET /v1/models)",
-            "model",
+            param,
             "model_not_found",
         )
 

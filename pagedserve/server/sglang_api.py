@@ -119,10 +119,13 @@ class GenerateReqInput(OpenAIModel):
     tools: Annotated[list[ChatCompletionToolsParam], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    # SGLang's: the LoRA adapter (its name on this server) each prompt runs with; None: the base
+    lora_path: str | Annotated[list[str | None], Field(max_length=MAX_PROMPTS)] | None = None
 
     def check_batch(self, num_prompts: int) -> None:
         """A per-prompt list must have one entry per prompt."""
-        for name in ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num"):
+        names = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        for name in (*names, "lora_path"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != num_prompts:
                 raise bad_request(
@@ -319,9 +322,13 @@ def sglang_router(serving) -> APIRouter:
         serving.check_admission()
         base = body.rid if isinstance(body.rid, str) else random_id("generate")
         rids = [f"{base}-{i}" for i in range(len(prompts))]
+        loras = [
+            serving.check_model(_per_prompt(body.lora_path, i), "lora_path")
+            for i in range(len(prompts))
+        ]
         streams = [
-            serving.start(rid, [prompt], p)[0]
-            for rid, prompt, p in zip(rids, prompts, params, strict=True)
+            serving.start(rid, [prompt], p, lora)[0]
+            for rid, prompt, p, lora in zip(rids, prompts, params, loras, strict=True)
         ]
         many = batch or params[0].n > 1
         if body.stream:

@@ -72,3 +72,26 @@ def test_lora_request_is_vllms_record():
     assert (r.name, r.adapter_id, r.path) == ("sql", 3, "/adapters/sql")
     with pytest.raises(ValueError, match="lora_int_id must be an integer > 0"):
         LoRARequest("sql", 0, "/adapters/sql")
+
+
+def test_tune_counts_the_device_slots_the_engine_allocates(tiny_glm4):
+    """``pagedserve tune --enable-lora`` plans the slots by the rule the engine allocates them
+    by: the same bytes, charged to the weight tier before the KV pool is sized."""
+    from pagedserve.engine.memory_plan import tune
+    from pagedserve.lora.sizes import slots_nbytes
+
+    model = str(tiny_glm4[0])
+    plan = tune(model, "cpu", max_model_len=256, max_loras=2, max_lora_rank=16)
+    base = tune(model, "cpu", max_model_len=256)
+    assert plan.lora_bytes > 0 and plan.weight_bytes == base.weight_bytes + plan.lora_bytes
+    script = " ".join(plan.launch_script.replace("\\", "").split())
+    assert "--enable-lora --max-loras 2 --max-lora-rank 16" in script
+    llm = LLM(model, dtype="bfloat16", device="cpu", enable_lora=True, max_loras=2)
+    slots = llm.llm_engine.executor.worker.lora
+    config = llm.llm_engine.model_config
+    assert slots.nbytes == plan.lora_bytes == slots_nbytes(config, 1, 2, 16, 2)
+    tier = llm.llm_engine.device.tiers["weight"]
+    assert (
+        sum(a.nbytes for a in tier.allocations.values() if a.tag.startswith("lora."))
+        == slots.nbytes
+    )

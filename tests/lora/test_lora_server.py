@@ -214,3 +214,69 @@ def test_runtime_updating_answers_only_where_the_operator_allowed_it(monkeypatch
     for value, allowed in (("true", True), ("True", True), ("1", True), ("false", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         assert runtime_lora_updating_allowed() is allowed
+
+
+def test_the_sdk_sglangs_generate_lang_and_smi_take_adapters_too(lora_server):
+    """Every place that names a model takes an adapter's name: the SDK (and its run-time
+    loads), SGLang's /generate (``lora_path``), pagedserve.lang (``run(lora_path=...)``) and
+    ``pagedserve smi``'s summary and detail."""
+    import argparse
+
+    from pagedserve.client import Client
+    from pagedserve.entrypoints.cli.smi import fetch_devices, render
+    from pagedserve.lang import Runtime, function, gen
+
+    url, root, refs, engine = lora_server
+    want = _text(engine, refs["chat"])
+    with Client(url) as client:
+        assert "added" in client.load_lora_adapter("chat", str(root / "chat"))
+        try:
+            out = client.completions.create(
+                model="chat", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
+            )
+            assert out.choices[0].text == want and out.model == "chat"
+            sampling = {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            body = {"input_ids": PROMPT, "sampling_params": sampling, "lora_path": "chat"}
+            assert httpx.post(url + "/generate", json=body).json()["text"] == want
+            r = httpx.post(url + "/generate", json={**body, "lora_path": "nobody"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+
+            @function
+            def program(s):
+                s += "Hello"
+                s += gen("answer", max_tokens=MAX_TOKENS, temperature=0)
+
+            runtime = Runtime(url)
+            by_lang = program.run(backend=runtime, lora_path="chat")["answer"]
+            openai_text = _client(url).completions.create(
+                model="chat", prompt="Hello", max_tokens=MAX_TOKENS, temperature=0
+            )
+            assert by_lang == openai_text.choices[0].text
+            devices = fetch_devices(url)
+            args = argparse.Namespace(device_index=None, json=False, query=False)
+            summary = render(devices, args)
+            assert "LoRA slots" in summary and "chat" in summary, summary
+            detail = render(devices, argparse.Namespace(device_index=0, json=False, query=True))
+            assert "LoRA adapters" in detail and "sql" in detail, detail
+        finally:
+            assert "removed" in client.unload_lora_adapter("chat")
+
+
+def test_bench_spreads_its_requests_over_the_lora_modules(lora_server, tmp_path, capsys):
+    """``pagedserve bench --lora-modules``: each request names one of them as its model (the
+    server's per-adapter counts grow by the requests), an unknown one is refused up front."""
+    import json
+
+    from pagedserve.entrypoints.cli.main import main
+
+    url = lora_server[0]
+    before = read_metrics(url).get('pagedserve:lora_requests_total{lora_name="sql"}', 0)
+    out = tmp_path / "bench.json"
+    flags = ["bench", "--base-url", url, "--num-prompts", "4", "--random-input-len", "8"]
+    flags += ["--random-output-len", "2", "--disable-tqdm", "--output-file", str(out)]
+    assert main([*flags, "--lora-modules", "sql"]) == 0
+    assert json.loads(out.read_text())["completed"] == 4
+    assert read_metrics(url)['pagedserve:lora_requests_total{lora_name="sql"}'] == before + 4
+    assert main([*flags, "--lora-modules", "sql", "nobody"]) != 0
+    err = capsys.readouterr().err
+    assert "--lora-modules nobody" in err and "does not serve it" in err, err

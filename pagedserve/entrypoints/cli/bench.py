@@ -32,6 +32,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapters the server serves (its --lora-modules names): each request takes "
+        "one at random as its model, as vLLM's bench does (default: none, the base model)",
+    )
+    parser.add_argument(
         "--api-key", default=None, help="the server's API key (default: $OPENAI_API_KEY)"
     )
     parser.add_argument(

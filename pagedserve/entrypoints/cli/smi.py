@@ -99,6 +99,8 @@ def format_summary(devices: list[dict]) -> str:
             lines.append(f"|     {_faults_line(d['faults']):<80} |")
         if d.get("speculative"):
             lines.append(f"|     {_speculative_line(d['speculative']):<80} |")
+        if d.get("lora"):
+            lines.append(f"|     {_lora_line(d['lora'], d.get('lora_memory', {})):<80} |")
         if "tp_rank" in d:
             sent = _mib(d.get("collective_bytes_sent", 0))
             sent = f"tensor-parallel rank {d['tp_rank']}   collectives sent {sent}"
@@ -130,6 +132,17 @@ def _speculative_line(spec: dict) -> str:
         f"acceptance {100 * spec.get('acceptance_rate', 0.0):.1f}%   "
         f"mean accepted length {spec.get('mean_acceptance_length', 0.0):.2f}"
     )
+
+
+def _lora_line(lora: dict, memory: dict) -> str:
+    """``LoRA slots sql, chat, - of 3 (1.2MiB)  loaded 4  running sql  waiting -``."""
+    slots = ", ".join(name or "-" for name in lora.get("slots", []))
+    line = (
+        f"LoRA slots {slots} ({_mib(memory.get('slots_bytes'))})  loaded "
+        f"{len(lora.get('loaded', []))}  running {','.join(lora.get('running', [])) or '-'}  "
+        f"waiting {','.join(lora.get('waiting', [])) or '-'}"
+    )
+    return line if len(line) <= 80 else line[:77] + "..."
 
 
 def _faults_line(faults: dict) -> str:
@@ -174,6 +187,20 @@ def format_detail(device: dict, index: int) -> str:
     spec = device.get("speculative")
     if spec:
         lines.insert(-1, f"    {_speculative_line(spec)}")
+    lora, memory = device.get("lora"), device.get("lora_memory", {})
+    if lora:
+        lines += [
+            "    LoRA adapters",
+            f"        Device slots      : {', '.join(n or '-' for n in lora['slots'])} "
+            f"({_mib(memory.get('slots_bytes'))}, rank <= {lora['max_lora_rank']})",
+            f"        Loaded            : {', '.join(lora['loaded']) or '-'}",
+            f"        In host memory    : {memory.get('host_adapters', 0)} "
+            f"({_mib(memory.get('host_bytes'))})",
+            f"        Running / waiting : {', '.join(lora['running']) or '-'} / "
+            f"{', '.join(lora['waiting']) or '-'}",
+            f"        Swap-ins          : {lora['swap_ins_total']} "
+            f"({memory.get('disk_loads_total', 0)} read from disk again)",
+        ]
     for kind, counts in device.get("faults", {}).items():
         lines.append(
             f"        {kind:<18}: injected {counts['injected']}, detected {counts['detected']}, "

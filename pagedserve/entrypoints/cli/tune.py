@@ -74,6 +74,23 @@ def add_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help=f"token budget of one engine step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, serve's)",
     )
+    parser.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="plan for serve --enable-lora: the adapters' device slots beside the weights",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters in one step, a device slot each (with --enable-lora) (default 1, serve's)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="the slots' rank (with --enable-lora) (default 16, serve's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
         "--write",
@@ -98,6 +115,8 @@ def run_tune(args: argparse.Namespace) -> int:
             args.quant_group_size,
             args.max_num_batched_tokens,
             args.kv_cache_dtype,
+            max_loras=args.max_loras if args.enable_lora else 0,
+            max_lora_rank=args.max_lora_rank,
         )
     except ValueError as exc:
         print(f"pagedserve tune: error: {exc}", file=sys.stderr)

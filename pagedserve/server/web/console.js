@@ -74,6 +74,7 @@ async function loadModelName() {
     const models = await (await api("v1/models", { signal: request.signal })).json();
     state.model = models.data[0].id;
     $("model-name").textContent = state.model;
+    renderModelChoice(models.data.map((m) => m.id));
     notice("");
     // answered a request sent without a key: this server has none, so the field would only
     // confuse (a key typed or cleared while an earlier request was out says nothing of that)
@@ -81,6 +82,16 @@ async function loadModelName() {
   } catch {
     if (!request.signal.aborted) $("model-name").textContent = "";
   }
+}
+
+// The base model and its LoRA adapters (a server with --enable-lora lists them): the playground
+// sends the one chosen as the request's model.
+function renderModelChoice(ids) {
+  const select = $("model-select");
+  const chosen = ids.includes(select.value) ? select.value : ids[0];
+  select.replaceChildren(...ids.map((id) => new Option(id, id, false, id === chosen)));
+  state.model = chosen;
+  $("model-label").hidden = ids.length < 2;
 }
 
 // ---- tabs ---------------------------------------------------------------------------------------
@@ -463,6 +474,13 @@ function renderCard(card, d, map, figures, index) {
   fig("accept", drafts ? `${((100 * accepted) / drafts).toFixed(1)}%` : "–");
   fig("accept-len", verifications ? (1 + accepted / verifications).toFixed(2) : "–");
   for (const el of card.querySelectorAll(".spec-fig")) el.hidden = !d.speculative;
+  // LoRA: which adapter each device slot holds, and the adapters of running and waiting requests
+  const lora = d.lora;
+  if (lora) {
+    fig("lora-slots", lora.slots.map((name) => name || "–").join(", "));
+    fig("lora-load", `${lora.running.join(", ") || "–"} / ${lora.waiting.join(", ") || "–"}`);
+  }
+  for (const el of card.querySelectorAll(".lora-fig")) el.hidden = !lora;
   fig("preempt", figures.num_preemptions_total ?? 0);
   fig("faults", d.faults_detected ?? 0);
   const ttftCount = figures.time_to_first_token_seconds_count || 0;
@@ -581,6 +599,7 @@ function init() {
   document.addEventListener("keydown", (e) => e.key === "Escape" && state.controller?.abort());
   $("clear").addEventListener("click", clearConversation);
   $("structured").addEventListener("change", onStructuredChange);
+  $("model-select").addEventListener("change", () => (state.model = $("model-select").value));
   $("refresh").addEventListener("change", () => !$("monitor").hidden && startMonitor());
   for (const radio of document.querySelectorAll("input[name=mode]")) {
     radio.addEventListener("change", onModeChange);
