@@ -122,7 +122,7 @@ def time_generate(llm, prompts, loras) -> dict:
     return {"tokens_per_s": tokens / seconds, "seconds": seconds, "tokens": tokens}
 
 
-def throughput(model_dir: Path, adapters: list[Path], runs: int, threads: int) -> dict:
+def throughput(model_dir: Path, adapters: list[Path], runs: int) -> dict:
     from pagedserve import LLM, LoRARequest
 
     g = torch.Generator().manual_seed(0)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     adapters = build_adapters()
     ops = {} if args.skip_ops else op_timings(args.op_repeats)
     torch.set_num_threads(args.threads)
-    figures = throughput(model_dir, adapters, args.runs, args.threads)
+    figures = throughput(model_dir, adapters, args.runs)
     rates = figures["throughput"]
     worst = min(v["of_base_only"] for k, v in rates.items() if k != "base only")
     result = {

@@ -23,6 +23,11 @@ def demo_model_dir() -> Path:
     return Path(str(files("pagedserve") / "demo_model"))
 
 
+def demo_lora_dir() -> Path:
+    """A random LoRA adapter of the demo model (tools/make_demo_lora.py), to try LoRA with."""
+    return Path(str(files("pagedserve") / "demo_lora"))
+
+
 def preset_names(kind: str) -> list[str]:
     """The preset names of ``kind`` ("devices" or "models") that ship with the package."""
     return sorted(
