@@ -15,8 +15,9 @@ that decided ``lora/ops.py``.
   run times the four cases in turn; the figure is the median of ``--runs`` runs.
 - **Swap-in**: one adapter copied from host memory into a device slot (``LoRASlots.activate``),
   the median of 20; and read from disk (the host cache dropped) for comparison.
-- **Ops**: the added ``B (A x)`` of every target of the 12 layers, for 32 decode rows and for a
-  512-token prefill, over 1, 4 and 8 adapters (bf16, rank 16, every row with an adapter): grouped
+- **Ops**: the added ``B (A x)`` of every target of the 12 layers (each layer its own slots, as
+  in the engine), for 32 decode rows and for a 512-token prefill, over 1, 4 and 8 adapters
+  (bf16, rank 16, every row with an adapter, sorted by adapter as the engine sorts them): grouped
   GEMMs (rows sorted by adapter, ``torch._grouped_mm``), padded bmm (the runs padded to one
   length), a loop of two matmuls per adapter, a gathered per-row bmm (Punica's BGMV), one
   matmul over every slot with the others' columns masked; and ``add_lora``'s own choice. Each
@@ -190,32 +191,49 @@ def swap_in_times(llm, requests) -> dict:
 # ---- the grouped ops --------------------------------------------------------------------------
 def op_variants():
     """name -> (the op, ``padded`` for ``LoRABatch.build``: forced, or None to let it choose).
-    The rows are sorted by adapter, as the engine sorts a step's: one span of the batch."""
+    The rows are sorted by adapter, as the engine sorts a step's: one span of the batch. Each op
+    adds ``x @ a[s] @ b_p[s]`` into part ``p``'s columns of ``y`` (q, k and v of qkv_proj)."""
     from pagedserve.lora.ops import add_lora
 
-    def grouped(x, y, a, b, batch):
-        (s, e), offs = batch.span, batch.offsets
-        y[s:e] += torch._grouped_mm(torch._grouped_mm(x[s:e], a, offs=offs), b, offs=offs)
+    def expand(y, h, parts, mm):
+        r, col = parts[0].shape[1], 0
+        for p, part in enumerate(parts):
+            mm(y[:, col : col + part.shape[2]], h[..., p * r : (p + 1) * r], part)
+            col += part.shape[2]
 
-    def loop(x, y, a, b, batch):
+    def loop(x, y, a, parts, batch):
         s, e = batch.span
-        y[s:e] += torch.cat([x[s + i : s + j] @ a[t] @ b[t] for t, i, j in batch.runs])
+        h = torch.cat([x[s + i : s + j] @ a[t] for t, i, j in batch.runs])
 
-    def gathered(x, y, a, b, batch):
+        def mm(cols, hp, part):
+            cols[s:e] += torch.cat([hp[i:j] @ part[t] for t, i, j in batch.runs])
+
+        expand(y, h, parts, mm)
+
+    def gathered(x, y, a, parts, batch):
         rows, slots = batch.order, batch.token_slots[batch.order]
         h = torch.bmm(x[rows].unsqueeze(1), a[slots])
-        y.index_add_(0, rows, torch.bmm(h, b[slots]).squeeze(1))
 
-    def masked(x, y, a, b, batch):
-        n, fan_in, r = a.shape
-        h = (x @ a.permute(1, 0, 2).reshape(fan_in, n * r)).view(-1, n, r)
-        y += (h * batch.mask.unsqueeze(-1)).view(-1, n * r) @ b.reshape(n * r, -1)
+        def mm(cols, hp, part):
+            cols.index_add_(0, rows, torch.bmm(hp, part[slots]).squeeze(1))
 
-    def lora(x, y, a, b, batch):
-        add_lora(y, x, a, b, batch)
+        expand(y, h, parts, mm)
+
+    def masked(x, y, a, parts, batch):
+        n, fan_in, width = a.shape
+        h = (x @ a.permute(1, 0, 2).reshape(fan_in, n * width)).view(-1, n, width)
+        h = h * batch.mask.unsqueeze(-1)
+
+        def mm(cols, hp, part):
+            cols += hp.reshape(-1, n * hp.shape[-1]) @ part.reshape(n * part.shape[1], -1)
+
+        expand(y, h, parts, mm)
+
+    def lora(x, y, a, parts, batch):
+        add_lora(y, x, a, parts, batch)
 
     return {
-        "grouped GEMM": (grouped, None),
+        "grouped GEMM": (lora, False),
         "padded bmm": (lora, True),
         "loop of matmuls": (loop, None),
         "gathered per-row bmm (BGMV)": (gathered, None),
@@ -234,13 +252,16 @@ def op_timings(repeats: int) -> dict:
     config = GlmConfig(architecture="glm4", **shape)
     targets = slot_shapes(config, 1, RANK)
     g = torch.Generator().manual_seed(0)
-    weights = {
-        t: (
-            (torch.randn(NUM_ADAPTERS, i, r, generator=g) * 0.05).to(torch.bfloat16),
-            (torch.randn(NUM_ADAPTERS, r, o, generator=g) * 0.05).to(torch.bfloat16),
-        )
-        for t, (i, r, o) in targets.items()
-    }
+
+    def rand(*size):
+        return (torch.randn(*size, generator=g) * 0.05).to(torch.bfloat16)
+
+    # every layer its own slots, as the engine has them: a step reads them all from memory
+    layers = [
+        {t: (rand(NUM_ADAPTERS, i, r * len(outs)), [rand(NUM_ADAPTERS, r, o) for o in outs])
+         for t, (i, r, outs) in targets.items()}
+        for _ in range(shape["num_hidden_layers"])
+    ]  # fmt: skip
     out: dict[str, dict] = {}
     for rows, label in ((32, "32 decode rows"), (512, "512-token prefill")):
         for k in (1, 4, 8):
@@ -252,8 +273,8 @@ def op_timings(repeats: int) -> dict:
                 batch.token_slots = torch.tensor(token_slots)
                 batch.mask = torch.nn.functional.one_hot(batch.token_slots, NUM_ADAPTERS)
                 batch.mask = batch.mask.to(torch.bfloat16)
-                _check(fn, xs, weights, batch, token_slots, add_lora_reference)
-                row[name] = _best_ms(fn, xs, weights, batch, repeats, shape["num_hidden_layers"])
+                _check(fn, xs, layers[0], batch, token_slots, add_lora_reference)
+                row[name] = _best_ms(fn, xs, layers, batch, repeats)
             out[f"{label}, {k} adapter{'s' if k > 1 else ''}"] = row
             log(f"ops {label}, {k} adapters: " + ", ".join(f"{n} {v:.2f}" for n, v in row.items()))
     return out
@@ -265,24 +286,31 @@ def _spread_slots(rows: int, k: int) -> list[int]:
 
 
 def _check(fn, xs, weights, batch, token_slots, reference) -> None:
-    t = "down_proj"
-    a, b = weights[t]
-    y = torch.zeros(xs[t].shape[0], b.shape[2], dtype=torch.bfloat16)
-    fn(xs[t], y, a, b, batch)
-    want = reference(y.double() * 0, xs[t].double(), a.double(), b.double(), token_slots)
+    t = "qkv_proj"
+    a, parts = weights[t]
+    width = sum(p.shape[2] for p in parts)
+    y = torch.zeros(xs[t].shape[0], width, dtype=torch.bfloat16)
+    fn(xs[t], y, a, parts, batch)
+    as_double = [p.double() for p in parts]
+    want = reference(y.double() * 0, xs[t].double(), a.double(), as_double, token_slots)
     err = (y.double() - want).abs().max().item() / want.abs().max().item()
     assert err < 0.05, f"{fn.__name__}: relative error {err:.3f}"
 
 
-def _best_ms(fn, xs, weights, batch, repeats: int, num_layers: int) -> float:
-    ys = {t: torch.zeros(xs[t].shape[0], weights[t][1].shape[2], dtype=torch.bfloat16) for t in xs}
+def _best_ms(fn, xs, layers, batch, repeats: int) -> float:
+    """The best time of one step: every target of every layer, each layer's own slots."""
+    ys = {
+        t: torch.zeros(xs[t].shape[0], sum(p.shape[2] for p in parts), dtype=torch.bfloat16)
+        for t, (_, parts) in layers[0].items()
+    }
     best = float("inf")
     for _ in range(repeats + 2):
         start = time.perf_counter()
-        for t, (a, b) in weights.items():
-            fn(xs[t], ys[t], a, b, batch)
+        for weights in layers:
+            for t, (a, parts) in weights.items():
+                fn(xs[t], ys[t], a, parts, batch)
         best = min(best, time.perf_counter() - start)
-    return best * num_layers * 1e3  # ms per step: every target of every layer
+    return best * 1e3  # ms per step
 
 
 def main(argv: list[str] | None = None) -> int:

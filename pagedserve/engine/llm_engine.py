@@ -438,6 +438,8 @@ class LLMEngine:
             if self.executor.failed is not None:
                 raise  # a tensor-parallel rank is gone: the engine stops
             self.failed += self.fault_recovery.fail_step(sched, e, self.abort_request)
+            if sched.lora_loads:  # a move into a slot may not have finished: load them again
+                self.lora_registry.forget_slots([slot for slot, _ in sched.lora_loads])
             if not is_device_fault(e):
                 self.step_error = e
                 self.num_step_errors += 1

@@ -110,65 +110,89 @@ class LoRABatch:
         return self
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch):
-    """``y[t] + x[t] @ a[s] @ b[s]`` for every row ``t`` whose slot ``s`` is not -1: ``y``
-    itself, added to in place, when it is contiguous (a kernel's output may be a view of a wider
-    buffer, and ``index_add_`` into one is a hundred times slower on the CPU)."""
+Parts = torch.Tensor | list[torch.Tensor]
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Parts, batch: LoRABatch):
+    """``y[t] + x[t] @ a[s] @ b[s]`` for every row ``t`` whose slot ``s`` is not -1.
+
+    ``b`` is one [slots, r, out] tensor, or parts [slots, r, out_p] that fill ``y``'s columns
+    side by side, part ``p`` reading columns ``p*r`` .. of ``x @ a``: q, k and v of a fused
+    qkv layer, so that no part reads the others' (zero) weights. Returns ``y`` itself, added to
+    in place, when it is contiguous (a kernel's output may be a view of a wider buffer, and
+    ``index_add_`` into one is a hundred times slower on the CPU)."""
+    parts = [b] if isinstance(b, torch.Tensor) else list(b)
     if not y.is_contiguous():
         y = y.contiguous()
-    if batch.padded is not None:
-        out = _padded(x, a, b, batch)
-    else:
-        xs = x[slice(*batch.span)] if batch.span else x.index_select(0, batch.order)
-        if len(batch.runs) > 1 and _grouped_gemm_ok(x, a, b):
-            offs = batch.offsets
-            out = torch._grouped_mm(torch._grouped_mm(xs.contiguous(), a, offs=offs), b, offs=offs)
-        else:  # one adapter: two matmuls; or a device without the grouped GEMM
-            out = torch.cat([xs[i:j] @ a[s] @ b[s] for s, i, j in batch.runs])
-    if batch.span is not None:
-        y[batch.span[0] : batch.span[1]] += out.view(-1, y.shape[1])
-    elif batch.padded is not None:
-        rows = batch.padded.view(-1)
-        if out.shape[0] != len(batch.order):
-            out, rows = out.index_select(0, batch.padded_valid), rows[batch.padded_valid]
-        y.index_add_(0, rows, out)
-    else:
-        y.index_add_(0, batch.order, out)
+    h = _per_slot_matmul(_adapter_rows(x, batch), a, batch)
+    r, col = parts[0].shape[1], 0
+    for p, part in enumerate(parts):
+        out = _per_slot_matmul(h[..., p * r : (p + 1) * r], part, batch)
+        columns = y if len(parts) == 1 else y[:, col : col + part.shape[2]]
+        _add_rows(columns, out, batch)
+        col += part.shape[2]
     return y
 
 
-def _padded(x, a, b, batch: LoRABatch) -> torch.Tensor:
-    """The runs' rows padded to one length, two bmm over just their slots: [k * L, out] (the
-    rows of the span, in order, when ``views_only``)."""
-    k, longest = batch.padded.shape
-    if batch.slots is None:
-        a, b = a[batch.slot_range[0] : batch.slot_range[1]], b[slice(*batch.slot_range)]
-    else:
-        a, b = a.index_select(0, batch.slots), b.index_select(0, batch.slots)
-    if batch.views_only:
-        x_padded = x[batch.span[0] : batch.span[1]].reshape(k, longest, -1)
-    else:
-        x_padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.padded]  # [k, L, in]
-    out = torch.bmm(torch.bmm(x_padded, a), b).view(k * longest, -1)
-    if batch.span is not None and not batch.views_only:  # back to the span's rows, in order
-        out = out.index_select(0, batch.padded_valid)
-    return out
+def _adapter_rows(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """The adapter rows of ``x``: [k, L, in] padded per slot, else [N, in] in slot order."""
+    if batch.padded is not None:
+        k, longest = batch.padded.shape
+        if batch.views_only:
+            return x[batch.span[0] : batch.span[1]].reshape(k, longest, -1)
+        return torch.cat([x, x.new_zeros(1, x.shape[1])])[batch.padded]
+    return x[slice(*batch.span)] if batch.span else x.index_select(0, batch.order)
 
 
-def _grouped_gemm_ok(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+def _per_slot_matmul(h: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """Each slot's rows of ``h`` (``_adapter_rows``' layout) times that slot's ``w``."""
+    if batch.padded is not None:
+        if batch.slots is None:
+            w = w[batch.slot_range[0] : batch.slot_range[1]]
+        else:
+            w = w.index_select(0, batch.slots)
+        return torch.bmm(h, w)
+    if len(batch.runs) > 1 and _grouped_gemm_ok(h, w):
+        return torch._grouped_mm(h.contiguous(), w, offs=batch.offsets)
+    # one adapter: one matmul; or a device without the grouped GEMM
+    return torch.cat([h[i:j] @ w[s] for s, i, j in batch.runs])
+
+
+def _add_rows(y: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+    """``out`` (the adapter rows, in ``_adapter_rows``' layout) added into their rows of ``y``."""
+    if batch.padded is not None:
+        out = out.reshape(-1, out.shape[-1])
+        if batch.views_only:
+            y[batch.span[0] : batch.span[1]] += out
+            return
+        out = out.index_select(0, batch.padded_valid)  # the real rows, in slot order
+    if batch.span is not None:
+        y[batch.span[0] : batch.span[1]] += out
+    else:
+        y.index_add_(0, batch.order, out)
+
+
+def _grouped_gemm_ok(h: torch.Tensor, w: torch.Tensor) -> bool:
     """``torch._grouped_mm`` on the CPU, where every row it reads starts on 16 bytes."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+    if h.device.type != "cpu" or h.dtype not in (torch.float32, torch.bfloat16):
         return False
-    size = x.element_size()
-    return all((n * size) % 16 == 0 for n in (x.shape[1], a.shape[2], b.shape[2]))
+    size = h.element_size()
+    return all((n * size) % 16 == 0 for n in (h.shape[-1], w.shape[1], w.shape[2]))
 
 
 def add_lora_reference(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: list[int]
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Parts, token_slots: list[int]
 ) -> torch.Tensor:
     """The definition, a row at a time: ``y[t] += (x[t] @ a[s]) @ b[s]`` where ``s`` is row
-    ``t``'s slot (-1: a base-model row, left as it is)."""
+    ``t``'s slot (-1: a base-model row, left as it is); with parts, part ``p`` of ``y``'s
+    columns gets ``(x[t] @ a[s])[p*r : (p+1)*r] @ b_p[s]``."""
+    parts = [b] if isinstance(b, torch.Tensor) else list(b)
+    r = parts[0].shape[1]
     for t, s in enumerate(token_slots):
-        if s >= 0:
-            y[t] += (x[t] @ a[s]) @ b[s]
+        if s < 0:
+            continue
+        h, col = x[t] @ a[s], 0
+        for p, part in enumerate(parts):
+            y[t, col : col + part.shape[2]] += h[p * r : (p + 1) * r] @ part[s]
+            col += part.shape[2]
     return y

@@ -31,6 +31,12 @@ class LoRARegistry:
         self.requests.pop(lora_int_id, None)
         self.slot_ids = [None if i == lora_int_id else i for i in self.slot_ids]
 
+    def forget_slots(self, slots: list[int]) -> None:
+        """These slots' contents are not trusted (a step failed while moving adapters in): they
+        count as empty, so the next step that needs their adapters copies them in again."""
+        for slot in slots:
+            self.slot_ids[slot] = None
+
     def next_id(self) -> int:
         """An id this engine has never used (for adapters a server loads at run time, so that
         no prefix-cache block of a removed adapter is ever taken for a new one's)."""

@@ -57,16 +57,22 @@ class LoRASlots:
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.max_rank_setting = max_rank_setting
-        self.lora_a: dict[str, list[torch.Tensor]] = {}
-        self.lora_b: dict[str, list[torch.Tensor]] = {}
-        for target, (fan_in, r, fan_out) in slot_shapes(config, tp.size, max_lora_rank).items():
+        self.lora_a: dict[str, list[torch.Tensor]] = {}  # per layer: [slots, in, parts x r]
+        self.lora_b: dict[str, list[list[torch.Tensor]]] = {}  # per layer, part: [slots, r, out]
+        layers = range(config.num_hidden_layers)
+        for target, (fan_in, r, outs) in slot_shapes(config, tp.size, max_lora_rank).items():
             self.lora_a[target] = [
-                device.empty((max_loras, fan_in, r), dtype, "weight", f"lora.{i}.{target}.a")
-                for i in range(config.num_hidden_layers)
+                device.empty(
+                    (max_loras, fan_in, r * len(outs)), dtype, "weight", f"lora.{i}.{target}.a"
+                )
+                for i in layers
             ]
             self.lora_b[target] = [
-                device.empty((max_loras, r, fan_out), dtype, "weight", f"lora.{i}.{target}.b")
-                for i in range(config.num_hidden_layers)
+                [
+                    device.empty((max_loras, r, out), dtype, "weight", f"lora.{i}.{target}.b{p}")
+                    for p, out in enumerate(outs)
+                ]
+                for i in layers
             ]
         self.requests: dict[int, LoRARequest] = {}  # every adapter this rank may be asked for
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
@@ -76,7 +82,8 @@ class LoRASlots:
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for ts in (*self.lora_a.values(), *self.lora_b.values()) for t in ts]
+        tensors = [t for ts in self.lora_a.values() for t in ts]
+        tensors += [t for parts in self.lora_b.values() for ts in parts for t in ts]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -107,12 +114,13 @@ class LoRASlots:
         self._keep(adapter)
         for i in range(self.config.num_hidden_layers):
             for target in TARGETS:
-                a, b = self.lora_a[target][i][slot], self.lora_b[target][i][slot]
+                a = self.lora_a[target][i][slot]
+                parts = [b[slot] for b in self.lora_b[target][i]]
                 weights = adapter.layers.get((i, target))
-                a.zero_()
-                b.zero_()
+                for t in (a, *parts):
+                    t.zero_()
                 if weights is not None:
-                    _copy_into_slot(weights, a, b)
+                    _copy_into_slot(weights, a, parts)
         self.slot_ids[slot] = lora_int_id
         self.last_swap_in_seconds = time.perf_counter() - start
 
@@ -147,11 +155,16 @@ class LoRASlots:
         return LoRAStep(self, batch.to(self.device.torch_device))
 
 
-def _copy_into_slot(weights: LoRALayerWeights, a: torch.Tensor, b: torch.Tensor) -> None:
-    """An adapter's layer into a slot's zeroed ``a`` [in, R] and ``b`` [R, out]: part ``p`` of a
-    stacked q/k/v (``weights.parts`` 3) at columns ``p * R / 3`` of ``a`` and rows of ``b``."""
-    parts = weights.parts
-    own, stride = weights.a.shape[1] // parts, a.shape[1] // parts
-    for p in range(parts):
-        a[:, p * stride : p * stride + own].copy_(weights.a[:, p * own : (p + 1) * own])
-        b[p * stride : p * stride + own].copy_(weights.b[p * own : (p + 1) * own])
+def _copy_into_slot(weights: LoRALayerWeights, a: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """An adapter's layer into a slot's zeroed ``a`` [in, parts x R] and parts' ``b`` [R, out_p].
+    HF's q/k/v (``weights.parts`` 3: ``a`` side by side, ``b`` block-diagonal) land part by part;
+    chatglm's fused query_key_value (one ``a``) gives every part the same ``a`` and its own
+    columns of ``b``."""
+    own, stride = weights.a.shape[1] // weights.parts, a.shape[1] // len(parts)
+    col = 0
+    for p, b in enumerate(parts):
+        source = p if weights.parts == len(parts) else 0
+        rows = slice(source * own, (source + 1) * own)
+        a[:, p * stride : p * stride + own].copy_(weights.a[:, rows])
+        b[:own].copy_(weights.b[rows, col : col + b.shape[1]])
+        col += b.shape[1]

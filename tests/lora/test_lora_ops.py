@@ -35,17 +35,27 @@ CASES = {
 }
 
 
+def _parts(dtype, outs=(64, 16, 16), fan_in=64, r=16):
+    """A fused layer's slots: ``a`` [slots, in, 3r], and q, k and v's own ``b``."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(SLOTS, fan_in, r * len(outs), generator=g).to(dtype)
+    return a, [(torch.randn(SLOTS, r, n, generator=g) * 0.1).to(dtype) for n in outs]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True], ids=["one part", "q k v parts"])
 @pytest.mark.parametrize("case", CASES)
-def test_grouped_ops_add_what_the_reference_adds_row_by_row(case, dtype):
+def test_grouped_ops_add_what_the_reference_adds_row_by_row(case, fused, dtype):
     token_slots, path = CASES[case]
     batch = LoRABatch.build(token_slots, SLOTS)
     assert (batch.padded is not None) == (path == "padded")
-    a, b = _weights(dtype)
+    a, b = _parts(dtype) if fused else _weights(dtype)
+    width = sum(p.shape[2] for p in b) if fused else b.shape[2]
     x = torch.randn(len(token_slots), a.shape[1]).to(dtype)
-    y = torch.randn(len(token_slots), b.shape[2]).to(dtype)
+    y = torch.randn(len(token_slots), width).to(dtype)
     got = add_lora(y.clone(), x, a, b, batch)
-    want = add_lora_reference(y.double(), x.double(), a.double(), b.double(), token_slots)
+    as_double = [p.double() for p in b] if fused else b.double()
+    want = add_lora_reference(y.double(), x.double(), a.double(), as_double, token_slots)
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
     torch.testing.assert_close(got.double(), want, **tol)
     base_rows = [t for t, s in enumerate(token_slots) if s < 0]
