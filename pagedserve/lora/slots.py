@@ -3,8 +3,9 @@ recently used adapters in host memory, and each step's rows by slot.
 
 The slots are allocated once, in the device's weight tier, before the KV cache is sized (so the
 pool leaves room for them): per decoder layer and target, ``lora_a`` [slots, in, r] and
-``lora_b`` [slots, r, out] in the model's dtype, ``r`` the maximum rank rounded up to 8 (three
-times that for ``qkv_proj``, which stacks q, k and v). An adapter moves into a slot by copy from
+``lora_b`` [slots, r, out] in the model's dtype, ``r`` the maximum rank rounded up to 8;
+``qkv_proj`` has three parts, q, k and v: ``lora_a`` [slots, in, 3r] and a ``lora_b`` for each
+(``lora/sizes.py`` has the shapes). An adapter moves into a slot by copy from
 its host-memory copy (read from disk again if the host cache has dropped it); rank 0's
 ``LoRARegistry`` decides which slot, the same on every rank.
 """
