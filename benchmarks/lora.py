@@ -4,7 +4,12 @@ the base alone, the time of an adapter's swap-in from host memory, and the group
 that decided ``lora/ops.py``.
 
     python -m benchmarks.lora [--runs 3] [--threads 2]   # writes benchmarks/results/lora.json
+    python -m benchmarks.lora --targets q_proj v_proj --skip-ops --output lora_qv
 
+- **Adapters**: rank 16 (alpha 32) on all six linear modules of every layer (``--targets``:
+  fewer, e.g. PEFT's common ``q_proj v_proj``). An adapter's bytes are what a decode step adds to
+  read; on all six modules of a model this small, eight of them weigh nearly as much as the INT4
+  base (``swap_in.device_slots_mb`` against the weight tier in the results).
 - **Throughput**: ``LLM.generate`` over 32 requests of 64 random prompt tokens and 64 greedy
   output tokens each (``ignore_eos``), all submitted at once (``--max-num-seqs 32``), prompts
   included in the time; tokens/s = generated tokens / seconds. The requests go round-robin over
@@ -55,18 +60,22 @@ def log(message: str) -> None:
 
 
 # ---- adapters ---------------------------------------------------------------------------------
-def build_adapters(model: str = "122m") -> list[Path]:
-    """``NUM_ADAPTERS`` random rank-16 PEFT adapters on every linear layer, built once."""
-    root = cache_root() / f"lora-{model}-r{RANK}"
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def build_adapters(model: str = "122m", targets: tuple[str, ...] = ALL_TARGETS) -> list[Path]:
+    """``NUM_ADAPTERS`` random rank-16 PEFT adapters on ``targets`` of every layer, built once."""
+    suffix = "" if tuple(targets) == ALL_TARGETS else "-" + "-".join(targets)
+    root = cache_root() / f"lora-{model}-r{RANK}{suffix}"
     paths = [root / f"adapter-{i}" for i in range(NUM_ADAPTERS)]
     for seed, path in enumerate(paths):
         if not (path / "adapter_model.safetensors").is_file():
             log(f"building adapter {path.name} in {root} ...")
-            _write_adapter(path, SHAPES[model], seed)
+            _write_adapter(path, SHAPES[model], seed, targets)
     return paths
 
 
-def _write_adapter(path: Path, shape: dict, seed: int) -> None:
+def _write_adapter(path: Path, shape: dict, seed: int, targets: tuple[str, ...]) -> None:
     g = torch.Generator().manual_seed(1000 + seed)
     h, inter, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -78,6 +87,7 @@ def _write_adapter(path: Path, shape: dict, seed: int) -> None:
         "mlp.gate_up_proj": (h, 2 * inter),
         "mlp.down_proj": (inter, h),
     }
+    modules = {m: io for m, io in modules.items() if m.rsplit(".", 1)[1] in targets}
     tensors = {}
     for layer in range(shape["num_hidden_layers"]):
         for module, (fan_in, fan_out) in modules.items():
@@ -320,10 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op-repeats", type=int, default=20, help="timings per op (best kept)")
     parser.add_argument("--skip-ops", action="store_true", help="throughput and swap-in only")
     parser.add_argument("--output", default="lora", help="results file name")
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=list(ALL_TARGETS),
+        choices=ALL_TARGETS,
+        help="the adapters' target modules (default: all six)",
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     model_dir = build_model("122m")
-    adapters = build_adapters()
+    adapters = build_adapters(targets=tuple(args.targets))
     ops = {} if args.skip_ops else op_timings(args.op_repeats)
     torch.set_num_threads(args.threads)
     figures = throughput(model_dir, adapters, args.runs)
@@ -333,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": "122m",
         "quantization": "int4",
         "rank": RANK,
+        "target_modules": args.targets,
         "requests": NUM_REQUESTS,
         "prompt_tokens": PROMPT_LEN,
         "max_tokens": MAX_TOKENS,

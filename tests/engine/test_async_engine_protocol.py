@@ -188,6 +188,7 @@ def test_a_client_from_an_engine_runs_its_core_in_a_thread_with_the_engines_toke
         limits=limits,
         describe=lambda: "an engine",
         executor=types.SimpleNamespace(worker_pids=[]),
+        lora_registry=None,  # LoRA off
     )
     client = AsyncLLMEngine.from_engine(engine, max_queue_len=5)
     assert isinstance(client.client, InprocCoreClient) and client.client.core.engine is engine
@@ -239,8 +240,8 @@ def test_a_request_is_sent_on_its_first_read_with_its_params_and_arrival_time():
         before = asyncio.get_running_loop().time()
         first = asyncio.ensure_future(stream.__anext__())
         await until(lambda: engine.num_unfinished, "the send")
-        ((kind, request_id, prompt, params, arrival),) = core.sent()
-        assert (kind, request_id, prompt) == (ADD, "a", PROMPT)
+        ((kind, request_id, prompt, params, arrival, lora_name),) = core.sent()
+        assert (kind, request_id, prompt, lora_name) == (ADD, "a", PROMPT, None)
         assert params_from_wire(params) == GREEDY and before <= arrival
         core.step([output("a", [7, 8, 9, 10], "length")])
         return (await first).outputs[0].token_ids, await collect(stream)

@@ -141,6 +141,9 @@ def test_a_plan_on_a_shared_hbm_card_matches_hand_computation(tmp_path):
         "pages_per_seq": 64,
         "max_num_seqs": 5,
         "max_num_batched_tokens": 2048,
+        "max_loras": 0,  # no --enable-lora: no adapter slots
+        "max_lora_rank": 0,
+        "lora_bytes": 0,
         "launch_script": r.launch_script,
     }
     # fewer batched tokens than the sequences the pages hold bound max_num_seqs

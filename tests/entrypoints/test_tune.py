@@ -148,7 +148,8 @@ def test_the_explanation_quotes_no_other_models_figures():
 def test_the_launch_script_serves_the_model_name_the_readmes_requests_send():
     readme = (ROOT / "README.md").read_text()
     sent = set(re.findall(r'"model": "([^"]+)"', readme))
-    assert sent == {"demo"}
+    adapters = set(re.findall(r"--lora-modules ([\w-]+)=", readme))  # LoRA: a model name too
+    assert sent - adapters == {"demo"} and adapters
     assert "--served-model-name demo" in tune("demo").launch_script
     nine_b = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=8192)
     assert "--served-model-name glm-4-9b-chat" in nine_b.launch_script
