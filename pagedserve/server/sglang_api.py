@@ -327,7 +327,7 @@ def sglang_router(serving) -> APIRouter:
             for i in range(len(prompts))
         ]
         streams = [
-            serving.start(rid, [prompt], p, lora)[0]
+            serving.start(rid, [prompt], p, lora_name=lora)[0]
             for rid, prompt, p, lora in zip(rids, prompts, params, loras, strict=True)
         ]
         many = batch or params[0].n > 1
