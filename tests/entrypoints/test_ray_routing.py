@@ -41,6 +41,7 @@ def test_blocks_are_hashed_as_the_engines_prefix_cache_hashes_them():
         request_id = "r"
         all_token_ids = prompt
         num_tokens = len(prompt)
+        lora_int_id = 0  # the base model's chain (an adapter's starts from its own root)
 
     manager = BlockManager(num_pages=8, block_size=BS)
     assert block_hashes(prompt, BS) == manager._hash_full_blocks(Req(), [], 3)
