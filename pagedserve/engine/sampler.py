@@ -325,7 +325,10 @@ def sample(
     if categorical is not None:  # the backend draws the rows that keep every candidate
         whole = [i for i in random_rows if _keeps_every_candidate(params[i])]
         if whole:
-            u = uniforms([generators[i] for i in whole], logits.device)
+            # u = 0 (torch.rand gives it once in 2^24) would take the first token whose weight
+            # is not exactly 0, and the native draw's exp gives every finite logit at least 1e-38:
+            # half rand's smallest step above 0 still lands on the first token of real weight
+            u = uniforms([generators[i] for i in whole], logits.device).clamp_(min=2**-25)
             temperature = _row_values([params[i] for i in whole], "temperature", logits)
             chosen = categorical(_select_rows(logits, whole), 1.0 / temperature, u)
             token_ids[_long(whole, logits)] = chosen
@@ -399,7 +402,8 @@ def apply_top_k_top_p(sorted_logits: torch.Tensor, params: list[SamplingParams])
     """Mask (to -inf) everything outside the k largest and outside the top-p nucleus.
 
     Rows are sorted in descending order; the nucleus is taken over the top-k survivors, and the
-    most likely token always stays.
+    most likely token always stays: a top_p too small for the logits' dtype (5e-324 is 0 in
+    float32) means "nearly greedy", not "nothing".
     """
     num_candidates = sorted_logits.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else num_candidates for p in params])
@@ -412,7 +416,7 @@ def apply_top_k_top_p(sorted_logits: torch.Tensor, params: list[SamplingParams])
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     top_p = torch.where(top_p >= 1.0, torch.inf, top_p).to(sorted_logits.device).unsqueeze(1)
-    return sorted_logits.masked_fill(mass_before >= top_p, -torch.inf)
+    return sorted_logits.masked_fill((mass_before >= top_p) & (rank > 0), -torch.inf)
 
 
 def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -473,7 +477,8 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = CDF_BLOCK) 
     cols = chosen * block + torch.arange(block, device=weights.device)  # the chosen block's
     segment = weights.gather(1, cols.clamp(max=n - 1)).masked_fill_(cols >= n, 0.0)
     within = torch.searchsorted(segment.cumsum(dim=-1), target - before, right=True)
-    return (cols[:, :1] + within.clamp_(max=block - 1)).squeeze(1)
+    # within a last block shorter than ``block`` (a row of NaN weights finds no crossing): its end
+    return (cols[:, :1] + within.clamp_(max=block - 1)).clamp_(max=n - 1).squeeze(1)
 
 
 # ---- helpers ----

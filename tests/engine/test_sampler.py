@@ -338,6 +338,18 @@ def test_top_p_alone_draws_exactly_the_nucleus(vocab):
     assert len(drawn) >= min(len(nucleus), 5)
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 3.3e-231, 1e-50, 1e-8])
+@pytest.mark.parametrize("top_k", [-1, 5])
+def test_a_top_p_below_what_float32_holds_is_nearly_greedy(top_p, top_k):
+    """The fuzzer's 500s: 5e-324 is 0 in float32, and the nucleus was empty (every candidate
+    masked, then an index past the candidates). Any top_p in (0, 1] keeps the most likely."""
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)] * 3
+    meta = SamplingMetadata(params, [[1]] * 3, [[]] * 3, [None] * 3, [frozenset()] * 3)
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
+
+
 def test_flat_distribution_needs_the_full_sort_and_still_keeps_the_nucleus():
     logits = torch.zeros(1, 5000)  # uniform: the 0.5-nucleus holds 2,500 tokens
     params = [SamplingParams(temperature=1.0, top_p=0.5)] * 64
@@ -596,6 +608,23 @@ def test_the_backends_draw_gets_exactly_the_rows_that_keep_every_candidate(logit
     assert out[0] == 100 and out[2] == 101
     assert out[1] == int(logits[1].argmax()) and out[5] == int(logits[1].argmax())
     assert all(0 <= out[i] < VOCAB for i in (3, 4))
+
+
+def test_the_backends_draw_at_u_0_takes_a_token_of_real_weight(monkeypatch):
+    """torch.rand gives 0 once in 2^24 draws; the native draw's exp floors every finite logit's
+    weight at about 1e-38, so at u = 0 it took token 0 however unlikely. The reference, PyTorch's
+    draw, takes the first token whose weight is above 0 in float32."""
+    from pagedserve.engine import sampler as sampler_module
+    from pagedserve.hal import get_device
+
+    logits = torch.full((2, 64), -1000.0)
+    logits[:, 40], logits[:, 41] = 3.0, 2.0  # everything else weighs exactly 0 in float32
+    monkeypatch.setattr(sampler_module, "uniforms", lambda gens, device: torch.zeros(len(gens)))
+    params = [SamplingParams(temperature=0.5)] * 2
+    reference = Sampler()(logits, make_meta(params)).sampled_token_ids
+    backend = Sampler(categorical=get_device("cpu").categorical())
+    assert reference == [40, 40]
+    assert backend(logits, make_meta(params)).sampled_token_ids == reference
 
 
 def test_verification_accepts_the_longest_prefix_of_drafts_equal_to_the_tokens_sampled():
