@@ -238,17 +238,16 @@ def test_a_named_call_finishes_with_stop(client):
     assert c["finish_reason"] == "stop"
 
 
-def test_one_call_only_without_parallel_tool_calls(client):
-    out = chat(
-        client,
-        tools=[WEATHER, CLOCK],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=64,  # room for the call: cut short, it would be no call at all
-        temperature=1.0,
-        seed=3,
-    )
-    (choice,) = out["choices"]
+def test_one_call_only_without_parallel_tool_calls(engine, client):
+    # the bias towards <|assistant|>, which opens a further call, makes the model want several
+    # on any kernels; get_weather's enum keeps a call short (get_time's open object, sampled,
+    # could outgrow max_tokens and be no call at all)
+    further_call = engine.tokenizer.token_to_id("<|assistant|>")
+    body = dict(tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=40, temperature=0)
+    body |= {"logit_bias": {str(further_call): 100}, "tools": [WEATHER]}
+    (several,) = chat(client, **body)["choices"]
+    assert len(several["message"]["tool_calls"]) > 1
+    (choice,) = chat(client, **body, parallel_tool_calls=False)["choices"]
     assert len(choice["message"]["tool_calls"]) == 1
     assert choice["finish_reason"] == "tool_calls"
 
