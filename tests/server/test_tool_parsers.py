@@ -300,6 +300,25 @@ def test_the_answer_ends_at_the_first_turn_end_even_at_its_start(glm4):
     assert _whole(glm4, "<|user|>more") == ("", [])
 
 
+@pytest.mark.parametrize(
+    "output,calls,content",
+    [  # an output with ignore_eos, or whose stop token the request removed, goes on past its end
+        (
+            'get_weather\n{"location": "Paris"}<|observation|>\n{"x": 1}<|user|>',
+            [("get_weather", '{"location": "Paris"}')],
+            None,
+        ),
+        ("get_time\n{}<|observation|>get_time\n{}<|observation|>", [("get_time", "{}")], None),
+        ("\nSunny.<|user|>get_time\n{}<|observation|>", [], "\nSunny."),
+        ("\nSunny.<|endoftext|>\nRainy.<|user|>", [], "\nSunny."),
+    ],
+)
+def test_glm4_reads_an_output_with_several_turn_ends_to_the_first(glm4, output, calls, content):
+    got_content, got_calls = _assert_streams_add_up(glm4, output)
+    assert [(c["name"], c["arguments"]) for c in got_calls] == calls
+    assert got_content == content
+
+
 def test_text_that_cannot_begin_a_call_is_shown_at_once(glm4):
     assert ChatOutputParser(glm4).delta("\nSunny", finished=False).content == "\nSunny"
     assert ChatOutputParser(glm4).delta("\nget_w", finished=False) is None  # it may
@@ -555,6 +574,25 @@ def test_glm45_the_answer_ends_at_the_first_turn_end_even_before_the_output_is_f
     assert glm45.segments("<tool_call>get_time<|observation|>", final=False) == [
         CallSegment("get_time", "{}", "<tool_call>get_time")
     ]
+
+
+@pytest.mark.parametrize(
+    "output,calls,content",
+    [
+        (
+            "<tool_call>get_time\n</tool_call><|observation|>"
+            "<tool_call>get_weather\n</tool_call><|user|>",
+            [("get_time", "{}")],
+            None,
+        ),
+        ("Sunny.<|user|><tool_call>get_time\n</tool_call><|observation|>", [], "Sunny."),
+        ("Sunny.<|endoftext|>Rainy.<|endoftext|>", [], "Sunny."),
+    ],
+)
+def test_glm45_reads_an_output_with_several_turn_ends_to_the_first(glm45, output, calls, content):
+    got_content, got_calls = _assert_streams_add_up(glm45, output)
+    assert [(c["name"], c["arguments"]) for c in got_calls] == calls
+    assert got_content == content
 
 
 def test_glm45_holds_back_only_an_end_that_may_still_become_a_mark(glm45):
