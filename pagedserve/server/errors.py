@@ -60,7 +60,16 @@ _RULES = {
     "finite_number": "must be a finite number",
     "too_long": "must have at most {max_length} items",
 }
+# ... and the types OpenAI's API holds a value to (strict: no "0.5" for a number, no 2.0 for an
+# integer), said after the ranges: of a union's errors, a range error says more
+_TYPES = {
+    "float_type": "must be a number (a JSON number, not a string)",
+    "int_type": "must be an integer (a JSON number without a fractional part)",
+    "int_from_float": "must be an integer (a JSON number without a fractional part)",
+    "bool_type": "must be true or false",
+}
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|constrained-\w+|[\w-]+\[.*\]|[A-Z]\w*)$")
+FASTAPI_BODY_ERROR = "There was an error parsing the body"  # FastAPI's words for it
 MAX_SHOWN = 80  # characters of a bad value quoted back in a message
 
 
@@ -69,16 +78,18 @@ def validation_error(errors: list[dict]) -> APIError:
     field gives (one per type it could be), a range error says most: it goes first."""
     if not errors:
         return APIError(400, "invalid request")
-    first = min(errors, key=lambda e: e.get("type") not in _RULES)
+    first = min(errors, key=lambda e: (e.get("type") not in _RULES, e.get("type") not in _TYPES))
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
     param = _param(first.get("loc", ()))
     shown = _shown(first.get("input"))
-    rule = _RULES.get(first.get("type"))
+    rule = _RULES.get(first.get("type")) or _TYPES.get(first.get("type"))
     if param and rule:
         return APIError(
             400, f"{param}={shown} {rule.format(**_numbers(first.get('ctx', {})))}", param
         )
+    if param and first.get("type") == "value_error":  # our own validator's words
+        return APIError(400, f"{param}={shown}: {first['ctx']['error']}", param)
     where = f"field '{param}'" if param else "the request body"
     return APIError(400, f"{where}: {first.get('msg')} (got {shown})", param)
 
@@ -112,6 +123,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        if exc.status_code == 400 and message == FASTAPI_BODY_ERROR:  # bytes JSON cannot decode
+            message = "the request body is not valid JSON: send a JSON object in UTF-8"
         return error_response(APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)

@@ -12,11 +12,21 @@ naming the field (``errors.py``). Limits that depend on the server (``n`` agains
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pagedserve.sampling_params import INT32_MAX, INT64_MAX, INT64_MIN
 
@@ -42,14 +52,49 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
 
 
+logger = logging.getLogger(__name__)
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIModel(BaseModel):
-    """A request schema: unknown fields ignored (as OpenAI does), NaN and infinity refused."""
+    """A request schema. Values are strict, as OpenAI's API takes them: a number is a JSON number
+    (``"0.5"`` is refused), an integer has no fractional part, a boolean is true or false; NaN
+    and infinity are refused. Unknown fields are ignored and logged, as vLLM does (a typo such as
+    ``max_token`` shows in the server's log; vLLM clients send extras we do not implement)."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="ignore", protected_namespaces=(), allow_inf_nan=False, strict=True
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        result = handler(data)
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            ignored = sorted(str(k) for k in data if k not in _field_names(cls))
+            if ignored:
+                logger.warning(
+                    "%s: these fields were in the request but are not used: %s",
+                    cls.__name__,
+                    ", ".join(ignored),
+                )
+        return result
+
+
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """The names a request may use for ``model``'s fields: each name and its alias."""
+    names = _FIELD_NAMES.get(model)
+    if names is None:
+        fields = model.model_fields.items()
+        names = frozenset(n for name, f in fields for n in (name, f.alias) if n)
+        _FIELD_NAMES[model] = names
+    return names
+
+
+_FIELD_NAMES: dict[type[BaseModel], frozenset[str]] = {}
 
 
 class ResponseModel(BaseModel):
@@ -201,6 +246,15 @@ class ChatMessage(OpenAIModel):
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _names_a_speaker(cls, role: str) -> str:
+        if not role.strip():
+            raise ValueError(
+                "a message's role must name who speaks: system, user, assistant or tool"
+            )
+        return role
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -5,6 +5,8 @@ same shape, with OpenAI's ``type`` for the status."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from fastapi import FastAPI, HTTPException
 from fastapi.testclient import TestClient
@@ -142,12 +144,45 @@ def test_a_field_named_like_a_word_is_kept_in_the_path():
 
 
 def test_an_error_without_a_rule_quotes_pydantics_words_and_the_value():
-    e = completion_error(top_k=0.5)
-    assert (e.status, e.param) == (400, "top_k")
+    e = completion_error(response_format={"type": "xml"})
+    assert (e.status, e.param) == (400, "response_format.type")
     assert e.message == (
-        "field 'top_k': Input should be a valid integer, got a number with a fractional part "
-        "(got 0.5)"
+        "field 'response_format.type': Input should be 'text', 'json_object' or 'json_schema' "
+        "(got 'xml')"
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "rule"),
+    [  # OpenAI's API takes values strictly, and so do we
+        ("temperature", "0.5", "must be a number (a JSON number, not a string)"),
+        ("top_k", 0.5, "must be an integer (a JSON number without a fractional part)"),
+        ("max_tokens", 2.0, "must be an integer (a JSON number without a fractional part)"),
+        ("n", True, "must be an integer (a JSON number without a fractional part)"),
+        ("echo", "true", "must be true or false"),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_refused_naming_the_field(field, value, rule):
+    e = completion_error(**{field: value})
+    assert (e.status, e.param, e.message) == (400, field, f"{field}={value!r} {rule}")
+
+
+def test_unknown_fields_are_ignored_and_logged_as_vllm_does(caplog):
+    """OpenAI's API refuses them; vLLM's server serves the request and logs what it ignored,
+    which keeps working the clients that send vLLM extras this server does not implement."""
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.protocol"):
+        request = ChatCompletionRequest(
+            messages=[{"role": "user", "content": "hi", "name": "x", "extra": 1}],
+            max_token=5,
+            use_beam_search=False,
+            stream_options={"include_usage": True, "chunk_size": 3},
+        )
+    assert request.max_tokens is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "StreamOptions: these fields were in the request but are not used: chunk_size",
+        "ChatCompletionRequest: these fields were in the request but are not used: "
+        "max_token, use_beam_search",
+    ]  # a message's extra keys are the chat template's to read: not logged
 
 
 def test_an_error_of_the_whole_body_says_so():
@@ -166,11 +201,11 @@ def test_a_range_error_of_the_whole_body_has_no_rule_message():
 
 def test_a_long_bad_value_is_cut_and_its_length_given():
     value = "x" * 200
-    e = completion_error(n=value)
+    e = completion_error(response_format=value)
     shown = repr(value)[:80]
     assert e.message.endswith(f"(got {shown}... (202 characters))")
     exactly = "y" * 78  # repr adds the quotes: 80 characters, shown whole
-    e = completion_error(n=exactly)
+    e = completion_error(response_format=exactly)
     assert e.message.endswith(f"(got {exactly!r})")
 
 

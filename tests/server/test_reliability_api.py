@@ -55,7 +55,30 @@ def test_fuzzing_every_operation_of_the_openapi_schema_gives_no_5xx_and_no_hang(
     figures = fuzz.fuzz(url, examples=6, timeout=60)
     assert figures["operations"] >= 15 and figures["cases"] >= 80
     assert figures["server_error_cases"] == [] and figures["hang_cases"] == []
+    assert figures["bad_requests_naming_no_field_cases"] == []
     assert fuzz.completion_works(url)
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 3.3e-231])
+def test_a_top_p_the_fuzzer_found_is_served_nearly_greedy(fuzz_server, top_p):
+    """Valid, though 0 in float32: the fuzzer's seed 1 found both answered 500."""
+    body = {"prompt": "def f(", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    greedy = post(fuzz_server, "/v1/completions", {**body, "temperature": 0})
+    r = post(fuzz_server, "/v1/completions", {**body, "top_p": top_p})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    r = post(fuzz_server, "/v1/chat/completions", {"messages": CHAT, "top_p": top_p})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("role", ["", " \n"])
+def test_a_message_whose_role_names_no_one_is_a_400_at_the_schema(fuzz_server, role):
+    """The fuzzer's seed 1 sent ``role: ""`` (to the template it is no speaker at all)."""
+    messages = [{"role": role, "content": "Hi"}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = assert_client_error(post(fuzz_server, path, {"messages": messages}))
+        assert error["param"] == "messages.0.role"
+        assert error["message"].endswith("must name who speaks: system, user, assistant or tool")
 
 
 # ---- the numbers of a request are checked at the schema --------------------------------------------
@@ -131,10 +154,10 @@ def test_sampling_params_refuse_what_torch_cannot_hold(field, value):
 
 
 # ---- bodies no client should send ------------------------------------------------------------------
-def test_malformed_utf8_is_a_400(fuzz_server):
-    assert_client_error(
-        post(fuzz_server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}')
-    )
+def test_malformed_utf8_is_a_400_saying_the_body_is_not_json(fuzz_server):
+    r = post(fuzz_server, "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 1}')
+    error = assert_client_error(r)
+    assert error["message"] == "the request body is not valid JSON: send a JSON object in UTF-8"
 
 
 def test_deeply_nested_json_is_a_400(fuzz_server):
