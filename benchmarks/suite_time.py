@@ -1,37 +1,72 @@
-"""How long CI takes: `bash .ci/run` end to end (installs included), and pytest's own time.
+"""How long CI takes: `bash .ci/run` end to end (installs included) in a fresh clone of the
+repository, in a new virtual environment, as CI runs it; and pytest's own time.
 
-    python -m benchmarks.suite_time                 # one run of .ci/run
+    python -m benchmarks.suite_time                 # one run
     python -m benchmarks.suite_time --runs 5 --hog  # five in a row, a CPU hog beside them
     PYTEST_ADDOPTS=--durations=30 python -m benchmarks.suite_time --log suite.log  # the slowest
 
-Run it on the machine CI runs on (a fresh one for the installs' cost: a second run finds
-chromium, zsh and SGLang's venv in place). ``--hog`` keeps one core busy with a spinning process
-for the whole measurement, the flakiness check: every failure under it is a bug to find. Each
-run's wall time, pytest's time and its counts go to benchmarks/results/suite_time.json, or
-suite_time_hog.json with ``--hog`` (the README quotes both); the command exits nonzero when any
-run failed.
+Each run clones this repository's committed HEAD (what CI checks out: uncommitted changes are not
+measured) into ``$PAGEDSERVE_CACHE_DIR/suite-time/pagedserve`` and makes a new venv beside it
+that sees this environment's packages (``tests/helpers/venvs.py``), so that ``.ci/run``'s
+``pip install -e`` goes into that venv and leaves this environment's install alone. Both paths
+are the same on every run: the native kernels' and SGLang's venv's caches are keyed by them, so
+a machine's first run builds them beside the suite and its later runs find them in place.
+
+Run it on the machine CI runs on. ``--hog`` keeps one core busy with a spinning process for the
+whole measurement, the flakiness check: every failure under it is a bug to find. Each run's wall
+time, pytest's time and its counts go to benchmarks/results/suite_time.json, or
+suite_time_hog.json with ``--hog`` (the README quotes both), with the commit measured and the
+load average before and after (others' work on a shared machine slows the suite: note it); the
+command exits nonzero when any run failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.results import spread, write_result
+from tests.helpers.sglang_venv import cache_root
+from tests.helpers.venvs import make_inheriting_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s", re.M)
+CI_COMMAND = ["bash", ".ci/run"]
 
 
-def one_run(command: list[str], log: Path | None = None) -> dict:
-    """Run ``command`` from the repository root; its wall time, exit status and pytest's
-    summary (counts and its own seconds). ``log``: where its whole output is appended."""
+def workdir() -> Path:
+    return cache_root() / "suite-time"
+
+
+def fresh_checkout() -> tuple[Path, dict[str, str]]:
+    """A fresh clone of this repository's HEAD and the environment of a new venv beside it:
+    (the clone, the environment to run ``.ci/run`` in)."""
+    work = workdir()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    clone = work / "pagedserve"
+    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    python = make_inheriting_venv(work / "venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(work / "venv")
+    return clone, env
+
+
+def one_run(log: Path | None = None) -> dict:
+    """``bash .ci/run`` in a fresh checkout: its wall time (the clone and venv not included),
+    exit status and pytest's summary (counts and its own seconds). ``log``: where its whole
+    output is appended."""
+    clone, env = fresh_checkout()
+    print(f"run: {' '.join(CI_COMMAND)} in a fresh clone at {clone}", flush=True)
     start = time.monotonic()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(CI_COMMAND, cwd=clone, env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
     if log is not None:
         with log.open("a") as f:
@@ -48,26 +83,33 @@ def one_run(command: list[str], log: Path | None = None) -> dict:
     }
 
 
+def head_commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1, help="consecutive runs (default 1)")
     parser.add_argument("--hog", action="store_true", help="a CPU-spinning process beside them")
-    parser.add_argument(
-        "--command", default="bash .ci/run", help="what to time (default: bash .ci/run)"
-    )
     parser.add_argument("--log", type=Path, help="append each run's whole output to this file")
     args = parser.parse_args(argv)
+    commit, load_before = head_commit(), os.getloadavg()
     hog = None
     if args.hog:
         hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        runs = [one_run(args.command.split(), args.log) for _ in range(args.runs)]
+        runs = [one_run(args.log) for _ in range(args.runs)]
     finally:
         if hog is not None:
             hog.kill()
             hog.wait()
     figures = {
+        "commit": commit,
         "hog": args.hog,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "runs": runs,
         "wall_s": spread([r["wall_s"] for r in runs]),
         "pytest_s": spread([r["pytest_s"] for r in runs]),
