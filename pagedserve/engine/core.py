@@ -405,6 +405,8 @@ def run_engine_core(
         user_error = isinstance(e, (ValueError, TypeError, FileNotFoundError))
         if not user_error:
             logger.exception("the engine could not start")
+        else:  # its message says it all; --log-level debug shows where
+            logger.debug("the engine could not start", exc_info=True)
         output_socket.send(encode([FAILED, str(e) if user_error else repr(e), user_error]))
         output_socket.close(linger=5000)
         sys.exit(1)

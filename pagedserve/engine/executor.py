@@ -35,8 +35,9 @@ import torch.multiprocessing
 
 from pagedserve.config import EngineConfig, ParallelConfig, UsageContext
 from pagedserve.engine.model_runner import ModelInput, ModelRunner, ModelRunnerOutput
+from pagedserve.engine.start_checks import refuse_parallel_config
 from pagedserve.engine.worker import Worker
-from pagedserve.hal import distributed_backend, load_device_preset
+from pagedserve.hal import distributed_backend
 from pagedserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -343,34 +344,14 @@ class MultiprocExecutor(Executor):
 
 # ---- start-up ---------------------------------------------------------------------------------
 def check_parallel_config(config: EngineConfig, usage_context: UsageContext) -> None:
-    """Refuse, before anything starts, sizes the node or the flags cannot give."""
-    parallel, name = config.parallel, usage_context.name_of
-    tp = parallel.tensor_parallel_size
-    if tp % parallel.nnodes:
-        raise ValueError(
-            f"{usage_context.assignment('tensor_parallel_size', tp)} cannot be spread evenly over "
-            f"{usage_context.assignment('nnodes', parallel.nnodes)}; use a multiple of "
-            f"{parallel.nnodes}"
-        )
-    if parallel.node_rank >= parallel.nnodes:
-        raise ValueError(
-            f"{usage_context.assignment('node_rank', parallel.node_rank)} must be less than "
-            f"{name('nnodes')} {parallel.nnodes}"
-        )
-    if parallel.nnodes > 1 and not parallel.dist_init_addr:
-        raise ValueError(
-            f"{name('nnodes')} {parallel.nnodes} needs {name('dist_init_addr')} HOST:PORT, the "
-            "address of node 0 that every node can reach"
-        )
-    preset = load_device_preset(config.device.device)
-    unused = preset.check_tensor_parallel_size(
-        parallel.ranks_per_node, name("tensor_parallel_size")
-    )
+    """Refuse, before anything starts, sizes the node or the flags cannot give
+    (``start_checks.refuse_parallel_config``); warn of the cards the ranks leave unused."""
+    preset, unused = refuse_parallel_config(config, usage_context)
     if unused:
         logger.warning(
             "%s ranks use %d of the %d cards of %s per node; cards %s stay unused",
-            tp,
-            parallel.ranks_per_node,
+            config.parallel.tensor_parallel_size,
+            config.parallel.ranks_per_node,
             preset.cards,
             preset.name,
             ", ".join(map(str, unused)),

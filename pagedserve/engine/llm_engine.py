@@ -23,13 +23,14 @@ from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.request_group import RequestGroup, make_request_output
 from pagedserve.engine.scheduler import Scheduler, SchedulerOutput
 from pagedserve.engine.spec_decode import DraftState, NgramProposer, SpecDecodeStats
+from pagedserve.engine.start_checks import check_before_start
 from pagedserve.engine.stop_checker import check_stop
 from pagedserve.engine.structured_output.manager import StructuredOutputManager
 from pagedserve.engine.worker import resolve_dtype  # noqa: F401 - re-exported
 from pagedserve.hal.faults import UnrecoverableFaultError
 from pagedserve.lora.registry import LoRARegistry
 from pagedserve.lora.request import LoRARequest
-from pagedserve.models import Tokenizer, load_config, resolve_model_path
+from pagedserve.models import Tokenizer, resolve_model_path
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -53,7 +54,9 @@ class LLMEngine:
         self.detokenize = detokenize
         torch.manual_seed(config.model.seed)
         self.model_path = resolve_model_path(config.model.model)
-        self.model_config = load_config(self.model_path)
+        # the node's layout, config.json, the weight files whole, the tensor-parallel split:
+        # refused before any rank is spawned
+        self.model_config = check_before_start(self.model_path, config, usage_context)
         self.max_model_len = config.model.max_model_len or self.model_config.max_position_embeddings
         self._check_max_model_len()
         self._check_tier_settings()

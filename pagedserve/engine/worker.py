@@ -18,6 +18,7 @@ from pagedserve.hal import DeviceOutOfMemoryError, get_device
 from pagedserve.hal.memory import format_bytes
 from pagedserve.lora.slots import LoRASlots
 from pagedserve.models import load_config, load_state_dict, resolve_model_path
+from pagedserve.models.config import int4_group_size
 from pagedserve.models.glm4 import GlmForCausalLM
 from pagedserve.models.loader import weight_files
 from pagedserve.models.tensor_parallel import TensorParallel
@@ -64,10 +65,9 @@ class Worker:
 
     # ---- weights ------------------------------------------------------------------------------
     def _int4_group_size(self) -> int | None:
-        qc, mc = self.model_config.quantization_config, self.config.model
-        if qc:
-            return int(qc.get("group_size", qc.get("q_group_size", mc.quant_group_size)))
-        return mc.quant_group_size if mc.quantization in ("int4", "w4a8") else None
+        mc = self.config.model
+        qc = self.model_config.quantization_config
+        return int4_group_size(qc, mc.quantization, mc.quant_group_size)
 
     def _load_model(self) -> GlmForCausalLM:
         mc = self.config.model

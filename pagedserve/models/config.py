@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedserve.config import KV_CACHE_DTYPES
+from pagedserve.models.model_dir import ModelDirError, read_json_object
 
 SUPPORTED_MODEL_TYPES = ("glm", "glm4", "chatglm")
 # an INT8 KV cache stores each token's head as head_dim int8 codes and their fp32 scale
@@ -99,6 +99,49 @@ class GlmConfig:
                 f"(0, head_dim]"
             )
 
+    def check_tensor_parallel(
+        self, tp: int, int4_group_size: int | None, flag: str = "--tp-size"
+    ) -> None:
+        """Raise ``ValueError`` naming why ``tp`` ranks cannot split this model evenly, and the
+        sizes that can (shapes only: checked before any rank is spawned)."""
+        problems = self.tensor_parallel_problems(tp, int4_group_size)
+        if problems:
+            heads = self.num_attention_heads
+            fits = [
+                t
+                for t in range(1, heads + 1)
+                if not self.tensor_parallel_problems(t, int4_group_size)
+            ]
+            raise ValueError(
+                f"{flag} {tp} cannot split this model: {'; '.join(problems)}; use a size "
+                f"that splits it ({', '.join(map(str, fits))})"
+            )
+
+    def tensor_parallel_problems(self, tp: int, int4_group_size: int | None) -> list[str]:
+        """Why ``tp`` ranks cannot split this model evenly ([]: they can). An INT4 layer's input
+        split must not cut its groups; a layer whose input the group size does not divide stays
+        16-bit (``GlmForCausalLM._linear``), and splits as one."""
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        problems = []
+        if heads % tp:
+            problems.append(f"it does not divide the {heads} attention heads")
+        if kv % tp and tp % kv:
+            problems.append(f"it and the {kv} KV heads do not divide one another")
+        if self.intermediate_size % tp:
+            problems.append(f"it does not divide intermediate_size {self.intermediate_size}")
+        if int4_group_size and not problems:
+            for name, columns in (
+                ("o_proj", heads * self.head_dim),
+                ("down_proj", self.intermediate_size),
+            ):
+                if columns % int4_group_size == 0 and (columns // tp) % int4_group_size:
+                    problems.append(
+                        f"it would cut the INT4 groups of {name}: {columns} input columns / {tp} "
+                        f"= {columns // tp} per rank, not a multiple of the group size "
+                        f"{int4_group_size}"
+                    )
+        return problems
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GlmConfig:
         model_type = d.get("model_type")
@@ -112,22 +155,48 @@ class GlmConfig:
         )
 
 
+CONFIG_FIX = "fix it, or copy config.json again from the checkpoint"
+
+
 def load_config(model_dir: str | Path) -> GlmConfig:
+    """The checkpoint's config.json (and quantization config file); a ``ModelDirError`` naming
+    the file and the field where one is damaged or incomplete."""
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a model directory needs a config.json")
-    d = json.loads(path.read_text())
+    d = read_json_object(path, CONFIG_FIX)
     if d.get("quantization_config") is None:
         d["quantization_config"] = _read_quant_config(model_dir)
-    return GlmConfig.from_dict(d)
+    try:
+        return GlmConfig.from_dict(d)
+    except KeyError as e:
+        model_type = d.get("model_type")
+        raise ModelDirError(
+            path,
+            f"missing {e.args[0]!r}, which a {model_type!r} model needs",
+            "add it from the checkpoint's original config.json",
+        ) from None
+    except (TypeError, ZeroDivisionError) as e:  # "32" heads, or 0 of them
+        raise ModelDirError(path, f"a value has the wrong type or is 0 ({e})", CONFIG_FIX) from None
+
+
+def int4_group_size(
+    quantization_config: dict | None, quantization: str | None, quant_group_size: int
+) -> int | None:
+    """The INT4 group size the weights will have: the checkpoint's (its quantization config), or
+    ``--quant-group-size`` where ``--quantization`` quantizes at load; None for 16-bit weights."""
+    qc = quantization_config
+    if qc:
+        return int(qc.get("group_size", qc.get("q_group_size", quant_group_size)))
+    return quant_group_size if quantization in ("int4", "w4a8") else None
 
 
 def _read_quant_config(model_dir: Path) -> dict | None:
     for name in QUANT_CONFIG_FILES:
         path = model_dir / name
         if path.is_file():
-            return json.loads(path.read_text())
+            return read_json_object(path, f"fix it, or copy {name} again from the checkpoint")
     return None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,8 +11,13 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.models.config import GlmConfig
+from pagedserve.models.model_dir import (  # noqa: F401 - resolve_model_path: its old home
+    check_safetensors,
+    resolve_model_path,
+    weight_files,
+)
 from pagedserve.models.tensor_parallel import Shard, TensorParallel
-from pagedserve.presets import DEMO_MODEL, demo_model_dir
+from pagedserve.presets import demo_model_dir
 
 _CHATGLM_RENAMES = [
     (r"^transformer\.embedding\.word_embeddings\.", "model.embed_tokens."),
@@ -30,20 +34,6 @@ _FUSED_QKV = re.compile(r"^(.*)\.self_attention\.query_key_value\.(weight|bias)$
 
 
 DEMO_MODEL_DIR = demo_model_dir()
-
-
-def resolve_model_path(model: str) -> Path:
-    if model == DEMO_MODEL:
-        if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}")
-        return DEMO_MODEL_DIR
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--model {model!r} is not a model directory (no config.json there); pass a local "
-            f"Hugging Face directory or 'demo' (nothing is downloaded)"
-        )
-    return path
 
 
 def load_state_dict(
@@ -83,39 +73,11 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def weight_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    for index_name, pattern in (
-        ("model.safetensors.index.json", "*.safetensors"),
-        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
-    ):
-        index = model_dir / index_name
-        if index.is_file():
-            return _files_from_index(index)
-        files = sorted(model_dir.glob(pattern))
-        if files:
-            return files
-    raise FileNotFoundError(
-        f"no weights in {model_dir}: expected model.safetensors, sharded *.safetensors with "
-        f"model.safetensors.index.json, or pytorch_model.bin"
-    )
-
-
-def _files_from_index(index: Path) -> list[Path]:
-    weight_map = json.loads(index.read_text())["weight_map"]
-    files = [index.parent / name for name in sorted(set(weight_map.values()))]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"{index.name} lists shards that are not in {index.parent}: {missing}"
-        )
-    return files
-
-
 def _read_file(
     path: Path, tp: TensorParallel, only: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     if path.suffix == ".safetensors":
+        check_safetensors(path)  # a file cut short says so, naming it, before any tensor is read
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if only is not None and not only(name):

@@ -76,41 +76,12 @@ class TensorParallel:
 
     def check(self, int4_group_size: int | None, flag: str = "--tp-size") -> None:
         """Raise ``ValueError`` naming why ``size`` cannot split this model evenly, and the sizes
-        that can."""
-        problems = self.problems(self.size, int4_group_size)
-        if problems:
-            heads = self.config.num_attention_heads
-            fits = [t for t in range(1, heads + 1) if not self.problems(t, int4_group_size)]
-            raise ValueError(
-                f"{flag} {self.size} cannot split this model: {'; '.join(problems)}; use a size "
-                f"that splits it ({', '.join(map(str, fits))})"
-            )
+        that can (``GlmConfig.check_tensor_parallel``: checked before any rank starts)."""
+        self.config.check_tensor_parallel(self.size, int4_group_size, flag)
 
     def problems(self, tp: int, int4_group_size: int | None) -> list[str]:
-        """Why ``tp`` ranks cannot split this model evenly ([]: they can). An INT4 layer's input
-        split must not cut its groups; a layer whose input the group size does not divide stays
-        16-bit (``GlmForCausalLM._linear``), and splits as one."""
-        c = self.config
-        heads, kv = c.num_attention_heads, c.num_key_value_heads
-        problems = []
-        if heads % tp:
-            problems.append(f"it does not divide the {heads} attention heads")
-        if kv % tp and tp % kv:
-            problems.append(f"it and the {kv} KV heads do not divide one another")
-        if c.intermediate_size % tp:
-            problems.append(f"it does not divide intermediate_size {c.intermediate_size}")
-        if int4_group_size and not problems:
-            for name, columns in (
-                ("o_proj", heads * c.head_dim),
-                ("down_proj", c.intermediate_size),
-            ):
-                if columns % int4_group_size == 0 and (columns // tp) % int4_group_size:
-                    problems.append(
-                        f"it would cut the INT4 groups of {name}: {columns} input columns / {tp} "
-                        f"= {columns // tp} per rank, not a multiple of the group size "
-                        f"{int4_group_size}"
-                    )
-        return problems
+        """Why ``tp`` ranks cannot split this model evenly ([]: they can)."""
+        return self.config.tensor_parallel_problems(tp, int4_group_size)
 
     # ---- which part of a tensor this rank keeps ----------------------------------------------
     def shard(self, name: str) -> Shard | None:

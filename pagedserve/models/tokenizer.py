@@ -13,6 +13,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from pagedserve.models.model_dir import ModelDirError, read_json_object
+
 # GLM-4's special tokens, in the order of their ids in GLM-4's vocabulary (151329..151338).
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -37,7 +39,10 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a model directory needs a tokenizer.json")
         self.model_dir = model_dir
-        self._tokenizer = HFTokenizer.from_file(str(path))
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+            raise ModelDirError(path, f"cannot be read as a tokenizer ({e})") from None
         self.tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(self.tokenizer_config.get("bos_token"))
         self.eos_token = _token_text(self.tokenizer_config.get("eos_token"))
@@ -109,7 +114,7 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_text(token: str | dict | None) -> str | None:

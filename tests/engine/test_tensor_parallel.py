@@ -538,10 +538,10 @@ def test_sequential_engines_of_tp_2_4_and_1_in_one_process_each_shut_down_all_an
 @pytest.mark.parametrize(
     "kwargs, error",
     [
-        ({"tensor_parallel_size": 3}, "cannot split this model"),  # in every rank's Worker
+        ({"tensor_parallel_size": 3}, "cannot split this model"),  # before the ranks start
         ({"num_kv_pages": None, "gpu_memory_utilization": 1e-9}, "no room for KV pages"),  # loaded
     ],
-    ids=["refused-by-the-ranks", "after-loading"],
+    ids=["refused-before-the-ranks", "after-loading"],
 )
 def test_a_start_that_fails_part_way_leaves_nothing_and_the_next_one_starts(
     odd_vocab_dir, kwargs, error
@@ -551,6 +551,21 @@ def test_a_start_that_fails_part_way_leaves_nothing_and_the_next_one_starts(
     assert not _rank_processes() and not dist.is_initialized()
     with _llm(odd_vocab_dir, tensor_parallel_size=2) as llm:
         assert _answer(llm)
+
+
+def test_a_size_that_cannot_split_the_model_is_refused_before_any_rank_starts(
+    odd_vocab_dir, monkeypatch
+):
+    """Issue 50: ``--tensor-parallel-size 3`` on the demo model was refused only by the ranks,
+    after about 10 s of starting them."""
+    from pagedserve.engine import llm_engine
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("the ranks were started")
+
+    monkeypatch.setattr(llm_engine, "create_executor", no_ranks)
+    with pytest.raises(ValueError, match="^tensor_parallel_size 3 cannot split this model"):
+        _llm(odd_vocab_dir, tensor_parallel_size=3)
 
 
 # ---- serving: a model larger than one card ---------------------------------------------------

@@ -93,3 +93,78 @@ def test_quantize_eval_quant_and_tune_read_a_partial_directory(model_dirs, kind,
     rc = main(["eval-quant", "--reference", model_dir, "--candidate", out, *evaluate])
     assert rc in (0, 1) and "verdict" in capsys.readouterr().out  # it ran and judged
     assert main(["tune", "--model", model_dir, "--device", "cpu"]) == 0
+
+
+# ---- damaged directories: one line naming the file, what is wrong and what to do -------------
+def _damage(model_dirs, tmp_path, kind: str):
+    """A copy of the bare directory with one file damaged as users' copies get damaged."""
+    path = tmp_path / kind
+    shutil.copytree(model_dirs["bare"], path)
+    config, weights = path / "config.json", path / "model.safetensors"
+    if kind == "config_without_a_key":
+        config.write_text(config.read_text().replace('"num_attention_heads"', '"num_heads"'))
+    elif kind == "config_not_json":
+        config.write_text(config.read_text().replace("{", "{\n  ,", 1))
+    elif kind == "weights_truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif kind == "weights_header_truncated":
+        weights.write_bytes(weights.read_bytes()[:40])
+    return path
+
+
+DAMAGED = {  # what the one line says: the file, what is wrong, what to do
+    "config_without_a_key": (
+        "config.json",
+        "missing 'num_attention_heads', which a 'glm4' model needs",
+        "add it from the checkpoint's original config.json",
+    ),
+    "config_not_json": (
+        "config.json",
+        "not valid JSON (Expecting property name enclosed in double quotes at line 2, column 3)",
+        "fix it, or copy config.json again from the checkpoint",
+    ),
+    "weights_truncated": (
+        "model.safetensors",
+        "truncated: it holds",
+        "copy or download it again from the checkpoint",
+    ),
+    "weights_header_truncated": (
+        "model.safetensors",
+        "truncated: it holds 40 bytes, not even its whole header",
+        "copy or download it again from the checkpoint",
+    ),
+}
+
+
+def _says_what_is_wrong(message: str, path, kind: str) -> None:
+    name, problem, fix = DAMAGED[kind]
+    assert "\n" not in message.strip() and "Traceback" not in message
+    assert message.startswith(f"{path / name}: {problem}") and message.rstrip().endswith(fix)
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_llm_names_the_damaged_file_what_is_wrong_and_what_to_do(model_dirs, tmp_path, kind):
+    from pagedserve.models.model_dir import ModelDirError
+
+    path = _damage(model_dirs, tmp_path, kind)
+    with pytest.raises(ModelDirError) as e:
+        LLM(str(path), **LIMITS)
+    _says_what_is_wrong(str(e.value), path, kind)
+    # no "During handling of the above exception" with a KeyError under it
+    assert e.value.__context__ is None or e.value.__suppress_context__
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_serve_says_it_in_one_line_before_starting_the_engine(
+    model_dirs, tmp_path, kind, capsys, monkeypatch
+):
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine core was started")
+
+    monkeypatch.setattr(AsyncLLMEngine, "from_config", no_engine)
+    path = _damage(model_dirs, tmp_path, kind)
+    assert main(["serve", "--model", str(path), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    _says_what_is_wrong(err.removeprefix("pagedserve serve: error: "), path, kind)

@@ -8,6 +8,8 @@ aliases) so that a vLLM launch script works unchanged.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -114,3 +116,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
         print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`pagedserve smi --json | head`): quiet, as cat is
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit's flush
+        return 128 + signal.SIGPIPE  # what a shell reports for a program a closed pipe ended

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -656,6 +658,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     if args.data_parallel_backend == "ray":
         return _serve_on_ray(args)
+    listener = None
     try:
         if args.data_parallel_size != 1:
             raise ValueError(
@@ -665,19 +668,53 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.node_rank:
             return _serve_node(args)
         tools = tool_settings(args)
+        listener = bind_listener(args.host, args.port)  # a busy port fails now, not after loading
         with _signals_stop_the_start():
             engine = _build_engine(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
+        _close(listener)
+        logger.debug("the server could not start", exc_info=True)  # --log-level debug
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        _close(listener)
+        logger.debug("the server could not start", exc_info=True)
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 1
     except StartInterrupted as e:
+        _close(listener)
         name = signal.Signals(e.signum).name
         print(f"pagedserve serve: stopped by {name} while starting", file=sys.stderr)
         return 128 + e.signum  # as a shell reports a program that a signal ended
-    return _serve(engine, args, tools)
+    return _serve(engine, args, tools, listener)
+
+
+def _close(listener: socket.socket | None) -> None:
+    if listener is not None:
+        listener.close()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: a client is refused until the model has
+    loaded) before anything loads, as uvicorn would bind it; a ``ValueError`` naming the flag
+    when the address is taken or cannot be had. Not inherited by the engine core."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"--port {port}: {host}:{port} is already in use (another server listens "
+                f"there); stop it, or start this one with another --port"
+            ) from None
+        raise ValueError(
+            f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose "
+            f"another --port (ports below 1024 need root), or a --host of this machine"
+        ) from None
+    return sock
 
 
 def _serve_on_ray(args: argparse.Namespace) -> int:
@@ -733,8 +770,13 @@ def _build_engine(args: argparse.Namespace):
     """The engine core in a process of its own, once it has loaded."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.engine.start_checks import check_before_start
+    from pagedserve.models.model_dir import resolve_model_path
 
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    # more ranks than cards, a damaged model directory, a --tensor-parallel-size that cannot
+    # split the model: said in one line before the engine core (and its ranks) are spawned
+    check_before_start(resolve_model_path(config.model.model), config)
     # the engine core logs its device, pages and concurrency once it has loaded: not again here
     return AsyncLLMEngine.from_config(config, args.max_queue_len, args.log_level)
 
@@ -748,7 +790,7 @@ def _serve_node(args: argparse.Namespace) -> int:
     return serve_node(EngineConfig.from_kwargs(**engine_kwargs(args)), args.log_level)
 
 
-def _serve(engine, args: argparse.Namespace, tools: dict) -> int:
+def _serve(engine, args: argparse.Namespace, tools: dict, listener: socket.socket) -> int:
     """Serve until SIGTERM (drained: exit 0) or the engine core's death (exit 1)."""
     import uvicorn
 
@@ -784,9 +826,10 @@ def _serve(engine, args: argparse.Namespace, tools: dict) -> int:
     server = DrainingServer(config, engine, args.shutdown_timeout)
     engine.on_dead(server.exit_on_engine_death)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         engine.shutdown()
+        listener.close()
     return server.exit_code
 
 
