@@ -75,11 +75,14 @@ class OpenAIModel(BaseModel):
         result = handler(data)
         if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
             ignored = sorted(str(k) for k in data if k not in _field_names(cls))
-            if ignored:
+            if ignored:  # names as repr, cut: a client's key may hold a newline or a megabyte
+                shown = ", ".join(repr(k[:40]) for k in ignored[:MAX_IGNORED_SHOWN])
+                more = len(ignored) - MAX_IGNORED_SHOWN
                 logger.warning(
-                    "%s: these fields were in the request but are not used: %s",
+                    "%s: these fields were in the request but are not used: %s%s",
                     cls.__name__,
-                    ", ".join(ignored),
+                    shown,
+                    f" and {more} more" if more > 0 else "",
                 )
         return result
 
@@ -95,6 +98,7 @@ def _field_names(model: type[BaseModel]) -> frozenset[str]:
 
 
 _FIELD_NAMES: dict[type[BaseModel], frozenset[str]] = {}
+MAX_IGNORED_SHOWN = 10  # ignored field names a log line shows
 
 
 class ResponseModel(BaseModel):

@@ -179,10 +179,17 @@ def test_unknown_fields_are_ignored_and_logged_as_vllm_does(caplog):
         )
     assert request.max_tokens is None
     assert [r.getMessage() for r in caplog.records] == [
-        "StreamOptions: these fields were in the request but are not used: chunk_size",
+        "StreamOptions: these fields were in the request but are not used: 'chunk_size'",
         "ChatCompletionRequest: these fields were in the request but are not used: "
-        "max_token, use_beam_search",
+        "'max_token', 'use_beam_search'",
     ]  # a message's extra keys are the chat template's to read: not logged
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.protocol"):
+        CompletionRequest(prompt="hi", **{f"x{i}\nFAKE LOG LINE": i for i in range(12)})
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and line.endswith(
+        "'x7\\nFAKE LOG LINE' and 2 more"
+    )  # sorted: x0, x1, x10, ..., x7
 
 
 def test_an_error_of_the_whole_body_says_so():
