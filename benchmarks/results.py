@@ -40,6 +40,8 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "isa_flags": [f for f in ISA_FLAGS if f in flags],
         "system": platform.platform(),
+        # others' work on a shared machine slows a benchmark: 1, 5 and 15 minutes, as uptime
+        "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 

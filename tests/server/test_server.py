@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -16,6 +17,7 @@ from pagedserve.entrypoints.cli.serve import apply_config_file
 from tests.helpers.metrics import read_metrics, wait_idle
 from tests.helpers.models import tiny_engine
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "user", "content": "Hello world!"}]
 
@@ -437,7 +439,11 @@ def test_metrics_exposes_vllm_names(live_server):
 def test_health_version_docs_and_device(live_server):
     assert httpx.get(live_server.url + "/health").status_code == 200
     assert httpx.get(live_server.url + "/version").json()["version"]
-    assert httpx.get(live_server.url + "/docs").status_code == 200
+    docs = httpx.get(live_server.url + "/docs")
+    assert docs.status_code == 200
+    # FastAPI's page fetches Swagger UI from a CDN: the README says so, where the console needs none
+    assert "https://cdn.jsdelivr.net/" in docs.text
+    assert "load their scripts and styles from a CDN, jsdelivr" in README.read_text()
     device = httpx.get(live_server.url + "/device", headers=_auth(live_server)).json()
     assert device["kv_pages"]["total"] == 256 and "tokens_per_second" in device
 
