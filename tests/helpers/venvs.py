@@ -18,11 +18,14 @@ from pathlib import Path
 
 def site_dirs() -> list[str]:
     """The running interpreter's site directories, in its import order (a venv's own, then the
-    base interpreter's where it inherits them, then the user's)."""
+    base interpreter's where it inherits them, then the user's), and the directories such a venv
+    made here inherits through its ``.pth`` file: a venv made from one made here (the suite run by
+    ``benchmarks/suite_time.py`` in a venv of its own) sees them all."""
     dirs = [*site.getsitepackages()]
     if site.ENABLE_USER_SITE:
         dirs.append(site.getusersitepackages())
-    return [d for d in dirs if Path(d).is_dir()]
+    dirs += [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
 
 
 def make_inheriting_venv(path: Path) -> Path:

@@ -158,3 +158,17 @@ def _wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout: float
         except httpx.HTTPError:
             time.sleep(0.1)
     pytest.fail(f"serve did not answer /health in {timeout}s")
+
+
+def test_a_venv_made_from_one_made_here_sees_every_package(tmp_path):
+    """benchmarks/suite_time.py runs the suite in a venv made here; the venvs its tests make in
+    turn (this wheel's, SGLang's) must still see torch, pydantic and the rest."""
+    child = make_inheriting_venv(tmp_path / "child")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+        "from tests.helpers.venvs import make_inheriting_venv; "
+        "print(make_inheriting_venv(Path(sys.argv[2])))"
+    )
+    made = _run([str(child), "-c", code, str(ROOT), str(tmp_path / "grandchild")])
+    grandchild = made.stdout.strip()
+    _run([grandchild, "-c", "import pydantic, yaml, numpy"], cwd=tmp_path)
