@@ -434,6 +434,16 @@ def tiers_console_server() -> Iterator[str]:
             host_prefix_cache=host_gib,
         )
     )
+    # a step of at least 5 ms: the swapped sibling waits out the other's last ~250 tokens, which
+    # the demo model decodes in about 0.3 s, too short for a monitor refreshing every 250 ms to
+    # be sure to see (the test timed out on loaded machines); now it sees it for over a second
+    execute_step = engine.execute_step
+
+    def slow_step():
+        time.sleep(0.005)
+        return execute_step()
+
+    engine.execute_step = slow_step
     with serve_app(build_app(engine, "demo", api_key=API_KEY)) as url:
         yield url
 
