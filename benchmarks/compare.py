@@ -10,7 +10,9 @@ kernels for this CPU (--kernels auto) against llama.cpp built for this CPU (GGML
 is pagedserve's avx2 kernels against llama.cpp built for AVX2 + FMA + F16C only (GGML_NATIVE=OFF,
 AVX-512 and AVX-VNNI off), so that the AVX2 comparison can be made on an AVX-512 machine too:
 pagedserve's workers then see this CPU's flags without AVX-512, AVX-VNNI and AMX
-($PAGEDSERVE_CPU_FLAGS), so that their avx2 kernels are built as on a Zen 3.
+($PAGEDSERVE_CPU_FLAGS), so that their avx2 kernels are built as on a Zen 3, and PyTorch's
+and oneDNN's own kernels, theirs and transformers', are held to AVX2 (transformers then runs fp32,
+its fastest dtype where bf16 is emulated).
 
 Measures (each figure the median of 5 timed repetitions after a warm-up; with --runs N the whole
 comparison repeats N times and the report gives the median and the range):
@@ -97,8 +99,10 @@ def worker_pagedserve(
         first = SamplingParams(temperature=0.0, max_tokens=1)
         prompt = [{"prompt_token_ids": long_prompt(PP_TOKENS)}]
         return PP_TOKENS / timed_median(lambda: llm.generate(prompt, first, use_tqdm=False))
-    if batch == "long":
-        return NEW_TOKENS / timed_median(lambda: decode_seconds(llm, long_prompt(LONG_CONTEXT)))
+    if batch == "long":  # (decode_seconds times the decode alone, not the prompt before it)
+        prompt = long_prompt(LONG_CONTEXT)
+        decode_seconds(llm, prompt)
+        return NEW_TOKENS / statistics.median(decode_seconds(llm, prompt) for _ in range(REPEATS))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = [batch1_prompt()] if batch == "1" else offline_prompts()
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -125,13 +129,13 @@ def decode_seconds(llm, prompt: list[int]) -> float:
     return (time.perf_counter() - start) * NEW_TOKENS / (NEW_TOKENS - 1)
 
 
-def fastest_transformers_dtype() -> str:
-    """bf16 where the CPU computes it natively, else fp32 (GLM4.md: on AVX2, transformers made
-    40 tok/s in bf16 and 137 in fp32 on the same workload)."""
+def fastest_transformers_dtype(isa: str) -> str:
+    """bf16 where the CPU computes it natively (and --isa lets it), else fp32 (GLM4.md: on AVX2,
+    transformers made 40 tok/s in bf16 and 137 in fp32 on the same workload)."""
     from benchmarks.results import machine
 
     native_bf16 = {"avx512_bf16", "amx_bf16"} & set(machine()["isa_flags"])
-    return "bfloat16" if native_bf16 else "float32"
+    return "bfloat16" if native_bf16 and isa != "avx2" else "float32"
 
 
 def worker_transformers(model: str, dtype: str) -> float:
@@ -298,16 +302,23 @@ def llama_rate(gguf: Path, root: Path, isa: str, measure: str) -> float:
 
 # ---- the comparison ------------------------------------------------------------------------------
 def worker_env(isa: str) -> dict:
-    """The environment of pagedserve's workers: under --isa avx2, this CPU's flags without
-    AVX-512, AVX-VNNI and AMX, so that the avx2 kernels build and run as on a Zen 3 (the llama.cpp
-    they meet is built without them too)."""
+    """The environment of the pagedserve and transformers workers: under --isa avx2, AVX2 as on a
+    Zen 3 (the llama.cpp they meet is built without anything newer): pagedserve sees this CPU's
+    flags without AVX-512, AVX-VNNI and AMX, so that its avx2 kernels build and run so, and
+    PyTorch's own kernels and oneDNN's are held to AVX2 (ATEN_CPU_CAPABILITY,
+    ONEDNN_MAX_CPU_ISA)."""
     if isa != "avx2":
         return dict(os.environ)
     from pagedserve.hal.native import cpu_flags
 
     newer = ("avx512", "avx_vnni", "amx")
     flags = sorted(f for f in cpu_flags() if not f.startswith(newer))
-    return {**os.environ, "PAGEDSERVE_CPU_FLAGS": " ".join(flags)}
+    return {
+        **os.environ,
+        "PAGEDSERVE_CPU_FLAGS": " ".join(flags),
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
 def run_worker(isa: str, *args: str) -> float:
@@ -442,7 +453,7 @@ def main() -> None:
     if not args.skip_llama and not (venv / "bin" / "python").exists():
         sys.exit(f"llama.cpp is not set up for --isa {args.isa}: run `python -m benchmarks.compare "
                  f"--setup --isa {args.isa}` first (or pass --skip-llama)")  # fmt: skip
-    args.transformers_dtype = args.transformers_dtype or fastest_transformers_dtype()
+    args.transformers_dtype = args.transformers_dtype or fastest_transformers_dtype(args.isa)
     from pagedserve.hal.native import choose_kernels
 
     os.environ.update(worker_env(args.isa))  # (the kernels the workers will choose)

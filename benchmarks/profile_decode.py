@@ -183,14 +183,14 @@ def profile(args: argparse.Namespace, kernels: str, bandwidth: float) -> dict:
         t.wrap(model, "compute_logits", "lm_head", lambda hidden: nbytes(model.lm_head))
         forward = model.forward
 
-        def timed_forward(input_ids, positions, meta, kv_cache):
+        def timed_forward(input_ids, positions, meta, *rest):  # (kv_cache, and lora)
             label = (
                 "model forward: decode steps"
                 if meta.is_decode_only
                 else ("model forward: prefill (the 32-token prompt)")
             )
             start = time.perf_counter()
-            out = forward(input_ids, positions, meta, kv_cache)
+            out = forward(input_ids, positions, meta, *rest)
             t.seconds[label] += time.perf_counter() - start
             return out
 
