@@ -17,8 +17,8 @@ microarchitectures (Agner Fog's; AMD's and Intel's optimisation guides):
   runs a 512-bit op on two 256-bit halves; Ice Lake and Sapphire Rapids servers: port 0):
   64 (vpdpbusd);
 - AVX-512 VNNI on Zen 5 (family 0x1A), whose two 512-bit pipes each take a vpdpbusd: 128.
-A target that does not use VNNI (--kernels avx2 on a CPU that has it) is held to the 64 of its
-own instructions.
+The avx2 target (which takes AVX-VNNI's vpdpbusd where the CPU has it) is held to 64 on every
+CPU: two 256-bit multiply pipes either way.
 """
 
 from __future__ import annotations

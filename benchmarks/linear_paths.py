@@ -1,17 +1,22 @@
 """Every path a linear layer can take on this CPU, by batch rows M, on real layer shapes:
 
 - native int4: the kernel target's W4A16 (``hal/csrc/int4_<target>.h``): weights stay INT4 in
-  memory, each packed tile is unpacked once per pass of rows (avx512: 4 rows, vdpbf16ps on bf16
-  activations; avx2: 4 rows, vpmaddwd on int16 activations);
-- native w4a8: the same weights with activations rounded to int8 per row (``--quantization
-  w4a8``), multiplied with vpdpbusd (avx512) or vpmaddubsw + vpmaddwd (avx2);
+  memory, each packed tile's codes are unpacked once per pass of rows (avx512: 8 rows, vpdpwssd
+  on int16 activations; avx2: 4 rows, vpmaddwd), through the driver of ``csrc/int4_gemm.h``;
+- native w4a8: the same weights with activations rounded to int8 per block of 32 (``--quantization
+  w4a8``), multiplied with vpdpbusd (avx512, and avx2 where the CPU has AVX-VNNI) or vpmaddubsw +
+  vpmaddwd (avx2);
 - aten int4: PyTorch's ``_weight_int4pack_mm_for_cpu`` (what ``--kernels eager`` runs);
 - bf16 F.linear: oneDNN on 16-bit weights (what INT4 saves memory against);
 - native bf16 GEMV (up to the target's few_rows_max(): 64, or 16 with AMX)
   and torch.mv (1 row): the dense few-row paths.
 
-    python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2]
+    python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2] [--isa avx2]
         [--rows 1 2 4 8 16 32 64 128 512] [--output NAME]
+
+``--isa avx2`` measures as on a Zen 3, on any x86 CPU: pagedserve sees this CPU's flags without
+AVX-512, AVX-VNNI and AMX, and PyTorch's and oneDNN's kernels are held to AVX2 (compare.py's
+``--isa avx2``; the script restarts itself in that environment).
 
 Each call reads a different copy of the layer, with 64 MB of copies in all, so that the weights
 come from memory as in a decode step of a whole model, not from the last-level cache. Prints
@@ -20,12 +25,13 @@ core against the int8 peak of the target's instructions (``benchmarks.cpu_clock`
 measured here, the peak from the microarchitecture), and writes them all to
 benchmarks/results/NAME.json (default
 linear_paths_MODEL_KERNELS; give a run of other rows its own NAME, so that it does not replace the
-full run the README quotes).
-"""
+full run the README quotes)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -125,13 +131,29 @@ def main() -> None:
     ap.add_argument(
         "--kernels", default="auto", help="the kernel target (default: this CPU's best)"
     )
+    ap.add_argument(
+        "--isa",
+        choices=["native", "avx2"],
+        default="native",
+        help="avx2: as on a Zen 3 (this CPU's newer flags hidden, PyTorch held to AVX2)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--output", default=None, help="results file name (default linear_paths_MODEL)")
     args = ap.parse_args()
+    if args.isa == "avx2" and "PAGEDSERVE_CPU_FLAGS" not in os.environ:
+        from benchmarks.compare import worker_env
+
+        # (PyTorch reads its capability when it loads: start again in the AVX2 environment)
+        argv = [sys.executable, "-m", "benchmarks.linear_paths", *sys.argv[1:]]
+        os.execve(sys.executable, argv, worker_env("avx2"))
     torch.set_num_threads(args.threads)
     kernels = get_device("cpu", kernels=args.kernels).kernel_set
+    from pagedserve.hal.native import cpu_flags
+
+    vnni = kernels == "avx512" or (kernels == "avx2" and "avx_vnni" in cpu_flags())
     ghz, peak = clock_ghz(), int8_peak_macs_per_cycle(kernels)
-    print(f"{kernels} kernels, {args.threads} threads, {microarchitecture()} at {ghz:.2f} GHz "
+    print(f"{kernels} kernels ({'with' if vnni else 'without'} VNNI), {args.threads} threads, "
+          f"{microarchitecture()} at {ghz:.2f} GHz "
           f"(int8 peak {peak} MACs a cycle a core); microseconds per call (GFLOP/s)")  # fmt: skip
     print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
     table = {}
@@ -157,6 +179,8 @@ def main() -> None:
         {
             "model": args.model,
             "kernels": kernels,
+            "isa": args.isa,
+            "vnni": vnni,
             "threads": args.threads,
             "microarchitecture": microarchitecture(),
             "clock_ghz": round(ghz, 3),
