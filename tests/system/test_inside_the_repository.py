@@ -37,9 +37,6 @@ WRITES = ("--log", "--output")  # options that name where a benchmark writes, no
 
 # (results file, the word of its command that is outside): what it is
 KNOWN_OUTSIDE = {
-    ("serving_vs_llama_avx2.json", "/tmp/llama/build/bin/llama-server"): (
-        "llama.cpp's server, the peer measured, built outside as `--setup` builds it"
-    ),
     ("grammar_engines.json", "/tmp/bigtok2"): (
         "a GLM-4-sized tokenizer trained locally (the README says so), not in the repository: "
         "to remove once the benchmark builds its own"
