@@ -25,8 +25,10 @@ that decided ``lora/ops.py``.
   (bf16, rank 16, every row with an adapter, sorted by adapter as the engine sorts them): grouped
   GEMMs (rows sorted by adapter, ``torch._grouped_mm``), padded bmm (the runs padded to one
   length), a loop of two matmuls per adapter, a gathered per-row bmm (Punica's BGMV), one
-  matmul over every slot with the others' columns masked; and ``add_lora``'s own choice. Each
-  the best of ``--op-repeats`` timings, one thread.
+  matmul over every slot with the others' columns masked; and ``add_lora``'s own choice; where
+  this CPU runs native kernels, their LoRA kernel (``csrc/lora.h``, a row at a time) and the CPU
+  device's choice between it and the grouped ops (``CpuDevice.lora_add``: the kernel up to
+  ``LORA_NATIVE_MAX_ROWS`` adapter rows). Each the best of ``--op-repeats`` timings, one thread.
 
 The machine should be quiet (`uptime`); the results file records the load average at the start
 and the end.
@@ -47,6 +49,7 @@ from safetensors.torch import save_file
 
 from benchmarks.bench_models import SHAPES, build_model, cache_root
 from benchmarks.results import spread, write_result
+from pagedserve.hal import get_device
 
 RANK, ALPHA = 16, 32
 NUM_ADAPTERS = 8
@@ -242,7 +245,7 @@ def op_variants():
     def lora(x, y, a, parts, batch):
         add_lora(y, x, a, parts, batch)
 
-    return {
+    variants = {
         "grouped GEMM": (lora, False),
         "padded bmm": (lora, True),
         "loop of matmuls": (loop, None),
@@ -250,6 +253,18 @@ def op_variants():
         "masked, every slot": (masked, None),
         "add_lora (chosen)": (lora, None),
     }
+    device = get_device("cpu")
+    if device.native is not None:
+
+        def native(x, y, a, parts, batch):
+            device.native.lora_add(y, x, a, parts, batch.row_slots)
+
+        def chosen(x, y, a, parts, batch):
+            device.lora_add(y, x, a, parts, batch)
+
+        variants["native kernel"] = (native, None)
+        variants["the CPU device's choice"] = (chosen, None)
+    return variants
 
 
 def op_timings(repeats: int) -> dict:

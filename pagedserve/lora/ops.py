@@ -2,8 +2,9 @@
 
 The adapters of one linear layer sit in device slots: ``a`` [slots, in, r] and ``b`` [slots, r,
 out] (scale folded into ``b``); each row of the batch carries its slot, -1 for a base-model row.
-``add_lora_reference`` is the definition, a row at a time; ``add_lora`` is what the model runs,
-held to it by the tests:
+``add_lora_reference`` is the definition, a row at a time; ``add_lora`` is what the model runs
+where the device has no kernel of its own (``Device.lora_add``; the CPU targets' native kernel,
+``csrc/lora.h``, takes a decode step's few rows), held to it by the tests:
 
 - the engine puts a step's sequences in slot order (base rows first), so the adapter
   rows are one span of the batch, each slot's rows together (``LoRABatch``, shared by every
@@ -38,6 +39,7 @@ class LoRABatch:
     """One step's rows grouped by adapter slot (every layer of the step reuses it)."""
 
     num_tokens: int
+    row_slots: torch.Tensor  # [num_tokens] int32: each row's slot, -1 for a base-model row
     order: torch.Tensor  # [N]: the adapter rows, sorted by slot (stable)
     offsets: torch.Tensor  # [slots] int32: where each slot's run ends in ``order``
     runs: list[tuple[int, int, int]]  # (slot, start, end) in ``order``, present slots only
@@ -70,6 +72,7 @@ class LoRABatch:
             ends.append(at)
         batch = cls(
             len(token_slots),
+            torch.tensor(token_slots, dtype=torch.int32),
             torch.tensor(order, dtype=torch.long),
             torch.tensor(ends, dtype=torch.int32),
             runs,
@@ -103,7 +106,7 @@ class LoRABatch:
         return self.span is not None and (end - start) == k * self.padded.shape[1]
 
     def to(self, device: torch.device) -> LoRABatch:
-        for name in ("order", "offsets", "padded", "padded_valid", "slots"):
+        for name in ("row_slots", "order", "offsets", "padded", "padded_valid", "slots"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))

@@ -1,14 +1,17 @@
-"""The grouped LoRA ops against the per-row reference, on every path they take, for rows sorted
-by slot (as the engine sorts a step) and not: grouped GEMMs (uneven runs), padded bmm (even runs,
-contiguous or scattered slots), matmuls (one adapter; strides the grouped GEMM refuses); fp32
-exactly, bf16 within its rounding."""
+"""The LoRA ops against the per-row reference, on every path they take, for rows sorted by slot
+(as the engine sorts a step) and not: the grouped PyTorch ops (grouped GEMMs for uneven runs,
+padded bmm for even runs with contiguous or scattered slots, matmuls for one adapter and strides
+the grouped GEMM refuses) and each native target's kernel (``csrc/lora.h``); fp32 exactly, bf16
+within its rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve.hal import get_device
 from pagedserve.lora.ops import LoRABatch, add_lora, add_lora_reference
+from tests.helpers.kernels import TARGETS
 
 SLOTS = 4
 
@@ -84,3 +87,54 @@ def test_either_path_forced_adds_what_the_reference_adds(token_slots, padded):
 
 def test_a_batch_of_base_rows_only_has_no_lora_at_all():
     assert LoRABatch.build([-1, -1, -1], SLOTS) is None
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fused", [False, True], ids=["one part", "q k v parts"])
+@pytest.mark.parametrize("case", CASES)
+def test_each_native_target_adds_what_the_reference_adds_row_by_row(case, fused, dtype, target):
+    token_slots, _ = CASES[case]
+    device = get_device("cpu", kernels=target)
+    a, b = _parts(dtype) if fused else _weights(dtype)
+    width = sum(p.shape[2] for p in b) if fused else b.shape[2]
+    x = torch.randn(len(token_slots), a.shape[1]).to(dtype)
+    y = torch.randn(len(token_slots), width).to(dtype)
+    got = device.lora_add(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
+    assert device.native_ops()["lora_add"] == "native"  # the kernel ran, not the grouped ops
+    as_double = [p.double() for p in b] if fused else b.double()
+    want = add_lora_reference(y.double(), x.double(), a.double(), as_double, token_slots)
+    # fp32 sums in another order; 16-bit: one rounding of each output
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
+    torch.testing.assert_close(got.double(), want, **tol)
+    base_rows = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(got[base_rows], y[base_rows])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("rank", [1, 3, 8, 24, 64])
+@pytest.mark.parametrize("fan_in, fan_out", [(7, 5), (64, 96), (200, 333)])
+def test_the_native_kernel_takes_any_rank_and_width(target, rank, fan_in, fan_out):
+    """Ranks and widths that are not whole vectors (tails on every target), a row per slot and
+    rows of one slot across both threads."""
+    token_slots = [3, 0, -1, 0, 0, 2, 2, 1, 1, 1, 3]
+    device = get_device("cpu", kernels=target)
+    g = torch.Generator().manual_seed(rank + fan_in)
+    a = torch.randn(SLOTS, fan_in, rank, generator=g)
+    b = torch.randn(SLOTS, rank, fan_out, generator=g)
+    x, y = torch.randn(len(token_slots), fan_in, generator=g), torch.randn(11, fan_out)
+    got = device.lora_add(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
+    want = add_lora_reference(y.clone(), x, a, b, token_slots)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_a_rank_past_the_kernels_limit_runs_the_grouped_ops_and_says_why():
+    device = get_device("cpu")
+    if device.native is None:
+        pytest.skip("no native kernels on this machine")
+    token_slots = [0, 1]
+    a, b = torch.randn(SLOTS, 8, 3 * 600), [torch.randn(SLOTS, 600, 4) for _ in range(3)]
+    x, y = torch.randn(2, 8), torch.zeros(2, 12)
+    got = device.lora_add(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
+    torch.testing.assert_close(got, add_lora_reference(y, x, a, b, token_slots), atol=1e-3, rtol=1e-4)
+    assert "parts x rank 1800 exceeds 1536" in device.native_ops()["lora_add"]

@@ -16,6 +16,7 @@
 //                           rows_rejects, paged_attention_decode_rejects, int4_linear_rejects)
 //   linear.h                one linear layer: the target's INT4 kernel, PyTorch's, or dense
 //   decoder_layer.h         one GLM-4 decoder layer for a decode step, in one call
+//   lora.h                  LoRA adapters for a flat batch, each row its own (written once)
 //
 // Each kernel has a plain-PyTorch reference (pagedserve/hal/kernels.py, int4.py) and the tests hold
 // every target the machine can run to it. An op a target lacks (no INT4 kernel on portable) is not
@@ -27,6 +28,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "decoder_layer.h"
+#include "lora.h"
 #include "prefill_attention.h"
 
 #if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
@@ -52,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_rejects", &rows_rejects);
   m.def("paged_attention_decode_rejects", &paged_attention_decode_rejects);
   m.def("paged_attention_prefill_rejects", &paged_attention_prefill_rejects);
+  m.def("lora_add_rejects", &lora_add_rejects);
 #if PAGEDSERVE_HAS_INT4
   m.def("int4_linear_rejects", &int4_linear_rejects);
 #endif
@@ -81,6 +84,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #endif
   m.def("dense_linear", &dense_linear);
+  m.def("lora_add", [](at::Tensor y, const at::Tensor& x, const at::Tensor& a,
+                       const std::vector<at::Tensor>& b, const at::Tensor& slots) {
+    lora_add(y, x, a, b, slots);
+  });
   if constexpr (kHasFewRowsGemv) {
     m.def("few_rows_max", &few_rows_max);
     m.def("bf16_linear_few_rows", &bf16_linear_few_rows);
