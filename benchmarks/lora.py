@@ -260,7 +260,8 @@ def op_variants():
             device.native.lora_add(y, x, a, parts, batch.row_slots)
 
         def chosen(x, y, a, parts, batch):
-            device.lora_add(y, x, a, parts, batch)
+            if device.lora_add(y, x, a, parts, batch) is None:
+                add_lora(y, x, a, parts, batch)
 
         variants["native kernel"] = (native, None)
         variants["the CPU device's choice"] = (chosen, None)

@@ -374,18 +374,20 @@ class CpuDevice(Device):
             u.float().contiguous(),
         )
 
-    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b, batch) -> torch.Tensor:
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b, batch):
         """Native for the few adapter rows of a decode step: each row's shrink and expand in one
-        call per layer (``csrc/lora.h``), in place in ``y``. The grouped PyTorch ops for a
+        call per layer (``csrc/lora.h``), in place in ``y``. None (the grouped PyTorch ops) for a
         prompt's many rows, whose GEMMs reuse each weight across rows where the kernel reads an
         adapter once a row, and where the kernel does not take the ranks or the dtype."""
-        parts = [b] if isinstance(b, torch.Tensor) else list(b)
         if not (
             len(batch.order) <= LORA_NATIVE_MAX_ROWS
-            and self._takes("lora_add", "rows_rejects", x.dtype)
-            and self._takes("lora_add", "lora_add_rejects", a.shape[2])
+            and self._takes("lora_add", "rows_rejects", x.dtype, fallback="the grouped PyTorch ops")
+            and self._takes(
+                "lora_add", "lora_add_rejects", a.shape[2], fallback="the grouped PyTorch ops"
+            )
         ):
-            return super().lora_add(y, x, a, b, batch)
+            return None
+        parts = [b] if isinstance(b, torch.Tensor) else list(b)
         if not y.is_contiguous():
             y = y.contiguous()
         self.native.lora_add(y, x.contiguous(), a, parts, batch.row_slots)

@@ -391,14 +391,13 @@ class Device:
         ids (sampler.Categorical); None: the sampler's PyTorch draw."""
         return None
 
-    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b, batch) -> torch.Tensor:
-        """``y[t] += x[t] @ a[s] @ b[s]`` for every row ``t`` of ``batch`` (``lora.ops.LoRABatch``)
-        whose adapter slot ``s`` is not -1; ``b`` one [slots, r, out] tensor or the parts of a
-        fused layer (``lora.ops.add_lora``, the grouped PyTorch ops, which this is). Returns
-        ``y``, added to in place where it is contiguous."""
-        from pagedserve.lora.ops import add_lora
-
-        return add_lora(y, x, a, b, batch)
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b, batch):
+        """The backend's own kernel for ``y[t] += x[t] @ a[s] @ b[s]`` over the rows ``t`` of
+        ``batch`` (``lora.ops.LoRABatch``) whose adapter slot ``s`` is not -1 (``b``: one
+        [slots, r, out] tensor, or the parts of a fused layer): ``y``, added to in place where it
+        is contiguous; or None where the backend has none for these rows, and the caller runs
+        the grouped PyTorch ops (``lora.ops.add_lora``)."""
+        return None
 
     # ---- collectives (tensor parallelism over torch.distributed) ------------------------------
     distributed_backend = "gloo"  # the collective library this backend's cards talk through

@@ -3,8 +3,8 @@
 The adapters of one linear layer sit in device slots: ``a`` [slots, in, r] and ``b`` [slots, r,
 out] (scale folded into ``b``); each row of the batch carries its slot, -1 for a base-model row.
 ``add_lora_reference`` is the definition, a row at a time; ``add_lora`` is what the model runs
-where the device has no kernel of its own (``Device.lora_add``; the CPU targets' native kernel,
-``csrc/lora.h``, takes a decode step's few rows), held to it by the tests:
+where the device has no kernel of its own for the rows (``Device.lora_add``: the CPU targets'
+``csrc/lora.h`` takes a decode step's few rows), held to it by the tests:
 
 - the engine puts a step's sequences in slot order (base rows first), so the adapter
   rows are one span of the batch, each slot's rows together (``LoRABatch``, shared by every

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve.hal import get_device
+from pagedserve.hal.cpu import LORA_NATIVE_MAX_ROWS
 from pagedserve.lora.ops import LoRABatch, add_lora, add_lora_reference
 from tests.helpers.kernels import TARGETS
 
@@ -128,13 +129,21 @@ def test_the_native_kernel_takes_any_rank_and_width(target, rank, fan_in, fan_ou
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
-def test_a_rank_past_the_kernels_limit_runs_the_grouped_ops_and_says_why():
+def test_a_rank_past_the_kernels_limit_is_left_to_the_grouped_ops_and_says_why():
     device = get_device("cpu")
     if device.native is None:
         pytest.skip("no native kernels on this machine")
-    token_slots = [0, 1]
     a, b = torch.randn(SLOTS, 8, 3 * 600), [torch.randn(SLOTS, 600, 4) for _ in range(3)]
-    x, y = torch.randn(2, 8), torch.zeros(2, 12)
-    got = device.lora_add(y.clone(), x, a, b, LoRABatch.build(token_slots, SLOTS))
-    torch.testing.assert_close(got, add_lora_reference(y, x, a, b, token_slots), atol=1e-3, rtol=1e-4)
-    assert "parts x rank 1800 exceeds 1536" in device.native_ops()["lora_add"]
+    batch = LoRABatch.build([0, 1], SLOTS)
+    assert device.lora_add(torch.zeros(2, 12), torch.randn(2, 8), a, b, batch) is None
+    assert device.native_ops()["lora_add"] == (
+        "parts x rank 1800 exceeds 1536; the grouped PyTorch ops"
+    )
+
+
+def test_a_prompts_many_rows_are_left_to_the_grouped_ops():
+    device = get_device("cpu")
+    a, b = _weights(torch.float32)
+    rows = LORA_NATIVE_MAX_ROWS + 1  # the grouped GEMMs reuse each weight across rows
+    batch = LoRABatch.build([r % SLOTS for r in range(rows)], SLOTS)
+    assert device.lora_add(torch.zeros(rows, 96), torch.randn(rows, 64), a, b, batch) is None
