@@ -50,6 +50,7 @@ from safetensors.torch import save_file
 from benchmarks.bench_models import SHAPES, build_model, cache_root
 from benchmarks.results import spread, write_result
 from pagedserve.hal import get_device
+from pagedserve.lora.peft import HF_TARGETS, random_adapter_tensors
 
 RANK, ALPHA = 16, 32
 NUM_ADAPTERS = 8
@@ -63,12 +64,9 @@ def log(message: str) -> None:
 
 
 # ---- adapters ---------------------------------------------------------------------------------
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def build_adapters(model: str = "122m", targets: tuple[str, ...] = ALL_TARGETS) -> list[Path]:
+def build_adapters(model: str = "122m", targets: tuple[str, ...] = HF_TARGETS) -> list[Path]:
     """``NUM_ADAPTERS`` random rank-16 PEFT adapters on ``targets`` of every layer, built once."""
-    suffix = "" if tuple(targets) == ALL_TARGETS else "-" + "-".join(targets)
+    suffix = "" if tuple(targets) == HF_TARGETS else "-" + "-".join(targets)
     root = cache_root() / f"lora-{model}-r{RANK}{suffix}"
     paths = [root / f"adapter-{i}" for i in range(NUM_ADAPTERS)]
     for seed, path in enumerate(paths):
@@ -80,32 +78,14 @@ def build_adapters(model: str = "122m", targets: tuple[str, ...] = ALL_TARGETS) 
 
 def _write_adapter(path: Path, shape: dict, seed: int, targets: tuple[str, ...]) -> None:
     g = torch.Generator().manual_seed(1000 + seed)
-    h, inter, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
-    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    modules = {
-        "self_attn.q_proj": (h, q),
-        "self_attn.k_proj": (h, kv),
-        "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (q, h),
-        "mlp.gate_up_proj": (h, 2 * inter),
-        "mlp.down_proj": (inter, h),
-    }
-    modules = {m: io for m, io in modules.items() if m.rsplit(".", 1)[1] in targets}
-    tensors = {}
-    for layer in range(shape["num_hidden_layers"]):
-        for module, (fan_in, fan_out) in modules.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            a = torch.randn(RANK, fan_in, generator=g) / fan_in**0.5
-            b = torch.randn(fan_out, RANK, generator=g) * 0.01
-            tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = b.to(torch.bfloat16)
+    tensors = random_adapter_tensors(shape, RANK, g, 0.01, targets)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = {
         "peft_type": "LORA",
         "r": RANK,
         "lora_alpha": ALPHA,
-        "target_modules": [m.rsplit(".", 1)[1] for m in modules],
+        "target_modules": [t for t in HF_TARGETS if t in targets],
         "bias": "none",
     }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -349,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--targets",
         nargs="+",
-        default=list(ALL_TARGETS),
-        choices=ALL_TARGETS,
+        default=list(HF_TARGETS),
+        choices=HF_TARGETS,
         help="the adapters' target modules (default: all six)",
     )
     args = parser.parse_args(argv)

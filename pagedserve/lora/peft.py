@@ -38,6 +38,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the engine's linear layers
 QKV_PARTS = ("q", "k", "v")
+# PEFT's target module names on a GLM-4-0414 checkpoint (HF's naming)
+HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 
 # PEFT module (after the layer prefix) -> (engine layer, part of qkv or None)
 _MODULES = {
@@ -351,3 +353,38 @@ def _split_qkv(by_part: dict, config, tp, dtype, prefix: str) -> LoRALayerWeight
             b[i * r : i * r + rank, row : row + outs[p]] = b_part.t()
         row += outs[p]
     return LoRALayerWeights(a.to(dtype), b.to(dtype), parts=3)
+
+
+def random_adapter_tensors(
+    config: dict,
+    rank: int,
+    generator: torch.Generator,
+    b_std: float,
+    targets: tuple[str, ...] = HF_TARGETS,
+) -> dict[str, torch.Tensor]:
+    """PEFT's tensors (bf16, HF's GLM-4-0414 names) of a random rank-``rank`` adapter on the
+    ``targets`` of every layer of a model with ``config`` (config.json's fields): A ~ N(0, 1/in),
+    B ~ N(0, b_std^2), drawn module by module in HF's order. It teaches the model nothing: the
+    demo adapter (``tools/make_demo_lora.py``) and the benchmarks' adapters; the tests build
+    theirs with PEFT itself."""
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {
+        "self_attn.q_proj": (h, q),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h),
+        "mlp.gate_up_proj": (h, 2 * inter),
+        "mlp.down_proj": (inter, h),
+    }
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            if module.rsplit(".", 1)[1] not in targets:
+                continue
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            a = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+            b = torch.randn(fan_out, rank, generator=generator) * b_std
+            tensors[f"{name}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{name}.lora_B.weight"] = b.to(torch.bfloat16)
+    return tensors

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from pagedserve.lora.peft import LoRAAdapterError, load_peft_adapter
+from pagedserve.lora.peft import LoRAAdapterError, load_peft_adapter, random_adapter_tensors
 from pagedserve.models.config import GlmConfig
 from pagedserve.models.tensor_parallel import TensorParallel
 from tests.helpers.lora import write_adapter
@@ -191,3 +193,15 @@ def test_a_directory_that_is_no_peft_adapter_is_refused_naming_what_is_missing(t
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(LoRAAdapterError, match="cannot be read"):
         _load(tmp_path)
+
+
+def test_the_shipped_demo_adapter_is_what_its_tool_draws():
+    """tools/make_demo_lora.py writes the same bytes every time: the shipped tensors are the
+    random adapter it draws from the demo model's config."""
+    package = Path(__file__).resolve().parents[2] / "pagedserve"
+    config = json.loads((package / "demo_model" / "config.json").read_text())
+    shipped = load_file(str(package / "demo_lora" / "adapter_model.safetensors"))
+    peft = json.loads((package / "demo_lora" / "adapter_config.json").read_text())
+    drawn = random_adapter_tensors(config, peft["r"], torch.Generator().manual_seed(0), 0.05)
+    assert drawn.keys() == shipped.keys()
+    assert all(torch.equal(drawn[k], shipped[k]) for k in drawn)
