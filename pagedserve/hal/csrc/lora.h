@@ -54,7 +54,9 @@ void lora_shrink_vectors(const T* x, const T* a, int64_t K, int64_t R, int64_t c
     for (int u = 0; u < kChains; ++u) {
       const Vec xk = vec::set1(static_cast<float>(x[k + u]));
       const T* row = a + (k + u) * R + c0;
-      for (int v = 0; v < V; ++v) acc[u][v] = vec::fmadd(xk, load_at<kTail>(row + v * kLanes, n), acc[u][v]);
+      for (int v = 0; v < V; ++v) {
+        acc[u][v] = vec::fmadd(xk, load_at<kTail>(row + v * kLanes, n), acc[u][v]);
+      }
     }
   }
   for (; k < K; ++k) {
@@ -92,7 +94,9 @@ void lora_expand_vectors(const float* h, const T* b, int64_t r, int64_t N, int64
   for (int64_t j = 0; j < r; ++j) {
     const Vec hj = vec::set1(h[j]);
     const T* row = b + j * N + n0;
-    for (int v = 0; v < V; ++v) acc[v] = vec::fmadd(hj, load_at<kTail>(row + v * kLanes, n), acc[v]);
+    for (int v = 0; v < V; ++v) {
+      acc[v] = vec::fmadd(hj, load_at<kTail>(row + v * kLanes, n), acc[v]);
+    }
   }
   for (int v = 0; v < V; ++v) store_at<kTail>(y + n0 + v * kLanes, acc[v], n);
 }
@@ -128,6 +132,10 @@ inline void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   }
   TORCH_CHECK(cols[P] == Y, "lora_add: the parts' columns fill y");
   const int32_t* slot = slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] < a.size(0), "lora_add: row ", t, "'s slot ", slot[t], " past the ",
+                a.size(0), " slots");
+  }
   DISPATCH_ACTIVATION_TYPES(y.scalar_type(), "lora_add", [&] {
     const scalar_t* xs = x.data_ptr<scalar_t>();
     const scalar_t* as = a.data_ptr<scalar_t>();
