@@ -1,7 +1,7 @@
 """Data-parallel routing on Ray Serve: prefix-aware against Ray Serve's power-of-two-choices, over
 two replicas of the demo model, on multi-turn conversations that share system prompts.
 
-    python -m benchmarks.ray_serve [--conversations 48] [--concurrency 12] [--turns 3]
+    python -m benchmarks.ray_serve [--conversations 48] [--concurrency 12] [--turns 3] [--runs 3]
 
 For each KV pool size and each setting it starts ``pagedserve serve --data-parallel-backend ray``
 on the demo model (a Ray instance of its own on this machine, one CPU per replica):
@@ -25,7 +25,8 @@ once, and a new one starts as soon as one ends. Measured per setting: the prefix
 looked up), the time to the first token (client side; also its median per turn) and the
 throughput. The targets: a hit rate within 10% of
 the single replica's, and a median time to first token at least 1.5x better than
-power-of-two's.
+power-of-two's. With ``--runs N`` every setting runs N times (in turn, run after run); the tables
+take each figure's median, and the results keep every run and the range of the two ratios.
 
 Writes benchmarks/results/ray_serve.json with the machine and its load (the load averages before
 and after): server and client share the machine, so the times depend on how busy it is.
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.results import write_result
+from benchmarks.results import spread, write_result
 from pagedserve.testing import serve
 
 PROSE = Path(__file__).resolve().parents[1] / "pagedserve" / "data" / "demo_heldout_prose.txt"
@@ -235,14 +236,27 @@ def main() -> None:
     parser.add_argument(
         "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="to run"
     )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="repeat every setting; report medians and ranges"
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     working_set = working_set_blocks(args)
     pools = {}
     for pool in args.pools:
         pages = round(POOLS[pool] * working_set)
-        results = {name: run_setting(name, args, pages) for name in args.settings}
+        runs = []
+        for run in range(args.runs):
+            print(f"=== {pool} pools, run {run + 1} of {args.runs}", flush=True)
+            runs.append({name: run_setting(name, args, pages) for name in args.settings})
+        results = {name: median_figures([r[name] for r in runs]) for name in args.settings}
         pools[pool] = {"kv_pages_per_replica": pages, "settings": results, **compare(results)}
+        if args.runs > 1:
+            pools[pool]["runs"] = runs
+            per_run = [compare(r) for r in runs]
+            for key in ("hit_rate_share_of_single", "ttft_speedup_over_power_of_two"):
+                if per_run and key in per_run[0]:
+                    pools[pool][key + "_by_run"] = spread([c[key] for c in per_run])
     summary = {
         "workload": {
             k: getattr(args, k)
@@ -264,6 +278,22 @@ def main() -> None:
         "pools": pools,
     }
     print(write_result("ray_serve", summary))
+
+
+def median_figures(runs: list[dict]) -> dict:
+    """A setting's figures over runs: the median of each number (per turn for the per-turn
+    medians), the other fields as the first run had them."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in runs)
+        elif key == "ttft_median_ms_by_turn":
+            out[key] = [
+                round(statistics.median(turns), 1) for turns in zip(*(r[key] for r in runs))
+            ]
+    return out
 
 
 def compare(results: dict) -> dict:
