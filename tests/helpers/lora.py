@@ -44,18 +44,6 @@ def build_peft_adapter(
     return model
 
 
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], **config) -> Path:
     """An adapter directory of the given tensors (PEFT's names) and adapter_config.json fields."""
     out_dir = Path(out_dir)

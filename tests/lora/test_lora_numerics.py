@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from tests.helpers.lora import build_peft_adapter, greedy
-from tests.helpers.models import build_tiny_hf_model, prompt_logprobs
+from tests.helpers.lora import build_peft_adapter
+from tests.helpers.models import build_tiny_hf_model, hf_greedy, prompt_logprobs
 
 MAX_TOKENS = 8
 PROMPTS = [[11, 12, 13], [(5 * i) % 300 + 10 for i in range(21)], [99, 98]]
@@ -29,12 +29,12 @@ MAX_EVAL_QUANT_LOSS_PCT = 0.5  # `pagedserve eval-quant`'s default --max-loss-pc
 
 def _build(path, architecture: str):
     hf = build_tiny_hf_model(path / "base", architecture, max_position_embeddings=256)
-    loras, refs = {}, {None: [greedy(hf, p, MAX_TOKENS) for p in PROMPTS]}
+    loras, refs = {}, {None: [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]}
     for lora_id, (name, (seed, r, alpha, targets, rslora)) in enumerate(ADAPTERS.items(), 1):
         kwargs = {"target_modules": targets} if targets else {}
         peft = build_peft_adapter(hf, path / name, seed, r, alpha, use_rslora=rslora, **kwargs)
         loras[name] = LoRARequest(name, lora_id, str(path / name))
-        refs[name] = [greedy(peft, p, MAX_TOKENS) for p in PROMPTS]
+        refs[name] = [hf_greedy(peft, p, MAX_TOKENS) for p in PROMPTS]
     return path / "base", loras, refs
 
 

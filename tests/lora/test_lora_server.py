@@ -14,8 +14,9 @@ import openai
 import pytest
 
 from pagedserve.testing import serve_app
-from tests.helpers.lora import build_peft_adapter, greedy
+from tests.helpers.lora import build_peft_adapter
 from tests.helpers.metrics import read_metrics
+from tests.helpers.models import hf_greedy
 
 PROMPT = [11, 12, 13, 14, 15]
 MAX_TOKENS = 6
@@ -31,9 +32,9 @@ def lora_server(tiny_glm4, tmp_path_factory):
 
     model_dir, hf = tiny_glm4
     root = tmp_path_factory.mktemp("adapters")
-    refs = {"tiny": greedy(hf, PROMPT, MAX_TOKENS)}
+    refs = {"tiny": hf_greedy(hf, PROMPT, MAX_TOKENS)}
     for seed, name in enumerate(("sql", "chat", "fit"), 1):
-        refs[name] = greedy(build_peft_adapter(hf, root / name, seed), PROMPT, MAX_TOKENS)
+        refs[name] = hf_greedy(build_peft_adapter(hf, root / name, seed), PROMPT, MAX_TOKENS)
     build_peft_adapter(hf, root / "big", 9, r=32)
     config = EngineConfig.from_kwargs(
         model=str(model_dir),
