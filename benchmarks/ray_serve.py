@@ -1,10 +1,14 @@
 """Data-parallel routing on Ray Serve: prefix-aware against Ray Serve's power-of-two-choices, over
-two replicas of the demo model, on multi-turn conversations that share system prompts.
+two replicas, on multi-turn conversations that share system prompts.
 
-    python -m benchmarks.ray_serve [--conversations 48] [--concurrency 12] [--turns 3] [--runs 3]
+    python -m benchmarks.ray_serve [--model demo|122m] [--conversations 48] [--concurrency 12]
+                                   [--turns 3] [--runs 3]
 
 For each KV pool size and each setting it starts ``pagedserve serve --data-parallel-backend ray``
-on the demo model (a Ray instance of its own on this machine, one CPU per replica):
+(a Ray instance of its own on this machine, one CPU per replica) on the model: ``demo``, the
+embedded demo model (~5M parameters, whose prefill costs little next to the serving around it),
+or ``122m``, the random ~122M GLM-4-0414 of ``benchmarks.bench_models`` in INT4 (W4A16), on
+which a prompt that misses the cache costs its prefill, as a real model's does:
 
 - ``single``: one replica with the pages of both, whose prefix cache sees every turn (the hit
   rate to match);
@@ -19,8 +23,11 @@ replica could hold every one).
 Each conversation is a chat over a document: one of the shared system prompts, a first turn
 that brings a passage of prose (the document) and a question, then short follow-up questions.
 Every turn sends the whole history so far (streamed chat completions, greedy, a fixed number of
-tokens per answer), each turn after the last one's answer; a number of conversations run at
-once, and a new one starts as soon as one ends. Measured per setting: the prefix-cache hit rate
+tokens per answer), each turn a pause after the last one's answer (the user reads it: seconds
+drawn from an exponential of mean ``--think-time``, the same in every setting); a number of
+conversations run at once, and a new one starts as soon as one ends. Without the pause, a next
+turn would arrive just as its replica finished the last, with the shortest queue, and
+power-of-two would keep conversations in place by accident of a closed loop. Measured per setting: the prefix-cache hit rate
 (the servers' own counters, from ``/metrics``: prompt tokens found in the cache over those
 looked up), the time to the first token (client side; also its median per turn) and the
 throughput. The targets: a hit rate within 10% of
@@ -28,7 +35,8 @@ the single replica's, and a median time to first token at least 1.5x better than
 power-of-two's. With ``--runs N`` every setting runs N times (in turn, run after run); the tables
 take each figure's median, and the results keep every run and the range of the two ratios.
 
-Writes benchmarks/results/ray_serve.json with the machine and its load (the load averages before
+Writes benchmarks/results/ray_serve.json (``ray_serve_122m.json`` for ``--model 122m``, with
+``_c4`` added for ``--concurrency 4``) with the machine and its load (the load averages before
 and after): server and client share the machine, so the times depend on how busy it is.
 """
 
@@ -48,7 +56,8 @@ import httpx
 from benchmarks.results import spread, write_result
 from pagedserve.testing import serve
 
-PROSE = Path(__file__).resolve().parents[1] / "pagedserve" / "data" / "demo_heldout_prose.txt"
+PACKAGE = Path(__file__).resolve().parents[1] / "pagedserve"
+PROSE = PACKAGE / "data" / "demo_heldout_prose.txt"
 SETTINGS = {
     "single": ["--data-parallel-size", "1"],
     "prefix-aware": ["--data-parallel-size", "2", "--request-router", "prefix-aware"],
@@ -58,11 +67,13 @@ SERVER_FLAGS = [
     *("--data-parallel-backend", "ray", "--num-cpus-per-replica", "1"),
     *("--max-model-len", "2048", "--max-num-seqs", "16"),
 ]
+CHAT_0414 = ["--chat-template", "glm4-0414"]  # the bench models ship no template of their own
 POOLS = {"tight": 0.65, "ample": 1.5}  # a replica's pages, as a share of the working set
 BLOCK_SIZE = 16
 TEMPLATE_TOKENS = 8  # a chat message's role markers, about
 TARGET_HIT_RATE_SHARE = 0.9  # of the single replica's
 TARGET_TTFT_SPEEDUP = 1.5  # over power-of-two
+DEFAULT_CONCURRENCY = 12
 REPORT_WAIT_S = 3.0  # the replicas report their counters every second
 
 
@@ -72,8 +83,9 @@ def passages(rng: random.Random, count: int, chars: int) -> list[str]:
     return [text[s : s + chars] for s in starts]
 
 
-def conversations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(system prompt, the user's turns) per conversation: the same for every setting."""
+def conversations(args: argparse.Namespace) -> list[tuple[str, list[str], list[float]]]:
+    """(system prompt, the user's turns, the user's pauses before each turn after the first, in
+    seconds) per conversation: the same for every setting."""
     rng = random.Random(0)
     systems = [
         f"You are assistant number {i}. Follow the house style below in every answer. " + p
@@ -85,7 +97,8 @@ def conversations(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         questions = passages(rng, args.turns, args.question_chars)
         turns = [f"Here is a document: {document}\n\nWhat does it say about: {questions[0]}"]
         turns += [f"And what about: {q}" for q in questions[1:]]
-        out.append((systems[c % len(systems)], turns))
+        pauses = [rng.expovariate(1 / args.think_time) if args.think_time else 0.0 for _ in turns]
+        out.append((systems[c % len(systems)], turns, pauses[1:]))
     return out
 
 
@@ -93,6 +106,7 @@ async def talk(
     http: httpx.AsyncClient,
     system: str,
     turns: list[str],
+    pauses: list[float],
     max_tokens: int,
     ttfts: list[tuple[int, float]],
 ) -> int:
@@ -100,6 +114,8 @@ async def talk(
     history = [{"role": "system", "content": system}]
     generated = 0
     for turn, user in enumerate(turns):
+        if turn:
+            await asyncio.sleep(pauses[turn - 1])  # the user reads the answer
         history.append({"role": "user", "content": user})
         body = {
             "messages": history,
@@ -118,10 +134,12 @@ async def talk(
                     continue
                 chunk = httpx.Response(200, content=line[6:]).json()
                 for choice in chunk["choices"]:
-                    piece = (choice.get("delta") or {}).get("content") or ""
-                    if piece and first is None:
+                    delta = choice.get("delta") or {}
+                    # every chunk after the role's carries a token, though a random model's
+                    # tokens may decode to no text yet
+                    if first is None and not delta.get("role"):
                         first = time.perf_counter() - start
-                    answer += piece
+                    answer += delta.get("content") or ""
                 if chunk.get("usage"):
                     generated += chunk["usage"]["completion_tokens"]
         ttfts.append((turn, first))
@@ -141,13 +159,13 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     sessions = asyncio.Semaphore(args.concurrency)
 
-    async def one(system: str, turns: list[str]) -> int:
+    async def one(system: str, turns: list[str], pauses: list[float]) -> int:
         async with sessions:  # a new conversation starts as soon as one ends
-            return await talk(http, system, turns, args.max_tokens, ttfts)
+            return await talk(http, system, turns, pauses, args.max_tokens, ttfts)
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         start = time.perf_counter()
-        generated = await asyncio.gather(*(one(s, t) for s, t in conversations(args)))
+        generated = await asyncio.gather(*(one(*c) for c in conversations(args)))
         elapsed = time.perf_counter() - start
     times = [t for _, t in ttfts]
     by_turn = [statistics.median(t for k, t in ttfts if k == turn) for turn in range(args.turns)]
@@ -162,26 +180,41 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
     }
 
 
+def model_path(model: str) -> Path:
+    if model == "demo":
+        return PACKAGE / "demo_model"
+    from benchmarks.bench_models import build_model
+
+    return build_model(model)
+
+
+def model_flags(model: str) -> list[str]:
+    """The served model: the demo model (the server's default) or a bench model in INT4."""
+    if model == "demo":
+        return []
+    return [*("--model", str(model_path(model)), "--quantization", "int4"), *CHAT_0414]
+
+
 def working_set_blocks(args: argparse.Namespace) -> int:
     """The KV blocks of the full histories of the conversations that run at once, a shared
-    system prompt's once (the demo model's tokenizer; each answer ``max_tokens`` long)."""
+    system prompt's once (the model's tokenizer; each answer ``max_tokens`` long)."""
     from pagedserve.models.tokenizer import Tokenizer
 
-    tok = Tokenizer(Path(__file__).resolve().parents[1] / "pagedserve" / "demo_model")
+    tok = Tokenizer(model_path(args.model))
 
     def blocks(texts: list[str], extra_tokens: int = 0) -> int:
         tokens = sum(len(tok.encode(t, add_special_tokens=False)) + TEMPLATE_TOKENS for t in texts)
         return -(-(tokens + extra_tokens) // BLOCK_SIZE)
 
     talks = conversations(args)[: args.concurrency]
-    shared = sum(blocks([system]) for system in {system for system, _ in talks})
+    shared = sum(blocks([system]) for system in {system for system, _, _ in talks})
     answers = args.turns * (args.max_tokens + TEMPLATE_TOKENS)
-    return shared + sum(blocks(turns, answers) for _, turns in talks)
+    return shared + sum(blocks(turns, answers) for _, turns, _ in talks)
 
 
 def run_setting(name: str, args: argparse.Namespace, pages: int) -> dict:
     pages = 2 * pages if name == "single" else pages  # the pages of both replicas in one
-    flags = [*SERVER_FLAGS, "--num-kv-pages", str(pages), *SETTINGS[name]]
+    flags = [*model_flags(args.model), *SERVER_FLAGS, "--num-kv-pages", str(pages), *SETTINGS[name]]
     print(f"{name}: starting pagedserve serve {' '.join(flags)}", flush=True)
     with serve(*flags, log_level="warning", timeout=600) as (_, url):
         wait_for_replicas(url, 1 if name == "single" else 2)
@@ -220,8 +253,13 @@ def wait_for_replicas(url: str, count: int, timeout: float = 300) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", choices=["demo", "122m"], default="demo", help="the served model (see above)"
+    )
     parser.add_argument("--conversations", type=int, default=48, help="conversations in all")
-    parser.add_argument("--concurrency", type=int, default=12, help="conversations at once")
+    parser.add_argument(
+        "--concurrency", type=int, default=DEFAULT_CONCURRENCY, help="conversations at once"
+    )
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation")
     parser.add_argument("--system-prompts", type=int, default=2, help="shared system prompts")
     parser.add_argument("--system-chars", type=int, default=1200, help="system prompt length")
@@ -230,6 +268,12 @@ def main() -> None:
     )
     parser.add_argument("--question-chars", type=int, default=80, help="a question's length")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=1.0,
+        help="the user's mean pause before a next turn, in seconds (exponential; 0: none)",
+    )
     parser.add_argument(
         "--pools", nargs="+", choices=list(POOLS), default=list(POOLS), help="KV pool sizes to run"
     )
@@ -258,6 +302,7 @@ def main() -> None:
                 if per_run and key in per_run[0]:
                     pools[pool][key + "_by_run"] = spread([c[key] for c in per_run])
     summary = {
+        "model": args.model,
         "workload": {
             k: getattr(args, k)
             for k in (
@@ -269,6 +314,7 @@ def main() -> None:
                 "document_chars",
                 "question_chars",
                 "max_tokens",
+                "think_time",
             )
         },  # fmt: skip
         "working_set_blocks": working_set,
@@ -277,7 +323,9 @@ def main() -> None:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "pools": pools,
     }
-    print(write_result("ray_serve", summary))
+    name = "ray_serve" + ("" if args.model == "demo" else f"_{args.model}")
+    name += "" if args.concurrency == DEFAULT_CONCURRENCY else f"_c{args.concurrency}"
+    print(write_result(name, summary))
 
 
 def median_figures(runs: list[dict]) -> dict:

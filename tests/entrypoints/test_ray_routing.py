@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from pagedserve.entrypoints.ray_serve.affinity import (
+    UNCACHED_WEIGHT,
     PrefixAffinity,
     SessionAffinity,
     block_hashes,
@@ -77,7 +78,8 @@ def test_past_the_imbalance_threshold_the_least_loaded_replica_takes_the_request
 
 def test_a_follow_up_waits_behind_queued_prefill_only_while_that_costs_less_than_its_history():
     """A replica busy prefilling other prompts keeps a conversation while recomputing its
-    history elsewhere would take longer; past that, the idle replica takes it."""
+    history elsewhere would cost more (the follow-up's wait, and as much for the requests sent
+    to that replica after it); past that, the idle replica takes it."""
     policy = PrefixAffinity(BS, blocks_per_replica=1000)
     home = route(policy, conversation(0), {"a": 0, "b": 0})
     other = "b" if home == "a" else "a"
@@ -86,8 +88,10 @@ def test_a_follow_up_waits_behind_queued_prefill_only_while_that_costs_less_than
     here = policy.num_uncached(home, nxt, block_hashes(nxt, BS))
     assert here < history == len(nxt)
     idle = {home: 0, other: 0}
-    assert policy.choose(nxt, idle, {home: history - here - 1})[0] == home
-    assert policy.choose(nxt, idle, {home: history - here + 1})[0] == other
+    moved = UNCACHED_WEIGHT * (history - here)  # what leaving costs, in tokens of prefill
+    assert policy.choose(nxt, idle, {home: history - here + 1})[0] == home
+    assert policy.choose(nxt, idle, {home: moved - 1})[0] == home
+    assert policy.choose(nxt, idle, {home: moved + 1})[0] == other
 
 
 def test_a_shared_prefix_counts_as_held_on_every_replica():

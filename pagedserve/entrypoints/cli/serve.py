@@ -506,10 +506,10 @@ def _add_ray_serve_args(a: Callable[..., argparse.Action]) -> None:
         "--request-router",
         choices=["prefix-aware", "session", "power-of-two"],
         default="prefix-aware",
-        help="which replica takes a request. prefix-aware: the one with the fewest tokens to "
-        "prefill before its first token, those queued there plus those of the prompt that its "
-        "prefix cache most likely lacks (a conversation's next turn goes where its history is "
-        "cached unless that replica is busier than recomputing it; a prefix that many prompts "
+        help="which replica takes a request. prefix-aware: the one where it costs the fewest "
+        "tokens of prefill, those queued there plus twice those of the prompt that its prefix "
+        "cache most likely lacks (a conversation's next turn goes where its history is cached "
+        "unless that replica's queue is longer than twice the history; a prefix that many prompts "
         "share, such as a system prompt, is cached on every replica); session: every request "
         "with the same X-Session-ID header or `user` field to one replica, others as "
         "prefix-aware; power-of-two: Ray Serve's default, the shorter queue of two replicas "

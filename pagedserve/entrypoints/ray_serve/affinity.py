@@ -3,8 +3,9 @@
 ``PrefixAffinity`` keeps, for each replica, the chained hashes of the full KV blocks it was sent
 (hashed as the engine's prefix cache hashes them, ``engine.block_manager.hash_block_tokens``),
 as many as the replica's KV pool holds, least recently sent dropped first: a guess at what its
-prefix cache holds. A request goes to the replica with the fewest tokens to prefill before its
-first token: those queued there, plus those of the prompt past the leading blocks it holds. A
+prefix cache holds. A request goes to the replica where it costs the fewest tokens of prefill:
+those queued there, which it waits for, plus twice those of the prompt past the leading blocks
+the replica holds, which it waits for and so does every request sent there after it. A
 prefix that other prompts branched off counts as held everywhere: a system prompt that many
 conversations share is worth computing once on every replica, so it ends up cached on each
 instead of pinning all traffic to the replica that saw it first. Past ``imbalance_threshold``
@@ -28,6 +29,11 @@ Replica = Hashable  # a replica's id, as the router knows it
 
 DEFAULT_IMBALANCE_THRESHOLD = 8  # requests in flight beyond the least-loaded replica's
 SHARED_FANOUT = 2  # a block that this many different blocks followed is a shared prefix
+# A prompt's uncached tokens delay its own first token and, as much, those of the requests sent
+# to its replica after it: counted twice, a follow-up leaves the replica holding its history
+# only for a queue there longer than twice the history it would recompute elsewhere (once, it
+# left for any queue longer than that history, and its misses then slowed the other replica).
+UNCACHED_WEIGHT = 2
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -63,9 +69,9 @@ class PrefixAffinity:
         """The replica for a prompt among those in ``load`` (replica -> requests in flight), and
         the prompt's block hashes (for ``record`` once it is sent).
 
-        The one that gives the prompt its first token soonest, as far as tokens to prefill tell:
-        those already ``queued`` there (replica -> tokens of requests sent to it that have not
-        had their first token), plus those of this prompt it does not hold. A prefix that other
+        The one where it costs the fewest tokens of prefill: those already ``queued`` there
+        (replica -> tokens of requests sent to it that have not had their first token), plus
+        ``UNCACHED_WEIGHT`` times those of this prompt it does not hold. A prefix that other
         prompts branched off counts as held everywhere (computed once on each replica, it is);
         ties go to the fewest requests in flight, then to the fewest blocks held. Replicas with
         ``imbalance_threshold`` more requests in flight than the least-loaded one are passed
@@ -77,8 +83,8 @@ class PrefixAffinity:
         queued = queued or {}
 
         def cost(r: Replica) -> tuple[int, int, int]:
-            todo = queued.get(r, 0) + self.num_uncached(r, token_ids, hashes, shared)
-            return todo, load[r], len(self.held.get(r, ()))
+            uncached = self.num_uncached(r, token_ids, hashes, shared)
+            return queued.get(r, 0) + UNCACHED_WEIGHT * uncached, load[r], len(self.held.get(r, ()))
 
         costs = {r: cost(r) for r, n in load.items() if n <= fewest + self.imbalance_threshold}
         best = min(costs.values())

@@ -8,10 +8,10 @@ which the ingress reads for ``/health`` and ``/metrics`` (``ingress.ROUTERS``), 
 request to a replica whose engine core is dead while another lives.
 
 Policies (``--request-router``):
-- ``prefix-aware`` (``PrefixAwareRouter``): to the replica with the fewest tokens to prefill
-  before the prompt's first token: those queued there (requests sent that have had no output
-  yet, as the ingress reports their first ones) plus those of the prompt whose blocks its prefix
-  cache most likely lacks (``affinity.PrefixAffinity``); none past the imbalance threshold;
+- ``prefix-aware`` (``PrefixAwareRouter``): to the replica where the request costs the fewest
+  tokens of prefill: those queued there (requests sent that have had no output yet, as the
+  ingress reports their first ones) plus twice those of the prompt whose blocks its prefix cache
+  most likely lacks (``affinity.PrefixAffinity``); none past the imbalance threshold;
 - ``session`` (``SessionRouter``): a request with a session key to the key's replica, one without
   as ``prefix-aware``;
 - ``power-of-two`` (``PowerOfTwoRouter``): Ray Serve's default procedure, two replicas at random
