@@ -9,8 +9,11 @@ All figures are per tensor-parallel rank, in bytes:
 
 - weights: every parameter counted, as the weight tier holds them. Embeddings, lm_head, norms and
   biases stay 16-bit. With ``--quantization int4`` every q/k/v/o, gate_up and down projection
-  costs 0.5 byte per weight plus one 16-bit scale and one 16-bit zero per group of
-  ``--quant-group-size`` inputs per output (0.625 byte per weight at group 32). Tensor parallelism
+  costs 0.5 byte per weight plus one 16-bit scale and one zero point per group of
+  ``--quant-group-size`` inputs per output. The zero point takes what the device's kernels pack:
+  one byte in the avx512 and avx2 CPU kernels' tiles, which a device in host memory runs on a CPU
+  that has them (``hal/cpu_targets.py``, by the CPU's flags); two elsewhere (PyTorch's layout,
+  as a checkpoint stores them): 0.594 or 0.625 byte per weight at group 32. Tensor parallelism
   splits q/o and the MLP by ``tp``, k/v by kv head (replicated when ``tp`` exceeds the kv heads,
   as vLLM does), and the vocabulary of embed_tokens and lm_head (vocab-parallel, padded as
   ``models/tensor_parallel.py`` pads it); norms are replicated. They must fit the card's weight
@@ -44,6 +47,7 @@ from pathlib import Path
 import yaml
 
 from pagedserve.config import KV_CACHE_DTYPES, DeviceConfig, SchedulerConfig
+from pagedserve.hal.cpu_targets import int4_zero_point_bytes as cpu_int4_zero_point_bytes
 from pagedserve.hal.device_preset import (
     DevicePreset,
     host_memory_limit,
@@ -76,6 +80,7 @@ class TuneResult:
     tensor_parallel_size: int
     quantization: str
     quant_group_size: int
+    quant_zero_point_bytes: int  # a row's zero point per INT4 group, as the kernels pack it
     kv_dtype: str
     kv_cache_dtype: str
     block_size: int
@@ -179,8 +184,20 @@ def linear_shapes(model: GlmConfig, tp: int) -> list[tuple[int, int]]:
 # ---- the three sizes
 
 
+def int4_zero_point_bytes(device: DevicePreset) -> int:
+    """A row's INT4 zero point per group on ``device``: what this machine's CPU kernels pack for a
+    device in host memory (``cpu``, the ``kunlun-emu`` cards), 16 bits elsewhere (as a checkpoint
+    stores it)."""
+    return cpu_int4_zero_point_bytes() if device.in_host_memory else 2
+
+
 def linear_bytes(
-    in_features: int, out_features: int, quantization: str, group_size: int, dtype_bytes: int
+    in_features: int,
+    out_features: int,
+    quantization: str,
+    group_size: int,
+    dtype_bytes: int,
+    zero_point_bytes: int = 2,
 ) -> int:
     if quantization == "none":
         return in_features * out_features * dtype_bytes
@@ -190,11 +207,17 @@ def linear_bytes(
             f"--quant-group-size {group_size}; pick a group size that divides it "
             "(32, 64 or 128) or another --tensor-parallel-size"
         )
-    return in_features * out_features // 2 + (in_features // group_size) * out_features * 2 * 2
+    per_group = 2 + zero_point_bytes  # a 16-bit scale and the zero point, per output
+    return in_features * out_features // 2 + (in_features // group_size) * out_features * per_group
 
 
 def weight_bytes(
-    model: GlmConfig, tp: int, quantization: str, group_size: int, dtype_bytes: int = 2
+    model: GlmConfig,
+    tp: int,
+    quantization: str,
+    group_size: int,
+    dtype_bytes: int = 2,
+    zero_point_bytes: int = 2,
 ) -> tuple[int, int]:
     """(16-bit bytes: embeddings, lm_head, norms, biases; linear bytes) per rank."""
     hidden, vocab_rank = model.hidden_size, pad_vocab_size(model.vocab_size, tp) // tp
@@ -205,7 +228,8 @@ def weight_bytes(
     embeddings = vocab_rank * hidden * (1 if model.tie_word_embeddings else 2)
     params_16 = embeddings + hidden + model.num_hidden_layers * per_layer_16
     per_layer_linear = sum(
-        linear_bytes(k, n, quantization, group_size, dtype_bytes) for k, n in shapes
+        linear_bytes(k, n, quantization, group_size, dtype_bytes, zero_point_bytes)
+        for k, n in shapes
     )
     return params_16 * dtype_bytes, model.num_hidden_layers * per_layer_linear
 
@@ -214,13 +238,20 @@ def weight_bytes(
 
 
 def _smallest_fitting_tp(
-    model: GlmConfig, device: DevicePreset, quantization: str, group_size: int, dtype_bytes: int
+    model: GlmConfig,
+    device: DevicePreset,
+    quantization: str,
+    group_size: int,
+    dtype_bytes: int,
+    zero_point_bytes: int,
 ) -> int | None:
     """The fewest cards (within the node) whose share of the weights each card holds."""
     for tp in range(2, (device.cards or 64) + 1):
         try:
             check_tensor_parallel("", model, tp)
-            weights = sum(weight_bytes(model, tp, quantization, group_size, dtype_bytes))
+            weights = sum(
+                weight_bytes(model, tp, quantization, group_size, dtype_bytes, zero_point_bytes)
+            )
         except TuneError:
             continue
         if _weights_fit(device, weights, 1.0):
@@ -286,13 +317,16 @@ def tune(
         raise TuneError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
     dtype_bytes = KV_DTYPE_BYTES[kv_dtype]
     batched = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, dtype_bytes)
+    zero_bytes = int4_zero_point_bytes(device)
+    w16, wlin = weight_bytes(model, tp, quantization, quant_group_size, dtype_bytes, zero_bytes)
     if max_loras < 0 or max_lora_rank < 1:
         raise TuneError("--max-loras and --max-lora-rank must be positive")
     lora = slots_nbytes(model, tp, max_loras, max_lora_rank, dtype_bytes) if max_loras else 0
     weights = w16 + wlin + lora
     if not _weights_fit(device, weights, gpu_memory_utilization):
-        fewest = _smallest_fitting_tp(model, device, quantization, quant_group_size, dtype_bytes)
+        fewest = _smallest_fitting_tp(
+            model, device, quantization, quant_group_size, dtype_bytes, zero_bytes
+        )
         raise _weights_do_not_fit(name, device, weights, gpu_memory_utilization, tp, fewest)
     per_token = model.kv_bytes_per_token(
         model.num_kv_heads_per_rank(tp), dtype_bytes, kv_cache_dtype
@@ -327,6 +361,7 @@ def tune(
         tensor_parallel_size=tp,
         quantization=quantization,
         quant_group_size=quant_group_size,
+        quant_zero_point_bytes=zero_bytes,
         kv_dtype=kv_dtype,
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
@@ -471,7 +506,8 @@ def _kv_formula(r: TuneResult) -> str:
 def explain(result: TuneResult) -> str:
     r, size = result, format_bytes
     linear = (
-        f"0.5 B/weight + 2x2 B per group of {r.quant_group_size}"
+        f"0.5 B/weight + a 2 B scale and a {r.quant_zero_point_bytes} B zero point per group "
+        f"of {r.quant_group_size}"
         if r.quantization == "int4"
         else "16-bit"
     )

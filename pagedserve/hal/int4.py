@@ -29,7 +29,7 @@ class Int4Linear:
     # avx512, tiles8* for avx2; *_a8: int8 activations, W4A8)
     layout: str = "reference"
     packed: torch.Tensor | None = None  # aten: uint8 [N, K/2], opaque; tiles<R>*: [N/R, K/8, 4R]
-    scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles: fp16 (below)
+    scales_and_zeros: torch.Tensor | None = None  # aten: bf16 [K/G, N, 2]; tiles: bytes (below)
 
     @property
     def nbytes(self) -> int:
@@ -183,16 +183,20 @@ def pad_rows(
 def _tile_scales_and_zeros(
     scales: torch.Tensor, zeros: torch.Tensor, group_size: int, rows: int
 ) -> torch.Tensor:
-    """fp16 [N/rows, K/G, 2, rows]: per tile and group, the tile's scales, then its zero points
-    plus 128 (integers up to 143, exact). fp16 keeps the scales of AWQ and GPTQ checkpoints
-    exactly."""
+    """uint8 [N/rows, K/G, 3 * rows]: per tile and group, the tile's ``rows`` scales in fp16 (which
+    keeps the scales of AWQ and GPTQ checkpoints exactly), then its ``rows`` zero points in one
+    byte each (every 4-bit format's zero points are integers: 0..15, GPTQ v1's up to 16). A
+    group of 32 then streams 19 bytes a row at batch 1, not the 20 of an fp16 zero point."""
     n, num_groups = scales.shape
+    z = zeros.float()
+    if not torch.equal(z, z.round()) or z.min() < 0 or z.max() > 255:
+        raise ValueError("INT4 zero points must be integers in 0..255 for the native layouts")
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/rows, K/G, rows]
-        return t.float().view(n // rows, rows, num_groups).transpose(1, 2)
+        return t.view(n // rows, rows, num_groups).transpose(1, 2)
 
-    sz = torch.stack([per_tile(scales), per_tile(zeros) + 128], dim=2)
-    return sz.to(torch.float16).contiguous()
+    scale_bytes = per_tile(scales.to(torch.float16)).contiguous().view(torch.uint8)
+    return torch.cat([scale_bytes, per_tile(z.to(torch.uint8))], dim=-1).contiguous()
 
 
 # The native targets' INT4 layouts and their packers, by Int4Linear.layout (the targets name

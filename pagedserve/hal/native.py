@@ -38,41 +38,19 @@ from types import ModuleType
 import torch
 
 from pagedserve.config import KERNEL_CHOICES
+from pagedserve.hal.cpu_targets import (
+    AMX_FLAGS,
+    TARGETS,
+    Target,
+    cpu_flags,
+    executable_targets,
+    missing_flags,
+)
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "bindings.cpp"  # includes the headers beside it
-
-# What x86-64-v3 lets a compiler emit (AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE, and v2's SSE4.2,
-# POPCNT, CMPXCHG16B, LAHF), by their /proc/cpuinfo names.
-_X86_64_V3 = (
-    "avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe", "xsave",
-    "sse4_1", "sse4_2", "ssse3", "pni", "popcnt", "cx16", "lahf_lm",
-)  # fmt: skip
-_X86_64_V4 = (*_X86_64_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
-AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})  # the avx512 target's GEMV uses them if present
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    macro: int  # PAGEDSERVE_TARGET in csrc/vec.h
-    cpu_flags: tuple[str, ...]  # what the CPU must have
-    cflags: tuple[str, ...]  # what the compiler may use
-    machines: tuple[str, ...] = ("x86_64", "amd64")  # empty: any
-
-
-TARGETS = {
-    "avx512": Target(
-        "avx512",
-        1,
-        (*_X86_64_V4, "avx512_bf16", "avx512_vnni"),
-        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
-    ),
-    "avx2": Target("avx2", 2, _X86_64_V3, ("-march=x86-64-v3",)),
-    "portable": Target("portable", 3, (), (), machines=()),
-}
 
 
 @dataclass(frozen=True)
@@ -82,32 +60,6 @@ class KernelChoice:
     name: str  # avx512, avx2, portable or eager
     module: ModuleType | None
     reason: str = ""  # why a better target was not taken ("" when none was passed over)
-
-
-def cpu_flags() -> frozenset[str]:
-    override = os.environ.get("PAGEDSERVE_CPU_FLAGS")
-    if override is not None:
-        return frozenset(override.split())
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def missing_flags(target: Target, flags: frozenset[str] | None = None) -> list[str]:
-    """What this CPU lacks for ``target`` (its architecture, or CPU flags); [] if it can run it."""
-    if target.machines and platform.machine().lower() not in target.machines:
-        return [f"an x86-64 CPU (this is {platform.machine()})"]
-    flags = cpu_flags() if flags is None else flags
-    return [f for f in target.cpu_flags if f not in flags]
-
-
-def executable_targets() -> list[str]:
-    """The targets this CPU can execute, best first."""
-    return [name for name, t in TARGETS.items() if not missing_flags(t)]
 
 
 def target_cflags(target: Target) -> list[str]:

@@ -122,6 +122,7 @@ def test_a_plan_on_a_shared_hbm_card_matches_hand_computation(tmp_path):
         "tensor_parallel_size": 1,
         "quantization": "int4",
         "quant_group_size": 32,
+        "quant_zero_point_bytes": 2,  # a cuda card: 16 bits, as the checkpoint stores it
         "kv_dtype": "bf16",
         "kv_cache_dtype": "auto",
         "block_size": 16,
@@ -160,7 +161,8 @@ def test_the_explanation_of_a_plan_is_its_figures_and_their_formulas(tmp_path):
         "weights (16-bit part)         503.25 KiB  "
         "embed_tokens + lm_head (vocab-parallel), norms, qkv bias",
         "weights (linear part)         180.00 KiB  "
-        "q/k/v/o, gate_up, down split over tp=1: 0.5 B/weight + 2x2 B per group of 32",
+        "q/k/v/o, gate_up, down split over tp=1: "
+        "0.5 B/weight + a 2 B scale and a 2 B zero point per group of 32",
         "weights per rank              683.25 KiB  699648 bytes",
         "KV bytes per token                 512 B  "
         "2 x layers x kv_heads/rank x head_dim x 2 B (bf16)",

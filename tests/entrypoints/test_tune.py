@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import yaml
 from pagedserve.engine import memory_plan as tune_mod
 from pagedserve.engine.memory_plan import TuneError, explain, tune
 from pagedserve.entrypoints.cli.tune import add_tune_args, run_tune
+from pagedserve.hal.cpu_targets import TARGETS
 from pagedserve.hal.memory import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,11 +27,18 @@ GIB = 2**30
 L, H, NH, KV, D, INTER, V = 40, 4096, 32, 2, 128, 13696, 151552
 
 
-def _hand_int4_linear(k: int, n: int, group: int = 32) -> int:
-    return k * n // 2 + (k // group) * n * 4
+# The emulated Kunlun cards run on this machine's CPU: pinned to an AVX2 CPU (the fixture below),
+# their INT4 tiles keep a group's zero point in one byte on x86; two in PyTorch's layout elsewhere.
+AVX2_CPU = " ".join(TARGETS["avx2"].cpu_flags)
+ON_X86 = not TARGETS["avx2"].machines or platform.machine().lower() in TARGETS["avx2"].machines
+TILES_ZERO_POINT = 1 if ON_X86 else 2
 
 
-def _hand_9b_weights(tp: int, int4: bool) -> int:
+def _hand_int4_linear(k: int, n: int, group: int = 32, zero_point: int = TILES_ZERO_POINT) -> int:
+    return k * n // 2 + (k // group) * n * (2 + zero_point)  # codes; a 2-byte scale, the zero
+
+
+def _hand_9b_weights(tp: int, int4: bool, zero_point: int = TILES_ZERO_POINT) -> int:
     kv_rank = max(1, KV // tp)
     shapes = [
         (H, NH * D // tp),
@@ -39,7 +48,7 @@ def _hand_9b_weights(tp: int, int4: bool) -> int:
         (H, 2 * INTER // tp),
         (INTER // tp, H),
     ]
-    linear = sum(_hand_int4_linear(k, n) if int4 else 2 * k * n for k, n in shapes)
+    linear = sum(_hand_int4_linear(k, n, 32, zero_point) if int4 else 2 * k * n for k, n in shapes)
     bias = NH * D // tp + 2 * kv_rank * D
     sixteen_bit = 2 * (2 * (V // tp) * H + H + L * (2 * H + bias))
     return sixteen_bit + L * linear
@@ -49,6 +58,12 @@ def _parse(argv: list[str]):
     import argparse
 
     return add_tune_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+@pytest.fixture(autouse=True)
+def avx2_cpu(monkeypatch):
+    """Plans as on an AVX2 CPU, whichever this one is (the INT4 zero points' bytes follow it)."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", AVX2_CPU)
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +94,7 @@ def test_glm4_9b_chat_on_kunlun_matches_hand_computation(capsys):
         out["kv_bytes_per_token"] * 131072 == 5 * GIB
     )  # not the Kunlun XPU deployment guide's ~4.6 GB
     assert out["weight_bytes"] == _hand_9b_weights(tp=1, int4=True)
-    assert 7.0 * GIB < out["weight_bytes"] < 7.1 * GIB
+    assert 6.8 * GIB < out["weight_bytes"] < 6.9 * GIB  # 1-byte zero points: 7.06 GiB with 2
 
     # one HBM of 32 GiB: the weights are paid from 0.9 of it, the rest is the pool (the KV
     # tier is the whole HBM, so it does not bind)
@@ -162,6 +177,22 @@ def test_tensor_parallel_splits_weights_and_replicates_kv_heads():
     assert tp4.weight_bytes == _hand_9b_weights(tp=4, int4=True)
     assert tp2.kv_bytes_per_token == 2 * L * 1 * D * 2
     assert tp4.kv_bytes_per_token == tp2.kv_bytes_per_token  # 2 kv heads over 4 ranks: replicated
+
+
+def test_int4_zero_points_take_what_the_devices_kernels_pack(monkeypatch):
+    """An emulated card packs as this CPU's kernels do: one byte a zero point in the avx2 and
+    avx512 tiles, two on a CPU that has neither (PyTorch's layout); a CUDA card's plan keeps the
+    checkpoint's two."""
+    emulated = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=8192)
+    assert emulated.quant_zero_point_bytes == TILES_ZERO_POINT
+    assert f"a 2 B scale and a {TILES_ZERO_POINT} B zero point per group of 32" in explain(emulated)
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", "")  # the portable kernels: PyTorch's INT4 layout
+    portable = tune("glm-4-9b-chat", "kunlun-xpu-32g", max_model_len=8192)
+    assert portable.quant_zero_point_bytes == 2
+    assert portable.weight_bytes == _hand_9b_weights(tp=1, int4=True, zero_point=2)
+    assert 7.0 * GIB < portable.weight_bytes < 7.1 * GIB  # the 7.06 GiB of the checkpoint's form
+    cuda = tune("glm-4-9b-chat", "cuda-h200", max_model_len=8192)
+    assert cuda.quant_zero_point_bytes == 2 and cuda.weight_bytes == portable.weight_bytes
 
 
 def test_unquantized_weights_are_two_bytes_per_parameter():

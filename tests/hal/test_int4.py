@@ -8,11 +8,13 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.hal import get_device
+from pagedserve.hal.cpu_targets import int4_zero_point_bytes
 from pagedserve.hal.device import Device
 from pagedserve.hal.int4 import dequantize, quantize_activations_int8
 from pagedserve.hal.native import choose_kernels
 from pagedserve.models.quant_formats import dequantize as dequantize_canonical
 from pagedserve.models.quant_formats import quantize_rtn
+from tests.helpers.kernels import TARGETS
 from tests.helpers.models import assert_logprobs_close, build_tiny_hf_model, prompt_logprobs
 
 
@@ -33,11 +35,20 @@ def test_cpu_int4_kernel_equals_dequantized_reference(group_size, rows):
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0.02)
 
 
-def test_int4_weights_cost_about_five_eighths_of_a_byte_per_parameter():
+@pytest.mark.parametrize("kernel_set", [*TARGETS, "eager"])
+@pytest.mark.parametrize("abits", [16, 8])
+def test_int4_weights_cost_what_the_memory_plan_counts(kernel_set, abits):
+    """Half a byte a weight, and per group of 32 a 2-byte scale and the zero point: one byte in
+    the avx512 and avx2 tiles (19 bytes, Q4_1's 20 less one), two in PyTorch's layout (20). The
+    memory plan counts the zero point by the CPU's flags alone (``cpu_targets``), before anything
+    is built: it must be what the device packs."""
     w = torch.randn(1024, 4096)
-    dev = get_device("cpu")
-    layer = dev.prepare_int4(*quantize_rtn(w, 32), 32, "w")
-    assert layer.nbytes / w.numel() == pytest.approx(0.625, rel=0.01)
+    dev = get_device("cpu", kernels=kernel_set)
+    layer = dev.prepare_int4(*quantize_rtn(w, 32), 32, "w", abits)
+    assert layer.layout != "reference"
+    zero_point = int4_zero_point_bytes(kernel_set)
+    assert zero_point == (1 if layer.layout.startswith("tiles") else 2)
+    assert layer.nbytes == w.numel() // 2 + w.numel() // 32 * (2 + zero_point)
 
 
 def test_w4a8_quantizes_each_token_to_int8_symmetrically():

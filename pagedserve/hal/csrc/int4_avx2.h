@@ -11,7 +11,7 @@
 // two products to each of the 8 rows, with no horizontal sum.
 // Layout "tiles8_a8" (W4A8, pack_tiles8_a8): byte 4r + j of chunk c holds row r, k = 8c + j in its
 // low nibble and k = 8c + 4 + j in its high one, so each 32-bit lane sums four products of row r.
-// Both: per tile and group, 8 fp16 scales then 8 fp16 zero points plus 128.
+// Both: per tile and group, 8 fp16 scales then 8 one-byte zero points.
 #pragma once
 
 #include "int4_gemm.h"
@@ -45,13 +45,17 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// A tile's 8 fp16 scales and 8 fp16 (zero + 128) of group g: (scale, scale * zero).
+// A tile's 8 fp16 scales and 8 one-byte zero points of group g (24 bytes a group): (scale,
+// scale * zero).
+constexpr int64_t kGroupBytes = 3 * kTileRows;
 struct GroupScales {
   __m256 scale, scaled_zero;
 };
-inline GroupScales group_scales(const Half* sz, int64_t g) {
-  const __m256 scale = vec::load(sz + g * 16).v;
-  const __m256 zero = _mm256_sub_ps(vec::load(sz + g * 16 + 8).v, _mm256_set1_ps(128.f));
+inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
+  const uint8_t* group = sz + g * kGroupBytes;
+  const __m256 scale = vec::load(reinterpret_cast<const Half*>(group)).v;
+  const __m256 zero = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 2 * kTileRows))));
   return {scale, _mm256_mul_ps(scale, zero)};
 }
 
@@ -82,7 +86,7 @@ struct Int4Tile {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F), zero_bytes = _mm256_setzero_si256();
     const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
     const uint8_t* w = op.w + t * K * 4;
-    const Half* sz = op.sz + t * num_groups * 16;
+    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
     // int16 pairs as int32
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
     __m256 acc[MB];
@@ -183,7 +187,7 @@ struct Int4Int8Tile {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
     const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
     const uint8_t* w = op.w + t * K * 4;
-    const Half* sz = op.sz + t * num_groups * 16;
+    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
     __m256 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {

@@ -13,7 +13,7 @@
 // with 0x43 instead, which makes each code the bf16 number 128 + q.) Layout "tiles16_a8" (W4A8,
 // pack_tiles16_a8): byte 4r + j of chunk c holds row r, k = 8c + j in its low nibble and
 // k = 8c + 4 + j in its high one, so each 32-bit lane of a vpdpbusd sums four products of row r.
-// Per tile and group: 16 fp16 scales then 16 fp16 (zero + 128).
+// Per tile and group: 16 fp16 scales then 16 one-byte zero points.
 #pragma once
 
 #include "amx.h"
@@ -32,14 +32,18 @@ constexpr int kTileRows = 16;
 constexpr int kInt16RowsPerPass = 8;
 constexpr int kInt8RowsPerPass = 8;
 
-// A tile's 16 fp16 scales and 16 fp16 (zero + 128) of group g: (scale, scale * zero).
+// A tile's 16 fp16 scales and 16 one-byte zero points of group g (48 bytes a group): (scale,
+// zero, scale * zero).
+constexpr int64_t kGroupBytes = 3 * kTileRows;
 struct GroupScales {
-  __m512 scale, scaled_zero;
+  __m512 scale, zero, scaled_zero;
 };
-inline GroupScales group_scales(const Half* sz, int64_t g) {
-  const __m512 scale = vec::load(sz + g * 32).v;
-  const __m512 zero = _mm512_sub_ps(vec::load(sz + g * 32 + 16).v, _mm512_set1_ps(128.f));
-  return {scale, _mm512_mul_ps(scale, zero)};
+inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
+  const uint8_t* group = sz + g * kGroupBytes;
+  const __m512 scale = vec::load(reinterpret_cast<const Half*>(group)).v;
+  const __m512 zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 2 * kTileRows))));
+  return {scale, zero, _mm512_mul_ps(scale, zero)};
 }
 
 // A vpdpwssd or vpdpbusd takes several cycles to finish: a pass of one or two rows sums each
@@ -58,7 +62,7 @@ struct Int4Tile {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F), zero_bytes = _mm512_setzero_si512();
     const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
     const uint8_t* w = op.w + t * K * 8;
-    const Half* sz = op.sz + t * num_groups * 32;
+    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -132,7 +136,7 @@ struct Int4Int8Tile {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
     const uint8_t* w = op.w + t * K * 8;
-    const Half* sz = op.sz + t * num_groups * 32;
+    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -228,7 +232,7 @@ void prepare_activations(const T* x, int64_t M, int64_t K, int64_t group_size, B
 // against 181 us, 2 threads).
 template <typename T>
 __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
-    const uint8_t* w, const at::Half* sz, const BFloat16* xb, int64_t K, const float* xsum,
+    const uint8_t* w, const uint8_t* sz, const BFloat16* xb, int64_t K, const float* xsum,
     int64_t num_groups, int64_t group_size, int64_t M, int64_t t0, int64_t t1, const T* bias,
     T* out, int64_t N) {
   amx::TileConfig config;
@@ -255,9 +259,10 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
       _mm512_store_si512(row + 192, _mm512_unpackhi_epi8(hi, bf16_128));
     }
   };
-  const auto scale_group = [&](const at::Half* szt, int64_t g, const float* s) {
-    const __m512 scale = vec::load(szt + g * 32).v;
-    const __m512 zero128 = vec::load(szt + g * 32 + 16).v;
+  const auto scale_group = [&](const uint8_t* szt, int64_t g, const float* s) {
+    const GroupScales group = group_scales(szt, g);
+    // the tile unit's codes are the bf16 numbers 128 + q
+    const __m512 scale = group.scale, zero128 = _mm512_add_ps(group.zero, _mm512_set1_ps(128.f));
     for (int64_t m = 0; m < M; ++m) {
       const __m512 xs = _mm512_set1_ps(xsum[m * num_groups + g]);
       const __m512 d = _mm512_load_ps(s + m * 16);
@@ -266,7 +271,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
   };
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * (K / 8) * 64;
-    const at::Half* szt = sz + t * num_groups * 32;
+    const uint8_t* szt = sz + t * num_groups * kGroupBytes;
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     unpack(wt, 0, codes_tile[0]);
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -305,7 +310,7 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
     return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
         "int4_linear", x, packed, scales_zeros, group_size, bias, K / group_size,
         [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); });
-  check_int4("int4_linear", x, packed, group_size, kTileRows);
+  check_int4("int4_linear", x, packed, scales_zeros, group_size, kTileRows);
   const int64_t N = packed.size(0) * kTileRows, num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;
   thread_local std::vector<float> xsum;
@@ -315,7 +320,7 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "int4_linear", [&] {
     prepare_activations(x.data_ptr<scalar_t>(), M, K, group_size, xb.data(), xsum.data());
     const auto* w = packed.data_ptr<uint8_t>();
-    const auto* sz = scales_zeros.data_ptr<at::Half>();
+    const auto* sz = scales_zeros.data_ptr<uint8_t>();
     // (the buffers are this thread's: the workers get plain pointers)
     const float* xs = xsum.data();
     const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;

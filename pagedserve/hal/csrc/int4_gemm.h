@@ -65,7 +65,7 @@ constexpr auto tile_kernels(std::integer_sequence<int, Rows...>) {
 template <typename T, typename X>
 struct Int4Operands {
   const uint8_t* w;  // tile t's codes at w + t * K * TileRows / 2
-  const Half* sz;    // tile t's scales and zeros at sz + t * (K / G) * 2 * TileRows
+  const uint8_t* sz;  // tile t's scales and zeros at sz + t * (K / G) * 3 * TileRows
   const X* x;        // [M, K]
   const float* xscale;  // W4A16 [M, K / G]; W4A8 [M, K / 32]
   const float* xsum;    // [M, K / G]
@@ -83,7 +83,7 @@ at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& pack
                      const at::Tensor& scales_zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t scale_width,
                      const Quantize& quantize) {
-  check_int4(op, x, packed, group_size, TileRows);
+  check_int4(op, x, packed, scales_zeros, group_size, TileRows);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TileRows;
   const int64_t num_groups = K / group_size;
   thread_local std::vector<X> xq;
@@ -102,7 +102,7 @@ at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& pack
     });
     const Int4Operands<scalar_t, X> operands{
         packed.data_ptr<uint8_t>(),
-        reinterpret_cast<const Half*>(scales_zeros.data_ptr<at::Half>()),
+        scales_zeros.data_ptr<uint8_t>(),
         q, qs, qsum, K, group_size,
         bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr,
         out.data_ptr<scalar_t>(), N};

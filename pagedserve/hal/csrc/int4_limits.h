@@ -21,13 +21,18 @@ inline std::string int4_linear_rejects(int64_t in_features, int64_t group_size) 
 }
 
 // An INT4 kernel's arguments against the statement above: x [M, K] contiguous in an activation
-// dtype, the packed weight's K equal to x's.
+// dtype, the packed weight's K equal to x's, and the tiles' scales and zero points as bytes (per
+// tile and group: tile_rows fp16 scales, then tile_rows one-byte zero points).
 inline void check_int4(const char* op, const at::Tensor& x, const at::Tensor& packed,
-                       int64_t group_size, int64_t tile_rows) {
+                       const at::Tensor& scales_zeros, int64_t group_size, int64_t tile_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.size(1) * 8 == K, op, ": the packed weight is for K=", packed.size(1) * 8,
               ", x has K=", K);
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kByte && scales_zeros.dim() == 3 &&
+                  scales_zeros.size(2) == 3 * tile_rows && scales_zeros.is_contiguous(),
+              op, ": scales_zeros must be contiguous uint8 [N / ", tile_rows, ", K / G, ",
+              3 * tile_rows, "] (int4.py's _tile_scales_and_zeros)");
   std::string why = int4_linear_rejects(K, group_size);
   if (why.empty()) why = rows_rejects(x.scalar_type());
   TORCH_CHECK(why.empty(), op, ": ", why);
