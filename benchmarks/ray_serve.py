@@ -27,12 +27,13 @@ tokens per answer), each turn a pause after the last one's answer (the user read
 drawn from an exponential of mean ``--think-time``, the same in every setting); a number of
 conversations run at once, and a new one starts as soon as one ends. Without the pause, a next
 turn would arrive just as its replica finished the last, with the shortest queue, and
-power-of-two would keep conversations in place by accident of a closed loop. Measured per setting: the prefix-cache hit rate
-(the servers' own counters, from ``/metrics``: prompt tokens found in the cache over those
-looked up), the time to the first token (client side; also its median per turn) and the
-throughput. The targets: a hit rate within 10% of
-the single replica's, and a median time to first token at least 1.5x better than
-power-of-two's. With ``--runs N`` every setting runs N times (in turn, run after run); the tables
+power-of-two would keep conversations in place by accident of a closed loop.
+
+Measured per setting: the prefix-cache hit rate (the servers' own counters, from ``/metrics``:
+prompt tokens found in the cache over those looked up), the time to the first token (client
+side, at the first chunk that carries a token; also its median per turn) and the throughput.
+The targets: a hit rate within 10% of the single replica's, and a median time to first token at
+least 1.5x better than power-of-two's. With ``--runs N`` every setting runs N times (in turn, run after run); the tables
 take each figure's median, and the results keep every run and the range of the two ratios.
 
 Writes benchmarks/results/ray_serve.json (``ray_serve_122m.json`` for ``--model 122m``, with
