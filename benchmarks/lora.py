@@ -186,7 +186,7 @@ def op_variants():
     """name -> (the op, ``padded`` for ``LoRABatch.build``: forced, or None to let it choose).
     The rows are sorted by adapter, as the engine sorts a step's: one span of the batch. Each op
     adds ``x @ a[s] @ b_p[s]`` into part ``p``'s columns of ``y`` (q, k and v of qkv_proj)."""
-    from pagedserve.lora.ops import add_lora
+    from pagedserve.lora.ops import add_lora, add_lora_on
 
     def expand(y, h, parts, mm):
         r, col = parts[0].shape[1], 0
@@ -240,8 +240,7 @@ def op_variants():
             device.native.lora_add(y, x, a, parts, batch.row_slots)
 
         def chosen(x, y, a, parts, batch):
-            if device.lora_add(y, x, a, parts, batch) is None:
-                add_lora(y, x, a, parts, batch)
+            add_lora_on(device, y, x, a, parts, batch)
 
         variants["native kernel"] = (native, None)
         variants["the CPU device's choice"] = (chosen, None)

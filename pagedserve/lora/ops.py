@@ -137,6 +137,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Parts, batch:
     return y
 
 
+def add_lora_on(device, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: Parts, batch):
+    """What the model runs: ``device``'s own kernel for these rows (``Device.lora_add``, e.g. the
+    CPU targets' for a decode step's few rows) where it has one, else ``add_lora``."""
+    out = device.lora_add(y, x, a, b, batch)
+    return add_lora(y, x, a, b, batch) if out is None else out
+
+
 def _adapter_rows(x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     """The adapter rows of ``x``: [k, L, in] padded per slot, else [N, in] in slot order."""
     if batch.padded is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.hal import Device
-from pagedserve.lora.ops import LoRABatch, add_lora
+from pagedserve.lora.ops import LoRABatch, add_lora_on
 from pagedserve.lora.peft import TARGETS, LoRAAdapter, LoRALayerWeights, load_peft_adapter
 from pagedserve.lora.request import LoRARequest
 from pagedserve.lora.sizes import slot_shapes
@@ -39,8 +39,7 @@ class LoRAStep:
 
     def apply(self, layer: int, target: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         a, b = self.slots.lora_a[target][layer], self.slots.lora_b[target][layer]
-        out = self.slots.device.lora_add(y, x, a, b, self.batch)  # the backend's kernel
-        return add_lora(y, x, a, b, self.batch) if out is None else out
+        return add_lora_on(self.slots.device, y, x, a, b, self.batch)
 
 
 class LoRASlots:
