@@ -145,14 +145,30 @@ def console_server() -> Iterator[str]:
         yield url
 
 
-def _wait(condition, timeout: float = 60, what: str = "the page"):
+def _wait(condition, timeout: float = 60, what: str = "the page", driver=None):
+    """``condition()`` once it is true; a failure after ``timeout`` s. Given the ``driver``, the
+    failure says what the page showed: the status line and each transcript entry."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    shown = f"; the page showed {_page_state(driver)}" if driver is not None else ""
+    pytest.fail(f"timed out after {timeout}s waiting for {what}{shown}")
+
+
+def _page_state(driver) -> dict:
+    return driver.execute_script(
+        """return {
+             status: document.getElementById('answer-status').textContent,
+             placeholder: document.getElementById('prompt').placeholder,
+             entries: [...document.querySelectorAll('#transcript > li')].map(li => ({
+               role: li.className, done: li.dataset.done,
+               text: li.querySelector('.text')?.textContent.slice(0, 120),
+               calls: li.querySelector('.calls')?.textContent.slice(0, 120)})),
+           };"""
+    )
 
 
 def _screenshot(driver, name: str) -> None:
@@ -192,6 +208,7 @@ def test_chat_answer_streams_in_and_the_page_map_fills_and_empties(browser, cons
     answer = _wait(
         lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"),
         what="the chat answer to finish",
+        driver=driver,
     )[-1]
     text = answer.find_element(By.CLASS_NAME, "text").text
     assert answer.is_displayed() and text.strip() and "error" not in answer.get_attribute("class")
@@ -243,6 +260,7 @@ def test_completion_mode_answers_with_one_of_the_choices_given(browser, console_
     answer = _wait(
         lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.completion[data-done=true]"),
         what="the completion",
+        driver=driver,
     )[-1]
     assert answer.find_element(By.CLASS_NAME, "text").text in ("mutable", "immutable")
 
@@ -307,10 +325,12 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
     tools.clear()
     tools.send_keys(WEATHER_TOOLS)
     Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
+    driver.find_element(By.ID, "seed").send_keys("3")  # the same answers on every run
     driver.find_element(By.ID, "prompt").send_keys(Keys.ENTER)  # the message is still there
     answer = _wait(
         lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"),
         what="the call",
+        driver=driver,
     )[-1]
     call = answer.find_element(By.CSS_SELECTOR, ".calls .tool-call").text
     name, _, arguments = call.partition("(")
@@ -326,6 +346,7 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
             == 2
         ),
         what="the answer after the result",
+        driver=driver,
     )
     roles = [
         li.get_attribute("class")
