@@ -332,14 +332,19 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
         what="the call",
         driver=driver,
     )[-1]
-    call = answer.find_element(By.CSS_SELECTOR, ".calls .tool-call").text
-    name, _, arguments = call.partition("(")
-    assert name == "get_weather" and set(json.loads(arguments.removesuffix(")"))) == {"city"}
-    prompt = driver.find_element(By.ID, "prompt")
-    assert "get_weather" in prompt.get_attribute("placeholder")  # the next message is its result
+    # one call or several (parallel_tool_calls is on): each is get_weather(city=...)
+    calls = [call.text for call in answer.find_elements(By.CSS_SELECTOR, ".calls .tool-call")]
+    assert calls
+    for call in calls:
+        name, _, arguments = call.partition("(")
+        assert name == "get_weather" and set(json.loads(arguments.removesuffix(")"))) == {"city"}
 
+    # each call's result is the next message; the model answers once all of them are in
     Select(driver.find_element(By.ID, "tool-choice")).select_by_value("none")
-    prompt.send_keys('{"temperature": 21}', Keys.ENTER)
+    prompt = driver.find_element(By.ID, "prompt")
+    for _ in calls:
+        assert "get_weather" in prompt.get_attribute("placeholder")
+        prompt.send_keys('{"temperature": 21}', Keys.ENTER)
     _wait(
         lambda: (
             len(driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"))
@@ -352,7 +357,7 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
         li.get_attribute("class")
         for li in driver.find_elements(By.CSS_SELECTOR, "#transcript > li")
     ]
-    assert roles == ["user", "assistant", "tool", "assistant"]
+    assert roles == ["user", "assistant", *["tool"] * len(calls), "assistant"]
     last = driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant")[-1]
     assert last.find_element(By.CLASS_NAME, "text").text.strip()
     assert not last.find_element(By.CLASS_NAME, "calls").is_displayed()
