@@ -44,7 +44,11 @@ constexpr bool kHasFewRowsGemv = PAGEDSERVE_TARGET != PAGEDSERVE_PORTABLE;
 
 // out[m, n + r] = x[m] . w[n + r] for NR rows of the row-major bf16 w [N, K] and MB rows of x:
 // each weight vector is loaded once for the MB rows, and the NR x MB accumulators stay in
-// registers (NR and MB are compile-time, so the loops unroll).
+// registers (NR and MB are compile-time, so the loops unroll). From 3 rows on, each weight load
+// asks for the same place in the next block's rows: NR streams of a page or so each are more
+// than the hardware prefetchers keep ahead of once several rows' products slow the loads (4 rows
+// ran 1.1-1.6x faster with it, 8 rows 1.1-1.5x, on avx512 and avx2 on a Zen 5); one and two rows
+// stream near the read bandwidth without it, and lost up to a tenth with it.
 template <int NR, int MB>
 inline void bf16_block(const BFloat16* w, const BFloat16* x, int64_t K, int64_t n, int64_t N,
                        float* acc) {
@@ -55,6 +59,7 @@ inline void bf16_block(const BFloat16* w, const BFloat16* x, int64_t K, int64_t 
     vec::Bf16Pairs xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = vec::load_pairs(x + m * K + k);
     for (int r = 0; r < NR; ++r) {
+      if constexpr (MB > 2) __builtin_prefetch(w + (n + r + NR) * K + k, 0, 3);
       const vec::Bf16Pairs wv = vec::load_pairs(w + (n + r) * K + k);
       for (int m = 0; m < MB; ++m) s[r * MB + m] = vec::dot_pairs(s[r * MB + m], wv, xv[m]);
     }
