@@ -35,10 +35,6 @@ constexpr int kInt8RowsPerPass = 5;
 // instruction per chunk costs less than a second counter).
 constexpr int64_t kPrefetchBytes = 1024;
 
-inline void prefetch_weights(const uint8_t* chunk) {
-  _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchBytes), _MM_HINT_T0);
-}
-
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -95,7 +91,7 @@ struct Int4Tile {
       __m256i dot[MB];
       for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        prefetch_weights(w + c * 32);
+        prefetch_weights(w + c * 32, kPrefetchBytes);
         const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
         const __m256i lo = _mm256_and_si256(codes, low_nibbles);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
@@ -196,7 +192,7 @@ struct Int4Int8Tile {
         __m256i sums[MB];
         for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
         for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-          prefetch_weights(w + c * 32);
+          prefetch_weights(w + c * 32, kPrefetchBytes);
           const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
           const __m256i lo = _mm256_and_si256(codes, low_nibbles);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);

@@ -53,10 +53,6 @@ inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
 // cache. 4 KiB ahead measured fastest of 512 B to 16 KiB, at 1 to 512 rows (Zen 5).
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline void prefetch_weights(const uint8_t* chunk) {
-  _mm_prefetch(reinterpret_cast<const char*>(chunk + kPrefetchBytes), _MM_HINT_T0);
-}
-
 // A vpdpwssd or vpdpbusd takes several cycles to finish: a pass of one or two rows sums each
 // row's products into two chains, so that the next product need not wait for the last (the sums
 // are integers: the split changes no bit).
@@ -82,7 +78,7 @@ struct Int4Tile {
       for (int m = 0; m < MB; ++m)
         for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        prefetch_weights(w + c * 64);
+        prefetch_weights(w + c * 64, kPrefetchBytes);
         const __m512i codes = _mm512_loadu_si512(w + c * 64);
         const __m512i lo = _mm512_and_si512(codes, low_nibbles);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
@@ -158,7 +154,7 @@ struct Int4Int8Tile {
         for (int m = 0; m < MB; ++m)
           for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
         for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-          prefetch_weights(w + c * 64);
+          prefetch_weights(w + c * 64, kPrefetchBytes);
           const __m512i codes = _mm512_loadu_si512(w + c * 64);
           const __m512i lo = _mm512_and_si512(codes, low_nibbles);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);

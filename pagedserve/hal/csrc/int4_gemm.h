@@ -29,6 +29,12 @@ namespace pagedserve {
 // L2: Zen 3's; the weights' tile and the outputs take little).
 constexpr int64_t kPanelBytes = int64_t{192} << 10;
 
+// Asks for the weight bytes ``ahead`` past the chunk a tile kernel is about to multiply, into L1
+// (each target's kPrefetchBytes says how far ahead, and why).
+inline void prefetch_weights(const uint8_t* chunk, int64_t ahead) {
+  __builtin_prefetch(chunk + ahead, /*for reading*/ 0, /*into L1*/ 3);
+}
+
 // Calls pass(tile, first_row, rows) for every (tile, pass of at most max_rows activation rows) of
 // an [M, N] product whose activation rows take row_bytes each, as described above.
 template <typename Pass>
