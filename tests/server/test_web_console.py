@@ -325,7 +325,7 @@ def test_chat_with_tools_shows_the_call_and_sends_its_result_back(browser, conso
     tools.clear()
     tools.send_keys(WEATHER_TOOLS)
     Select(driver.find_element(By.ID, "tool-choice")).select_by_value("required")
-    driver.find_element(By.ID, "seed").send_keys("3")  # the same answers on every run
+    driver.find_element(By.ID, "seed").send_keys("3")  # the same answers on every run here
     driver.find_element(By.ID, "prompt").send_keys(Keys.ENTER)  # the message is still there
     answer = _wait(
         lambda: driver.find_elements(By.CSS_SELECTOR, "#transcript li.assistant[data-done=true]"),
