@@ -1,18 +1,19 @@
-// The AVX-512 target's INT4 GEMMs over tiles of 16 output rows, both with integer products of the
-// unsigned codes and the zero point applied once per group, walked over an [M, N] product by
-// int4_gemm.h: W4A16 with int16 activations through VNNI's vpdpwssd, W4A8 with int8 activations
-// per block of 32 values (llama.cpp's Q8_0) through vpdpbusd. On a CPU with the AMX tile unit,
-// W4A16 takes its bf16 tiles instead (below).
+// The AVX-512 target's INT4 GEMMs over tiles of 16 output rows, both with integer products,
+// walked over an [M, N] product by int4_gemm.h: W4A16 with int16 activations through VNNI's
+// vpdpwssd, W4A8 with int8 activations per block of 32 values (llama.cpp's Q8_0) through vpdpbusd.
+// On a CPU with the AMX tile unit, W4A16 takes its bf16 tiles instead (below).
 //
 // The INT4 layout, "tiles of 16": an [N, K] layer is N/16 tiles of 16 output rows. A tile stores
 // K/8 chunks of 64 bytes, each holding k = 8c .. 8c+7 of its 16 rows as four k-pairs (see
 // pack_tiles16 in int4.py for the byte order). Splitting a chunk's nibbles and interleaving each
 // byte with a zero byte (vpunpck{l,h}bw) gives four vectors of 16 int32 lanes, lane r holding row
-// r's two codes of one k-pair as int16: one vpdpwssd with a broadcast activation pair adds two
-// products to each of the 16 rows, with no horizontal sum. (The tile unit's pass interleaves them
-// with 0x43 instead, which makes each code the bf16 number 128 + q.) Layout "tiles16_a8" (W4A8,
-// pack_tiles16_a8): byte 4r + j of chunk c holds row r, k = 8c + j in its low nibble and
-// k = 8c + 4 + j in its high one, so each 32-bit lane of a vpdpbusd sums four products of row r.
+// r's two codes of one k-pair as int16; less the row's zero point, one vpdpwssd with a broadcast
+// activation pair adds two products (q - z) * x to each of the 16 rows, with no horizontal sum.
+// (The tile unit's pass interleaves them with 0x43 instead, which makes each code the bf16 number
+// 128 + q.) Layout "tiles16_a8" (W4A8, pack_tiles16_a8): byte 4r + j of chunk c holds row r,
+// k = 8c + j in its low nibble and k = 8c + 4 + j in its high one, so each 32-bit lane of a
+// vpdpbusd sums four products of row r, of the unsigned codes: the zero point comes in once per
+// group, times the activations' sum.
 // Per tile and group: 16 fp16 scales then 16 one-byte zero points.
 #pragma once
 
@@ -46,6 +47,14 @@ inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
   return {scale, zero, _mm512_mul_ps(scale, zero)};
 }
 
+// Group g's 16 zero points as int16 pairs, lane r holding row r's twice: what a chunk's unpacked
+// code pairs lose to become the signed q - z.
+inline __m512i group_zero_pairs(const uint8_t* sz, int64_t g) {
+  const __m512i zero = _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * kGroupBytes + 2 * kTileRows)));
+  return _mm512_or_si512(zero, _mm512_slli_epi32(zero, 16));
+}
+
 // How far ahead of the chunk being multiplied its thread asks for weight bytes (int4_avx2.h has
 // why). Each tile's codes are read from memory by its first pass of rows and from cache by the
 // others: with the hardware prefetchers alone, that first pass waited on memory at every 4 KiB
@@ -74,6 +83,7 @@ struct Int4Tile {
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {
+      const __m512i zeros = group_zero_pairs(sz, g);
       __m512i dot[MB][C];
       for (int m = 0; m < MB; ++m)
         for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
@@ -83,21 +93,22 @@ struct Int4Tile {
         const __m512i lo = _mm512_and_si512(codes, low_nibbles);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
         const __m512i pairs[4] = {
-            _mm512_unpacklo_epi8(lo, zero_bytes), _mm512_unpackhi_epi8(lo, zero_bytes),
-            _mm512_unpacklo_epi8(hi, zero_bytes), _mm512_unpackhi_epi8(hi, zero_bytes)};
+            _mm512_sub_epi16(_mm512_unpacklo_epi8(lo, zero_bytes), zeros),
+            _mm512_sub_epi16(_mm512_unpackhi_epi8(lo, zero_bytes), zeros),
+            _mm512_sub_epi16(_mm512_unpacklo_epi8(hi, zero_bytes), zeros),
+            _mm512_sub_epi16(_mm512_unpackhi_epi8(hi, zero_bytes), zeros)};
         for (int m = 0; m < MB; ++m) {
           const int32_t* xk = x + m * K / 2 + 4 * c;
           for (int p = 0; p < 4; ++p)
             dot[m][p % C] = _mm512_dpwssd_epi32(dot[m][p % C], pairs[p], _mm512_set1_epi32(xk[p]));
         }
       }
-      const GroupScales s = group_scales(sz, g);
+      const __m512 scale = group_scales(sz, g).scale;
       for (int m = 0; m < MB; ++m) {
         const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][C - 1]) : dot[m][0];
         const int64_t i = (m0 + m) * num_groups + g;
-        const __m512 scaled = _mm512_fnmadd_ps(s.scaled_zero, _mm512_set1_ps(op.xsum[i]),
-                                               _mm512_mul_ps(s.scale, _mm512_cvtepi32_ps(d)));
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]), scaled, acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]),
+                                 _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d)), acc[m]);
       }
     }
     const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
@@ -106,11 +117,11 @@ struct Int4Tile {
   }
 };
 
-// x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale (as int4_avx2.h), the
-// scales, and the per-group sums of the int16 values.
+// x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale (as int4_avx2.h), and the
+// scales. (No sums: the tiles take the zero points out of the codes.)
 template <typename T>
 void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t group_size,
-                         int16_t* xi, float* xscale, float* xsum) {
+                         int16_t* xi, float* xscale) {
   const int64_t num_groups = K / group_size;
   const __m512 lim = _mm512_set1_ps(32767.f);
   for (int64_t m = m0; m < m1; ++m)
@@ -121,16 +132,13 @@ void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t 
       int e = 0;
       std::frexp(_mm512_reduce_max_ps(amax), &e);  // largest < 2^e (0 for an all-zero group)
       const __m512 inv = _mm512_set1_ps(std::ldexp(1.f, 15 - e));  // exact: a power of two
-      __m512i sum = _mm512_setzero_si512();
       for (int64_t k = k0; k < k1; k += 16) {
         __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(vec::load(x + k).v, inv), _MM_FROUND_TO_NEAREST_INT);
         q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
         const __m512i qi = _mm512_cvtps_epi32(q);
-        sum = _mm512_add_epi32(sum, qi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xi + k), _mm512_cvtepi32_epi16(qi));
       }
       xscale[m * num_groups + g] = std::ldexp(1.f, e - 15);
-      xsum[m * num_groups + g] = float(_mm512_reduce_add_epi32(sum));
     }
 }
 
@@ -318,7 +326,8 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   if (!(amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0))
     return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
         "int4_linear", x, packed, scales_zeros, group_size, bias, K / group_size,
-        [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); });
+        [](const auto* xp, int64_t m0, int64_t m1, int64_t K, int64_t G, int16_t* xq,
+           float* xscale, float* /*xsum*/) { quantize_rows_int16(xp, m0, m1, K, G, xq, xscale); });
   check_int4("int4_linear", x, packed, scales_zeros, group_size, kTileRows);
   const int64_t N = packed.size(0) * kTileRows, num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;

@@ -66,8 +66,9 @@ constexpr auto tile_kernels(std::integer_sequence<int, Rows...>) {
 }
 
 // One call's operands as the tile kernels read them. Activations: W4A16 int16 per (row, group)
-// with a power-of-two scale and the group's sum; W4A8 int8 per (row, block of 32) with its scale,
-// and per (row, group) the sum of scale * sum(int8) over the group's blocks.
+// with a power-of-two scale and the group's sum (which the avx512 tiles, taking the zero points
+// out of the codes, do without); W4A8 int8 per (row, block of 32) with its scale, and per (row,
+// group) the sum of scale * sum(int8) over the group's blocks.
 template <typename T, typename X>
 struct Int4Operands {
   const uint8_t* w;  // tile t's codes at w + t * K * TileRows / 2
