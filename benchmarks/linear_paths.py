@@ -12,7 +12,7 @@
   and torch.mv (1 row): the dense few-row paths.
 
     python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2] [--isa avx2]
-        [--rows 1 2 4 8 16 32 64 128 512] [--output NAME]
+        [--rows 1 2 4 8 16 32 64 128 512] [--huge-pages on|off] [--output NAME]
 
 ``--isa avx2`` measures as on a Zen 3, on any x86 CPU: pagedserve sees this CPU's flags without
 AVX-512, AVX-VNNI and AMX, and PyTorch's and oneDNN's kernels are held to AVX2 (compare.py's
@@ -138,8 +138,16 @@ def main() -> None:
         help="avx2: as on a Zen 3 (this CPU's newer flags hidden, PyTorch held to AVX2)",
     )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument(
+        "--huge-pages",
+        choices=["on", "off"],
+        default="on",
+        help="INT4 weights on transparent huge pages where the OS has them (hal/huge_pages.py); "
+        "off: on 4 KiB pages, to measure what they bring",
+    )
     ap.add_argument("--output", default=None, help="results file name (default linear_paths_MODEL)")
     args = ap.parse_args()
+    os.environ["PAGEDSERVE_HUGE_PAGES"] = args.huge_pages
     if args.isa == "avx2" and "PAGEDSERVE_CPU_FLAGS" not in os.environ:
         from benchmarks.compare import worker_env
 
@@ -186,6 +194,7 @@ def main() -> None:
             "clock_ghz": round(ghz, 3),
             "int8_peak_macs_per_cycle_per_core": peak,
             "group_size": GROUP,
+            "huge_pages": args.huge_pages,
             "us_per_call": table,
         },
     )

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.hal.device import Device, DevicePreset
+from pagedserve.hal.huge_pages import on_huge_pages
 from pagedserve.hal.int4 import (
     PACKERS,
     Int4Linear,
@@ -150,8 +151,11 @@ class CpuDevice(Device):
             w.layout = "aten"
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qcodes.to(torch.int32), 1)
             scales_and_zeros = cpu_int4_scales_and_zeros(scales, zeros)
-        w.packed = self.to_device(packed, "weight", f"{tag}.qweight")
-        w.scales_and_zeros = self.to_device(scales_and_zeros, "weight", f"{tag}.scales_zeros")
+        # (the codes a decode step streams, on huge pages where the OS has them: huge_pages.py)
+        w.packed = self.to_device(on_huge_pages(packed), "weight", f"{tag}.qweight")
+        w.scales_and_zeros = self.to_device(
+            on_huge_pages(scales_and_zeros), "weight", f"{tag}.scales_zeros"
+        )
         return w
 
     def int4_linear(

@@ -49,6 +49,12 @@ OUTSIDE_PATHS = {
     ("tests/helpers/processes.py", "/proc"): "the kernel's view of the test's own processes",
     ("tests/helpers/processes.py", "/proc/"): "the kernel's view of the test's own processes",
     ("tests/system/test_readme.py", "/proc/"): "the memory of the server the test started",
+    ("tests/hal/test_huge_pages.py", "/proc/self/smaps"): (
+        "the kernel's view of the test's own memory: which of it is on huge pages"
+    ),
+    ("tests/hal/test_huge_pages.py", "/sys/kernel/mm/transparent_hugepage/enabled"): (
+        "the OS's huge-page setting; the tests that need one skip where it is absent"
+    ),
     ("tests/helpers/sglang_venv.py", "Path.home()"): (
         "where the suite builds SGLang's venv itself (the native kernels' cache)"
     ),
