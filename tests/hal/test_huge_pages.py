@@ -51,7 +51,7 @@ def test_a_copy_with_the_same_values_shape_and_dtype():
         assert out.any()
 
 
-def test_a_copy_of_another_dtype_is_a_view_of_the_same_memory():
+def test_a_copy_of_another_dtype_keeps_its_values():
     t = torch.randn(HUGE_PAGE_BYTES // 2 + 3, 2).to(torch.bfloat16)
     out = on_huge_pages(t)
     assert torch.equal(out, t) and out.is_contiguous()
