@@ -39,19 +39,21 @@ constexpr int64_t kGroupBytes = 3 * kTileRows;
 struct GroupScales {
   __m512 scale, zero, scaled_zero;
 };
+// The group's 16 zero points, one int32 lane a row.
+inline __m512i group_zeros(const uint8_t* sz, int64_t g) {
+  return _mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * kGroupBytes + 2 * kTileRows)));
+}
 inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
-  const uint8_t* group = sz + g * kGroupBytes;
-  const __m512 scale = vec::load(reinterpret_cast<const Half*>(group)).v;
-  const __m512 zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 2 * kTileRows))));
+  const __m512 scale = vec::load(reinterpret_cast<const Half*>(sz + g * kGroupBytes)).v;
+  const __m512 zero = _mm512_cvtepi32_ps(group_zeros(sz, g));
   return {scale, zero, _mm512_mul_ps(scale, zero)};
 }
 
 // Group g's 16 zero points as int16 pairs, lane r holding row r's twice: what a chunk's unpacked
 // code pairs lose to become the signed q - z.
 inline __m512i group_zero_pairs(const uint8_t* sz, int64_t g) {
-  const __m512i zero = _mm512_cvtepu8_epi32(
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + g * kGroupBytes + 2 * kTileRows)));
+  const __m512i zero = group_zeros(sz, g);
   return _mm512_or_si512(zero, _mm512_slli_epi32(zero, 16));
 }
 
