@@ -136,8 +136,10 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
       float* sr = s.scores.data() + r * kKeyBlock;
       const int64_t seen = std::min(n, first_pos + r / group + 1 - k0);  // causal, and the block
       std::fill(sr + std::max<int64_t>(seen, 0), sr + kKeyBlock, -INFINITY);
-      float m = s.row_max[r];
-      for (int64_t j = 0; j < seen; ++j) m = std::max(m, sr[j]);
+      Vec block_max = vec::set1(s.row_max[r]);  // (the keys past `seen` hold -inf)
+      for (int64_t j = 0; j < kKeyBlock; j += kLanes)
+        block_max = vec::max(block_max, vec::load(sr + j));
+      const float m = vec::reduce_max(block_max);
       const float correction = std::exp(s.row_max[r] - m);  // 0 for the first block
       float sum = 0.f;
       for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
