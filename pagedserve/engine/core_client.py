@@ -240,10 +240,17 @@ class InprocCoreClient(CoreClient):
         self.core = EngineCore(engine)
         self.info = self.core.info()
         self.thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._death: str | None = None
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, Callable[[str], None]]] = []
 
     def start(self) -> None:
         if not self.thread.is_alive():
             self.thread.start()
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_dead: Callable[[str], None]) -> None:
+        """As the process client watches its process: the DEAD message says why the loop died,
+        and this says that it did, should that message never be read."""
+        self._watchers.append((loop, on_dead))
 
     def _run(self) -> None:
         from pagedserve.engine.core import EngineCoreProc
@@ -254,14 +261,22 @@ class InprocCoreClient(CoreClient):
         output_socket.connect(self.output_address)
         try:
             EngineCoreProc(self.core, input_socket, output_socket).run_busy_loop()
-        except BaseException:  # noqa: BLE001 - logged and reported (DEAD) by the loop
-            pass
+        except BaseException as e:  # noqa: BLE001 - logged and reported (DEAD) by the loop
+            self._death = f"the engine loop died: {e!r}"
         finally:
             input_socket.close(linger=0)
             output_socket.close(linger=1000)
+            for loop, on_dead in self._watchers:
+                try:  # (after a shutdown the callback does nothing; a closed loop, nobody hears)
+                    loop.call_soon_threadsafe(on_dead, self.exit_reason())
+                except RuntimeError:
+                    pass
 
     def is_running(self) -> bool:
         return self.thread.is_alive()
+
+    def exit_reason(self) -> str:
+        return self._death or super().exit_reason()
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         if self.thread.is_alive():

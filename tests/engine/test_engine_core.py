@@ -615,6 +615,54 @@ def test_when_the_loop_dies_pending_calls_and_requests_fail_at_once(engine, monk
     engine.abort_request("long")  # the dead loop left it in the engine
 
 
+def test_a_dead_inproc_loop_whose_last_message_is_lost_still_fails_everything(
+    engine, monkeypatch
+):
+    """The DEAD message is how the loop says why it died; should it never be read, the thread's
+    end still fails the stream and the call in flight with that reason, as a core process's exit
+    does (no request waits forever on a loop that is gone)."""
+    run_busy_loop = EngineCoreProc.run_busy_loop
+
+    def loses_its_last_message(self):
+        send = self.output_socket.send
+
+        def send_all_but_dead(data, *args, **kwargs):
+            if decode(data)[0] != DEAD:
+                send(data, *args, **kwargs)
+
+        self.output_socket = types.SimpleNamespace(send=send_all_but_dead)
+        run_busy_loop(self)
+
+    def unrecoverable():
+        raise UnrecoverableFaultError("weight page gone")
+
+    monkeypatch.setattr(EngineCoreProc, "run_busy_loop", loses_its_last_message)
+
+    async def main():
+        client = AsyncLLMEngine(InprocCoreClient(engine), tokenizer=engine.tokenizer)
+        client.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+            stream = client.generate("long", PROMPT, params)
+            assert (await stream.__anext__()).outputs[0].token_ids
+            monkeypatch.setattr(engine, "scrub_weights", unrecoverable)
+            with pytest.raises(EngineDeadError, match="weight page gone"):
+                await asyncio.wait_for(client.call_utility("scrub_weights"), 30)
+
+            async def drain():
+                async for _ in stream:  # (the outputs of the steps before it died, then why)
+                    pass
+
+            with pytest.raises(EngineDeadError, match="weight page gone"):
+                await asyncio.wait_for(drain(), 30)
+            assert client.health()["engine"] == "dead"
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+    engine.abort_request("long")
+
+
 # ---- the wire -------------------------------------------------------------------------------
 def test_sampling_params_cross_the_wire_unchanged():
     from pagedserve.engine.messages import params_from_wire
