@@ -280,6 +280,8 @@ class InprocCoreClient(CoreClient):
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         if self.thread.is_alive():
-            self.send([SHUTDOWN])
+            # not blocking: a loop that just died may still be closing its sockets, and a
+            # blocking send to a closed peer waits forever (it hung a test run for 600 s)
+            self.send([SHUTDOWN], block=False)
             self.thread.join(timeout)
         self._close_sockets()
