@@ -67,12 +67,20 @@ constexpr int64_t kPrefetchBytes = 4096;
 // A vpdpwssd or vpdpbusd takes several cycles to finish (vpdpwssd on Zen 5: 4, two a cycle; 8
 // chains of sums in flight keep it busy only when nothing else waits), so a row's products go
 // into more than one chain where the registers allow, and the next product need not wait for the
-// last (the sums are integers: the split changes no bit). W4A16: two a row up to 8 rows, 16 in
-// all. W4A8, with half the products a chunk: two for one or two rows (more ran slower).
-template <int MB>
-constexpr int kInt16Chains = MB <= 8 ? 2 : 1;
+// last (the sums are integers: the split changes no bit). W4A16: two a row up to 8 rows of one
+// tile, 16 in all (two tiles a pass have 16 chains, one a row and tile). W4A8, with half the
+// products a chunk: two for one or two rows (more ran slower).
+template <int MB, int Tiles = 1>
+constexpr int kInt16Chains = Tiles == 1 && MB <= 8 ? 2 : 1;
 template <int MB>
 constexpr int kInt8Chains = MB <= 2 ? 2 : 1;
+
+// W4A16 passes of many rows take two tiles at once from this many rows: each broadcast activation
+// pair then feeds 32 output rows, not 16 (the unpacking is per tile either way). In-process A/B
+// on the same codes (outputs identical), Zen 5: 512 rows 1.02-1.07x (~1B layers), 1.03-1.10x
+// (~122M); 64-128 rows 1.00-1.06x; but 16-48 rows 0.84-1.00x, where the first pass, which
+// reads the codes from memory, weighs more and two streams of codes wait longer than one.
+constexpr int64_t kInt16TilePairsFromRows = 64;
 
 // acc += the products, in acc's own register. Given the intrinsics (which return a new sum), GCC
 // kept each chain's sum in two registers, copying it across on every chunk (seen in the code it
@@ -87,9 +95,9 @@ inline void dpbusd_in_place(__m512i& acc, __m512i a, __m512i b) {
 
 // ---- W4A16: 16-bit integer activations (int4_avx2.h has why), integer products -------------------
 
-// One tile of 16 output rows for MB activation rows from row m0.
-template <int MB, typename T>
-struct Int4Tile {
+// Tiles (1 or 2) tiles of 16 output rows from tile t, for MB activation rows from row m0.
+template <int MB, typename T, int Tiles>
+struct Int4Tiles {
   static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
     switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
       case 32: return run_groups<4>(op, t, m0);
@@ -101,51 +109,82 @@ struct Int4Tile {
 
   // A group's chunks of 8 k as a count known when compiled (0: read from op.G): 2-3% faster at
   // 32 and 512 rows than the count read at run time (~1B layers, same codes, in turn).
+  // k-pairs unpacked at once: all four of a chunk for one tile; for two, one at a time (eight
+  // would leave too few of the 32 registers for the 16 sums: 0.85x of one tile, spilled).
+  static constexpr int kPairsAtOnce = Tiles == 1 ? 4 : 1;
+
   template <int ChunksPerGroup>
   static void run_groups(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
-    constexpr int C = kInt16Chains<MB>;
+    constexpr int C = kInt16Chains<MB, Tiles>;
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F), zero_bytes = _mm512_setzero_si512();
     const int64_t K = op.K, num_groups = K / op.G;
     const int64_t chunks_per_group = ChunksPerGroup ? ChunksPerGroup : op.G / 8;
-    const uint8_t* w = op.w + t * K * 8;
-    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
+    const uint8_t* w[Tiles];
+    const uint8_t* sz[Tiles];
+    for (int j = 0; j < Tiles; ++j) {
+      w[j] = op.w + (t + j) * K * 8;
+      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+    }
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
-    __m512 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    __m512 acc[Tiles][MB];
+    for (int j = 0; j < Tiles; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {
-      const __m512i zeros = group_zero_pairs(sz, g);
-      __m512i dot[MB][C];
-      for (int m = 0; m < MB; ++m)
-        for (int c = 0; c < C; ++c) dot[m][c] = _mm512_setzero_si512();
+      __m512i zeros[Tiles];
+      for (int j = 0; j < Tiles; ++j) zeros[j] = group_zero_pairs(sz[j], g);
+      __m512i dot[Tiles][MB][C];
+      for (int j = 0; j < Tiles; ++j)
+        for (int m = 0; m < MB; ++m)
+          for (int c = 0; c < C; ++c) dot[j][m][c] = _mm512_setzero_si512();
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        prefetch_weights(w + c * 64, kPrefetchBytes);
-        const __m512i codes = _mm512_loadu_si512(w + c * 64);
-        const __m512i lo = _mm512_and_si512(codes, low_nibbles);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
-        const __m512i pairs[4] = {
-            _mm512_sub_epi16(_mm512_unpacklo_epi8(lo, zero_bytes), zeros),
-            _mm512_sub_epi16(_mm512_unpackhi_epi8(lo, zero_bytes), zeros),
-            _mm512_sub_epi16(_mm512_unpacklo_epi8(hi, zero_bytes), zeros),
-            _mm512_sub_epi16(_mm512_unpackhi_epi8(hi, zero_bytes), zeros)};
-        for (int m = 0; m < MB; ++m) {
-          const int32_t* xk = x + m * K / 2 + 4 * c;
-          for (int p = 0; p < 4; ++p)
-            dpwssd_in_place(dot[m][p % C], pairs[p], _mm512_set1_epi32(xk[p]));
+        __m512i lo[Tiles], hi[Tiles];
+        for (int j = 0; j < Tiles; ++j) {
+          prefetch_weights(w[j] + c * 64, kPrefetchBytes);
+          const __m512i codes = _mm512_loadu_si512(w[j] + c * 64);
+          lo[j] = _mm512_and_si512(codes, low_nibbles);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low_nibbles);
+        }
+        // The chunk's four k-pairs as int16 less the zero points, kPairsAtOnce at a time, each
+        // times every row's activation pair.
+        for (int p0 = 0; p0 < 4; p0 += kPairsAtOnce) {
+          __m512i pairs[Tiles][kPairsAtOnce];
+          for (int j = 0; j < Tiles; ++j)
+            for (int i = 0; i < kPairsAtOnce; ++i) {
+              const int p = p0 + i;
+              const __m512i nibbles = p < 2 ? lo[j] : hi[j];
+              pairs[j][i] = _mm512_sub_epi16(p % 2 ? _mm512_unpackhi_epi8(nibbles, zero_bytes)
+                                                   : _mm512_unpacklo_epi8(nibbles, zero_bytes),
+                                             zeros[j]);
+            }
+          for (int m = 0; m < MB; ++m)
+            for (int i = 0; i < kPairsAtOnce; ++i) {
+              const __m512i xp = _mm512_set1_epi32(x[m * K / 2 + 4 * c + p0 + i]);
+              for (int j = 0; j < Tiles; ++j)
+                dpwssd_in_place(dot[j][m][(p0 + i) % C], pairs[j][i], xp);
+            }
         }
       }
-      const __m512 scale = group_scales(sz, g).scale;
-      for (int m = 0; m < MB; ++m) {
-        const __m512i d = C == 2 ? _mm512_add_epi32(dot[m][0], dot[m][1]) : dot[m][0];
-        const int64_t i = (m0 + m) * num_groups + g;
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]),
-                                 _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d)), acc[m]);
+      for (int j = 0; j < Tiles; ++j) {
+        const __m512 scale = group_scales(sz[j], g).scale;
+        for (int m = 0; m < MB; ++m) {
+          const __m512i d = C == 2 ? _mm512_add_epi32(dot[j][m][0], dot[j][m][1]) : dot[j][m][0];
+          const int64_t i = (m0 + m) * num_groups + g;
+          acc[j][m] = _mm512_fmadd_ps(_mm512_set1_ps(op.xscale[i]),
+                                      _mm512_mul_ps(scale, _mm512_cvtepi32_ps(d)), acc[j][m]);
+        }
       }
     }
-    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-    for (int m = 0; m < MB; ++m)
-      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
+    for (int j = 0; j < Tiles; ++j) {
+      const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
+      for (int m = 0; m < MB; ++m)
+        store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
+    }
   }
 };
+template <int MB, typename T>
+using Int4Tile = Int4Tiles<MB, T, 1>;
+template <int MB, typename T>
+using Int4TilePair = Int4Tiles<MB, T, 2>;
 
 // x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale (as int4_avx2.h), and the
 // scales. (No sums: the tiles take the zero points out of the codes.)
@@ -354,10 +393,11 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   // takes all of the thread's tiles.
   const int64_t M = x.size(0), K = x.size(1);
   if (!(amx::usable(std::min(M, amx::kMaxRows), K) && group_size % 32 == 0))
-    return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
+    return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass, Int4TilePair>(
         "int4_linear", x, packed, scales_zeros, group_size, bias, K / group_size,
         [](const auto* xp, int64_t m0, int64_t m1, int64_t K, int64_t G, int16_t* xq,
-           float* xscale, float* /*xsum*/) { quantize_rows_int16(xp, m0, m1, K, G, xq, xscale); });
+           float* xscale, float* /*xsum*/) { quantize_rows_int16(xp, m0, m1, K, G, xq, xscale); },
+        kInt16TilePairsFromRows);
   check_int4("int4_linear", x, packed, scales_zeros, group_size, kTileRows);
   const int64_t N = packed.size(0) * kTileRows, num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;

@@ -4,10 +4,11 @@
 // tile's codes unpacked once per pass and the pass's accumulators in registers.
 //
 // Threads split the tiles. Each thread walks the activation rows in panels that stay in its L2
-// cache, and within a panel its tiles one after the other: a tile's codes (K / 2 bytes, in L1)
-// serve every pass of the panel before the next tile's are read, and the panel serves every tile
-// of the thread before the next panel's rows are read. A decode step is one panel of one pass a
-// tile: the weights stream from memory once.
+// cache, and within a panel its tiles one after the other (or two at a time, where a target has
+// kernels that take two and the product enough rows): a tile's codes (K / 2 bytes, in L1) serve
+// every pass of the panel before the next tile's are read, and the panel serves every tile of the
+// thread before the next panel's rows are read. A decode step is one panel of one pass a tile:
+// the weights stream from memory once.
 //
 // Each row's sums are integers (W4A16: int16 activations, W4A8: int8), and its float steps run in
 // one order whatever the pass it shares, so a row's result does not depend on the rows beside it.
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -35,18 +37,19 @@ inline void prefetch_weights(const uint8_t* chunk, int64_t ahead) {
   __builtin_prefetch(chunk + ahead, /*for reading*/ 0, /*into L1*/ 3);
 }
 
-// Calls pass(tile, first_row, rows) for every (tile, pass of at most max_rows activation rows) of
-// an [M, N] product whose activation rows take row_bytes each, as described above.
+// Calls pass(tile, tiles, first_row, rows) for every (tiles tiles from tile, pass of at most
+// max_rows activation rows) of an [M, N] product whose activation rows take row_bytes each, as
+// described above: each thread's tiles in steps of tiles_per_pass (its last step may hold fewer).
 template <typename Pass>
 void for_each_tile_pass(int64_t M, int64_t N, int64_t tile_rows, int64_t max_rows,
-                        int64_t row_bytes, const Pass& pass) {
+                        int64_t row_bytes, int64_t tiles_per_pass, const Pass& pass) {
   const int64_t panel =
       std::max(max_rows, kPanelBytes / std::max<int64_t>(row_bytes, 1) / max_rows * max_rows);
   at::parallel_for(0, N / tile_rows, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t p0 = 0; p0 < M; p0 += panel)
-      for (int64_t t = t0; t < t1; ++t)
+      for (int64_t t = t0; t < t1; t += tiles_per_pass)
         for (int64_t m = p0; m < std::min(M, p0 + panel); m += max_rows)
-          pass(t, m, std::min(max_rows, M - m));
+          pass(t, std::min(tiles_per_pass, t1 - t), m, std::min(max_rows, M - m));
   });
 }
 
@@ -83,13 +86,15 @@ struct Int4Operands {
 };
 
 // An [M, K] x [N, K]^T INT4 product with the activations quantized by Quantize into X, tiles by
-// Kernel (1 .. RowsPerPass rows a pass).
+// Kernel (1 .. RowsPerPass rows a pass); from pairs_from_rows rows (if the target has such a
+// kernel), two tiles a pass by PairKernel, which must sum each row as Kernel does.
 template <int TileRows, typename X, template <int, typename> class Kernel, int RowsPerPass,
-          typename Quantize>
+          template <int, typename> class PairKernel = Kernel, typename Quantize>
 at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scales_zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t scale_width,
-                     const Quantize& quantize) {
+                     const Quantize& quantize,
+                     int64_t pairs_from_rows = std::numeric_limits<int64_t>::max()) {
   check_int4(op, x, packed, scales_zeros, group_size, TileRows);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TileRows;
   const int64_t num_groups = K / group_size;
@@ -115,8 +120,13 @@ at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& pack
         out.data_ptr<scalar_t>(), N};
     static constexpr auto by_rows =
         tile_kernels<Kernel, scalar_t>(std::make_integer_sequence<int, RowsPerPass>{});
+    static constexpr auto pairs_by_rows =
+        tile_kernels<PairKernel, scalar_t>(std::make_integer_sequence<int, RowsPerPass>{});
     for_each_tile_pass(M, N, TileRows, RowsPerPass, K * int64_t(sizeof(X)),
-                       [&](int64_t t, int64_t m, int64_t rows) { by_rows[rows](operands, t, m); });
+                       M >= pairs_from_rows ? 2 : 1,
+                       [&](int64_t t, int64_t tiles, int64_t m, int64_t rows) {
+                         (tiles == 2 ? pairs_by_rows : by_rows)[rows](operands, t, m);
+                       });
   });
   return out;
 }
