@@ -4,8 +4,9 @@
 // A task is one (sequence, KV head, block of query positions): the block's positions times the
 // KV head's group of query heads make one matrix of query vectors that reads each key and value
 // of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock: a block's keys are
-// transposed into fp32 columns, the scores of every query vector with them are a small GEMM
-// (register tiles of rows x 4 vectors of keys), an online softmax keeps each row's running
+// transposed into fp32 columns (or bf16 pairs along the head dim: kPairedScores), the scores of
+// every query vector with them are a small GEMM (register tiles of rows x 4 vectors of keys),
+// an online softmax keeps each row's running
 // maximum and sum (FlashAttention's), and the weighted values add into fp32 outputs (register
 // tiles of rows x up to 8 vectors of the head). Row i of a chunk of L rows in a context of C
 // tokens sees keys 0 .. C - L + i. Threads take the tasks, longest context first.
@@ -33,8 +34,17 @@ inline std::string paged_attention_prefill_rejects(int64_t head_dim, at::ScalarT
 // The per-thread scratch of one task.
 struct PrefillScratch {
   std::vector<float> q, keys, scores, out, row_max, row_sum;
+  std::vector<BFloat16> q_pairs, key_pairs;  // bf16 queries and keys, where the target pairs them
   std::vector<int64_t> offsets;
 };
+
+// Whether a task's scores are bf16 dot products of pairs along the head dim (one vdpbf16ps for
+// two fp32 FMAs): bf16 queries (a bf16 layer's output, so nothing is rounded) and keys, on a
+// target whose dot_pairs is one instruction. The products are exact, as the FMAs' are; the sums
+// are fp32 in another order, as decode attention's (score_block) are.
+template <typename T, typename KT>
+constexpr bool kPairedScores =
+    vec::kNativePairs && std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16>;
 
 // scores[r][0 .. kKeyBlock) = q[r] . keys[:, j] for R query vectors (q: [R][D], scaled; keys: the
 // block transposed, [D][kKeyBlock]), RB rows at a time in registers.
@@ -66,6 +76,35 @@ inline void block_scores(const float* q, int64_t R, const float* keys, float* sc
     }
     for (int v = 0; v < 4; ++v) vec::store(scores + r * kKeyBlock + v * kLanes, acc[v]);
   }
+}
+
+// scores[r][0 .. kKeyBlock) = scale * (q[r] . keys[:, j]) for R bf16 query vectors (q: [R][D])
+// and the block's keys as pairs along the head dim (key_pairs: for each of the D / 2 pairs, the
+// 4 vectors of keys as load_pairs reads them), RB rows at a time in registers.
+template <int D>
+inline void block_scores_pairs(const BFloat16* q, int64_t R, const BFloat16* key_pairs,
+                               float scale, float* scores) {
+  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - 4) / 4);  // beside the 4 key vectors
+  const auto rows = [&](int64_t r, auto rb) {
+    constexpr int B = decltype(rb)::value;
+    Vec acc[B][4];
+    for (int i = 0; i < B; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = vec::zero();
+    for (int d = 0; d < D / 2; ++d) {
+      vec::Bf16Pairs k[4];
+      for (int v = 0; v < 4; ++v) k[v] = vec::load_pairs(key_pairs + (d * 4 + v) * 2 * kLanes);
+      for (int i = 0; i < B; ++i) {
+        const vec::Bf16Pairs qp = vec::set1_pair(q + (r + i) * D + 2 * d);
+        for (int v = 0; v < 4; ++v) acc[i][v] = vec::dot_pairs(acc[i][v], qp, k[v]);
+      }
+    }
+    for (int i = 0; i < B; ++i)
+      for (int v = 0; v < 4; ++v)
+        vec::store(scores + (r + i) * kKeyBlock + v * kLanes, vec::mul(acc[i][v], vec::set1(scale)));
+  };
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) rows(r, std::integral_constant<int, RB>{});
+  for (; r < R; ++r) rows(r, std::integral_constant<int, 1>{});
 }
 
 // out[r] = out[r] * rescale[r] + sum_j p[r][j] v_j for R rows, over the n <= kKeyBlock values of
@@ -118,20 +157,40 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
   std::vector<float> rescale(R);
   token_offsets(pages, visible, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), s.offsets);
   // query vector r: position row0 + r / group, head kv_head * group + r % group
-  for (int64_t r = 0; r < R; ++r) {
-    const T* qr = q + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
-    for (int d = 0; d < D; d += kLanes)
-      vec::store(s.q.data() + r * D + d, vec::mul(vec::load(qr + d), vec::set1(scale)));
+  const auto query = [&](int64_t r) {
+    return q + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
+  };
+  if constexpr (kPairedScores<T, KT>) {
+    s.q_pairs.resize(R * D), s.key_pairs.resize(D * kKeyBlock);
+    for (int64_t r = 0; r < R; ++r) std::copy(query(r), query(r) + D, s.q_pairs.data() + r * D);
+  } else {
+    for (int64_t r = 0; r < R; ++r)
+      for (int d = 0; d < D; d += kLanes)
+        vec::store(s.q.data() + r * D + d, vec::mul(vec::load(query(r) + d), vec::set1(scale)));
   }
   for (int64_t k0 = 0; k0 < visible; k0 += kKeyBlock) {
     const int64_t n = std::min<int64_t>(kKeyBlock, visible - k0);
-    for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as columns (zeros past n)
-      const KT* kj = j < n ? k_cache + s.offsets[k0 + j] : nullptr;
-      const float ks = kj && std::is_same_v<KT, int8_t> ? kv_row_scale(
-          reinterpret_cast<const int8_t*>(kj), D) : 1.f;
-      for (int d = 0; d < D; ++d) s.keys[d * kKeyBlock + j] = kj ? float(kj[d]) * ks : 0.f;
+    if constexpr (kPairedScores<T, KT>) {
+      static const BFloat16 kZeros[D] = {};
+      for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as pairs (zeros past n)
+        const BFloat16* kj = j < n ? k_cache + s.offsets[k0 + j] : kZeros;
+        BFloat16* slots = s.key_pairs.data() + (j / kLanes) * 2 * kLanes;
+        for (int d = 0; d < D; d += 2) {
+          BFloat16* pair = slots + (d / 2) * 4 * 2 * kLanes;
+          pair[vec::pair_slot(j % kLanes, 0)] = kj[d];
+          pair[vec::pair_slot(j % kLanes, 1)] = kj[d + 1];
+        }
+      }
+      block_scores_pairs<D>(s.q_pairs.data(), R, s.key_pairs.data(), scale, s.scores.data());
+    } else {
+      for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as columns (zeros past n)
+        const KT* kj = j < n ? k_cache + s.offsets[k0 + j] : nullptr;
+        const float ks = kj && std::is_same_v<KT, int8_t> ? kv_row_scale(
+            reinterpret_cast<const int8_t*>(kj), D) : 1.f;
+        for (int d = 0; d < D; ++d) s.keys[d * kKeyBlock + j] = kj ? float(kj[d]) * ks : 0.f;
+      }
+      block_scores<D>(s.q.data(), R, s.keys.data(), s.scores.data());
     }
-    block_scores<D>(s.q.data(), R, s.keys.data(), s.scores.data());
     for (int64_t r = 0; r < R; ++r) {
       float* sr = s.scores.data() + r * kKeyBlock;
       const int64_t seen = std::min(n, first_pos + r / group + 1 - k0);  // causal, and the block

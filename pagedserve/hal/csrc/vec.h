@@ -6,7 +6,7 @@
 //                                                              widens int8 codes)
 //   add sub mul div max fmadd fnmadd exp                       lane-wise arithmetic
 //   reduce_add reduce_max sum_lanes nan_lanes equal_lanes      across lanes
-//   load_pairs dot_pairs                                       bf16 dot products (vdpbf16ps)
+//   load_pairs dot_pairs set1_pair pair_slot kNativePairs      bf16 dot products (vdpbf16ps)
 //
 // and, for every target alike (below): load_n store_n, the n <= kLanes values at a pointer, so
 // that a row of any length is whole vectors and one shorter tail.

@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "../types.h"
 
 namespace pagedserve::vec {
@@ -105,5 +107,13 @@ inline Bf16Pairs load_pairs(const BFloat16* p) { return {_mm512_loadu_si512(p)};
 inline Vec dot_pairs(Vec acc, Bf16Pairs a, Bf16Pairs b) {
   return {_mm512_dpbf16_ps(acc.v, (__m512bh)a.v, (__m512bh)b.v)};
 }
+// Every lane's pair set to p[0], p[1]; where load_pairs finds lane's value half (0 or 1).
+inline Bf16Pairs set1_pair(const BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return {_mm512_set1_epi32(pair)};
+}
+constexpr int pair_slot(int lane, int half) { return 2 * lane + half; }
+constexpr bool kNativePairs = true;  // dot_pairs is one instruction
 
 }  // namespace pagedserve::vec

@@ -75,6 +75,10 @@ inline Bf16Pairs load_pairs(const BFloat16* p) { return {vec::load(p), vec::load
 inline Vec dot_pairs(Vec acc, Bf16Pairs a, Bf16Pairs b) {
   return fmadd(a.hi, b.hi, fmadd(a.lo, b.lo, acc));
 }
+// Every lane's pair set to p[0], p[1]; where load_pairs finds lane's value half (0 or 1).
+inline Bf16Pairs set1_pair(const BFloat16* p) { return {set1(float(p[0])), set1(float(p[1]))}; }
+constexpr int pair_slot(int lane, int half) { return half * kLanes + lane; }
+constexpr bool kNativePairs = false;  // dot_pairs is two FMAs
 
 #undef PAGEDSERVE_LANES
 
