@@ -75,12 +75,20 @@ constexpr int kInt16Chains = Tiles == 1 && MB <= 8 ? 2 : 1;
 template <int MB>
 constexpr int kInt8Chains = MB <= 2 ? 2 : 1;
 
-// W4A16 passes of many rows take two tiles at once from this many rows: each broadcast activation
-// pair then feeds 32 output rows, not 16 (the unpacking is per tile either way). In-process A/B
-// on the same codes (outputs identical), Zen 5: 512 rows 1.02-1.07x (~1B layers), 1.03-1.10x
-// (~122M); 64-128 rows 1.00-1.06x; but 16-48 rows 0.84-1.00x, where the first pass, which
-// reads the codes from memory, weighs more and two streams of codes wait longer than one.
+// W4A16 passes of many rows take two tiles at once: each broadcast activation pair then feeds 32
+// output rows, not 16 (the unpacking is per tile either way). In-process A/B on the same codes
+// (outputs identical), Zen 5, 2 threads: 512 rows 1.02-1.05x (~1B layers), 1.05-1.08x (~122M),
+// 64-128 rows 1.00-1.06x. Where a tile's first pass, which reads its codes from memory, weighs
+// more, two streams of codes wait longer than one: 16-48 rows ran at 0.84-1.00x, and so did
+// lm_head's 32,000 rows at 64-512 rows (0.90-0.98x on ~122M, 6 MiB of codes a thread, which the
+// caches do not keep from one panel of rows to the next; 0.98-1.00x on ~1B, 16 MiB).
 constexpr int64_t kInt16TilePairsFromRows = 64;
+constexpr int64_t kInt16TilePairsMaxBytesPerThread = int64_t{4} << 20;
+
+inline bool int16_tile_pairs(int64_t M, int64_t N, int64_t K) {
+  return M >= kInt16TilePairsFromRows &&
+         N * K / 2 / at::get_num_threads() <= kInt16TilePairsMaxBytesPerThread;
+}
 
 // acc += the products, in acc's own register. Given the intrinsics (which return a new sum), GCC
 // kept each chain's sum in two registers, copying it across on every chunk (seen in the code it
@@ -397,7 +405,7 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
         "int4_linear", x, packed, scales_zeros, group_size, bias, K / group_size,
         [](const auto* xp, int64_t m0, int64_t m1, int64_t K, int64_t G, int16_t* xq,
            float* xscale, float* /*xsum*/) { quantize_rows_int16(xp, m0, m1, K, G, xq, xscale); },
-        kInt16TilePairsFromRows);
+        int16_tile_pairs(M, packed.size(0) * kTileRows, K));
   check_int4("int4_linear", x, packed, scales_zeros, group_size, kTileRows);
   const int64_t N = packed.size(0) * kTileRows, num_groups = K / group_size;
   thread_local std::vector<BFloat16> xb;

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <array>
-#include <limits>
 #include <utility>
 #include <vector>
 
@@ -86,15 +85,14 @@ struct Int4Operands {
 };
 
 // An [M, K] x [N, K]^T INT4 product with the activations quantized by Quantize into X, tiles by
-// Kernel (1 .. RowsPerPass rows a pass); from pairs_from_rows rows (if the target has such a
-// kernel), two tiles a pass by PairKernel, which must sum each row as Kernel does.
+// Kernel (1 .. RowsPerPass rows a pass); with tile_pairs (where the target has such a kernel),
+// two tiles a pass by PairKernel, which must sum each row as Kernel does.
 template <int TileRows, typename X, template <int, typename> class Kernel, int RowsPerPass,
           template <int, typename> class PairKernel = Kernel, typename Quantize>
 at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scales_zeros, int64_t group_size,
                      const c10::optional<at::Tensor>& bias, int64_t scale_width,
-                     const Quantize& quantize,
-                     int64_t pairs_from_rows = std::numeric_limits<int64_t>::max()) {
+                     const Quantize& quantize, bool tile_pairs = false) {
   check_int4(op, x, packed, scales_zeros, group_size, TileRows);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * TileRows;
   const int64_t num_groups = K / group_size;
@@ -123,7 +121,7 @@ at::Tensor int4_gemm(const char* op, const at::Tensor& x, const at::Tensor& pack
     static constexpr auto pairs_by_rows =
         tile_kernels<PairKernel, scalar_t>(std::make_integer_sequence<int, RowsPerPass>{});
     for_each_tile_pass(M, N, TileRows, RowsPerPass, K * int64_t(sizeof(X)),
-                       M >= pairs_from_rows ? 2 : 1,
+                       tile_pairs ? 2 : 1,
                        [&](int64_t t, int64_t tiles, int64_t m, int64_t rows) {
                          (tiles == 2 ? pairs_by_rows : by_rows)[rows](operands, t, m);
                        });
