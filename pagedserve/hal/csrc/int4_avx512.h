@@ -115,12 +115,12 @@ struct Int4Tiles {
     }
   }
 
-  // A group's chunks of 8 k as a count known when compiled (0: read from op.G): 2-3% faster at
-  // 32 and 512 rows than the count read at run time (~1B layers, same codes, in turn).
   // k-pairs unpacked at once: all four of a chunk for one tile; for two, one at a time (eight
   // would leave too few of the 32 registers for the 16 sums: 0.85x of one tile, spilled).
   static constexpr int kPairsAtOnce = Tiles == 1 ? 4 : 1;
 
+  // A group's chunks of 8 k as a count known when compiled (0: read from op.G): 2-3% faster at
+  // 32 and 512 rows than the count read at run time (~1B layers, same codes, in turn).
   template <int ChunksPerGroup>
   static void run_groups(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
     constexpr int C = kInt16Chains<MB, Tiles>;

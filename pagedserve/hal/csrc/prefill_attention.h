@@ -5,11 +5,11 @@
 // KV head's group of query heads make one matrix of query vectors that reads each key and value
 // of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock: a block's keys are
 // transposed into fp32 columns (or bf16 pairs along the head dim: kPairedScores), the scores of
-// every query vector with them are a small GEMM (register tiles of rows x 4 vectors of keys),
-// an online softmax keeps each row's running
-// maximum and sum (FlashAttention's), and the weighted values add into fp32 outputs (register
-// tiles of rows x up to 8 vectors of the head). Row i of a chunk of L rows in a context of C
-// tokens sees keys 0 .. C - L + i. Threads take the tasks, longest context first.
+// every query vector with them are a small GEMM (register tiles of rows x 4 vectors of keys), an
+// online softmax keeps each row's running maximum and sum (FlashAttention's), and the weighted
+// values add into fp32 outputs (register tiles of rows x up to 8 vectors of the head). Row i of a
+// chunk of L rows in a context of C tokens sees keys 0 .. C - L + i. Threads take the tasks,
+// longest context first.
 #pragma once
 
 #include <algorithm>
