@@ -152,8 +152,8 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
                             PrefillScratch& s) {
   const int64_t R = rows * group, first_pos = seq_len - chunk + row0;
   const int64_t visible = first_pos + rows;  // the last row's keys: 0 .. visible - 1
-  s.q.resize(R * D), s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock);
-  s.keys.resize(D * kKeyBlock), s.row_max.assign(R, -INFINITY), s.row_sum.assign(R, 0.f);
+  s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock);
+  s.row_max.assign(R, -INFINITY), s.row_sum.assign(R, 0.f);
   std::vector<float> rescale(R);
   token_offsets(pages, visible, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), s.offsets);
   // query vector r: position row0 + r / group, head kv_head * group + r % group
@@ -164,6 +164,7 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
     s.q_pairs.resize(R * D), s.key_pairs.resize(D * kKeyBlock);
     for (int64_t r = 0; r < R; ++r) std::copy(query(r), query(r) + D, s.q_pairs.data() + r * D);
   } else {
+    s.q.resize(R * D), s.keys.resize(D * kKeyBlock);
     for (int64_t r = 0; r < R; ++r)
       for (int d = 0; d < D; d += kLanes)
         vec::store(s.q.data() + r * D + d, vec::mul(vec::load(query(r) + d), vec::set1(scale)));
