@@ -3,13 +3,13 @@
 //
 // A task is one (sequence, KV head, block of query positions): the block's positions times the
 // KV head's group of query heads make one matrix of query vectors that reads each key and value
-// of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock: a block's keys are
-// transposed into fp32 columns (or bf16 pairs along the head dim: kPairedScores), the scores of
-// every query vector with them are a small GEMM (register tiles of rows x 4 vectors of keys), an
-// online softmax keeps each row's running maximum and sum (FlashAttention's), and the weighted
-// values add into fp32 outputs (register tiles of rows x up to 8 vectors of the head). Row i of a
-// chunk of L rows in a context of C tokens sees keys 0 .. C - L + i. Threads take the tasks,
-// longest context first.
+// of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock, which each call packs once
+// for all its tasks (pack_block): transposed into fp32 columns, or bf16 pairs along the head dim
+// (kPairedScores), with the values then as pairs of keys. The scores of every query vector with a
+// block are a small GEMM (register tiles of rows x 4 vectors of keys), an online softmax keeps
+// each row's running maximum and sum (FlashAttention's), and the weighted values add into fp32
+// outputs (register tiles of rows x up to 8 vectors of the head). Row i of a chunk of L rows in a
+// context of C tokens sees keys 0 .. C - L + i. Threads take the tasks, longest context first.
 #pragma once
 
 #include <algorithm>
@@ -33,18 +33,24 @@ inline std::string paged_attention_prefill_rejects(int64_t head_dim, at::ScalarT
 
 // The per-thread scratch of one task.
 struct PrefillScratch {
-  std::vector<float> q, keys, scores, out, row_max, row_sum;
-  std::vector<BFloat16> q_pairs, key_pairs;  // bf16 queries and keys, where the target pairs them
+  std::vector<float> q, scores, out, row_max, row_sum, rescale;
+  std::vector<BFloat16> q_pairs, weights;  // bf16 queries and softmax weights, where paired
   std::vector<int64_t> offsets;
 };
 
 // Whether a task's scores are bf16 dot products of pairs along the head dim (one vdpbf16ps for
 // two fp32 FMAs): bf16 queries (a bf16 layer's output, so nothing is rounded) and keys, on a
 // target whose dot_pairs is one instruction. The products are exact, as the FMAs' are; the sums
-// are fp32 in another order, as decode attention's (score_block) are.
+// are fp32 in another order, as decode attention's (score_block) are. Its weighted values are
+// then dot products of pairs of keys, the softmax weights rounded to bf16 for them, as PyTorch's
+// CPU flash attention rounds them for its bf16 GEMM of weights and values (the sum that divides
+// them stays fp32 in both).
 template <typename T, typename KT>
 constexpr bool kPairedScores =
     vec::kNativePairs && std::is_same_v<T, BFloat16> && std::is_same_v<KT, BFloat16>;
+// pack_block writes the pairs as 32-bit words.
+static_assert(!vec::kNativePairs || (vec::pair_slot(1, 0) == 2 && vec::pair_slot(1, 1) == 3),
+              "a native pair is one 32-bit word, its first value in the low half");
 
 // scores[r][0 .. kKeyBlock) = q[r] . keys[:, j] for R query vectors (q: [R][D], scaled; keys: the
 // block transposed, [D][kKeyBlock]), RB rows at a time in registers.
@@ -141,81 +147,187 @@ inline void add_weighted_values(const float* p, const float* rescale, int64_t R,
   }
 }
 
+// One block of the online softmax of R rows: scores [R][kKeyBlock], of which row r sees the first
+// seen(r) (overwritten past them). Each row's running maximum and sum take the block in; rescale[r]
+// is what the row's weighted values so far are to be multiplied by, and weights [R][kKeyBlock]
+// (fp32, which may be the scores, or bf16) get exp(score - maximum), zero past seen(r). The
+// corrections exp(old - new maximum) are computed kLanes rows at a time, and each row's sum is
+// reduced once (a scalar exp and a reduction per vector, a row, took 7-17% more time).
+template <typename Seen, typename W>
+inline void online_softmax(float* scores, int64_t R, const Seen& seen, float* row_max,
+                           float* row_sum, float* rescale, W* weights) {
+  for (int64_t r = 0; r < R; ++r) {  // the new maxima, in rescale for now
+    float* sr = scores + r * kKeyBlock;
+    std::fill(sr + std::max<int64_t>(seen(r), 0), sr + kKeyBlock, -INFINITY);
+    Vec block_max = vec::set1(row_max[r]);
+    for (int64_t j = 0; j < kKeyBlock; j += kLanes) block_max = vec::max(block_max, vec::load(sr + j));
+    rescale[r] = vec::reduce_max(block_max);
+  }
+  for (int64_t r = 0; r < R; r += kLanes) {  // (every row sees key 0: each maximum is finite)
+    const int left = int(std::min<int64_t>(kLanes, R - r));
+    const Vec old_max = vec::load_first(row_max + r, left), new_max = vec::load_first(rescale + r, left);
+    vec::store_first(rescale + r, vec::exp(vec::sub(old_max, new_max)), left);
+    vec::store_first(row_max + r, new_max, left);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const float* sr = scores + r * kKeyBlock;
+    const Vec m = vec::set1(row_max[r]);
+    Vec sum = vec::zero();
+    for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
+      const Vec e = vec::exp(vec::sub(vec::load(sr + j), m));
+      const Vec kept = vec::keep_first(e, int(std::clamp<int64_t>(seen(r) - j, 0, kLanes)));
+      vec::store(weights + r * kKeyBlock + j, kept);
+      sum = vec::add(sum, kept);
+    }
+    row_sum[r] = row_sum[r] * rescale[r] + vec::reduce_add(sum);
+  }
+}
+
+// out[r] = out[r] * rescale[r] + sum_j p[r][j] v_j for R rows, over the n <= kKeyBlock values of
+// the block, all bf16 and in pairs of keys: p [R][kKeyBlock] (zeros past each row's keys), the
+// block's values as pack_block lays them out (zeros past the context), one dot_pairs for two keys.
+template <int D>
+inline void add_weighted_value_pairs(const BFloat16* p, const float* rescale, int64_t R,
+                                     const BFloat16* value_pairs, int64_t n, float* out) {
+  constexpr int DV = D / kLanes, DC = largest_divisor_at_most(DV, vec::kRegisters / 4);
+  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - DC) / DC);  // beside the values
+  for (int d0 = 0; d0 < DV; d0 += DC) {
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+      const int64_t rows = std::min<int64_t>(RB, R - r0);
+      Vec acc[RB][DC];
+      for (int i = 0; i < RB; ++i) {
+        if (i >= rows) break;
+        const Vec c = vec::set1(rescale[r0 + i]);
+        for (int d = 0; d < DC; ++d)
+          acc[i][d] = vec::mul(vec::load(out + (r0 + i) * D + (d0 + d) * kLanes), c);
+      }
+      for (int64_t j = 0; j < n; j += 2) {
+        vec::Bf16Pairs vv[DC];
+        for (int d = 0; d < DC; ++d)
+          vv[d] = vec::load_pairs(value_pairs + (j / 2 * DV + d0 + d) * 2 * kLanes);
+        for (int i = 0; i < RB; ++i) {
+          if (i >= rows) break;
+          const vec::Bf16Pairs w = vec::set1_pair(p + (r0 + i) * kKeyBlock + j);
+          for (int d = 0; d < DC; ++d) acc[i][d] = vec::dot_pairs(acc[i][d], w, vv[d]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) {
+        if (i >= rows) break;
+        for (int d = 0; d < DC; ++d) vec::store(out + (r0 + i) * D + (d0 + d) * kLanes, acc[i][d]);
+      }
+    }
+  }
+}
+
+// One block of a KV head's keys as every task of the call reads it (each task once transposed its
+// own copy of every block it read: the blocks early in a prompt, which every later task sees,
+// were transposed over and over, 11-15% of a 512-token prompt's attention), from the n <=
+// kKeyBlock cache rows at `rows` (zeros past them):
+// - paired scores: keys in pairs along the head dim (for each of the D / 2 pairs, the block's 4
+//   vectors of keys as load_pairs reads them), and values in pairs of keys (for each of the
+//   kKeyBlock / 2 pairs, the D / kLanes vectors of the head), D * kKeyBlock bf16 each;
+// - otherwise: keys as fp32 columns [D][kKeyBlock], an INT8 row's scale applied (the values are
+//   read from the cache).
+template <typename T, typename KT, int D>
+void pack_block(const KT* k_cache, const KT* v_cache, const int64_t* rows, int64_t n, void* keys,
+                BFloat16* value_pairs) {
+  if constexpr (kPairedScores<T, KT>) {
+    // a pair is one 32-bit word (asserted beside kPairedScores): keys [D / 2][kKeyBlock] words,
+    // values [kKeyBlock / 2][D]
+    const auto word = [](BFloat16 first, BFloat16 second) {
+      return uint32_t(first.x) | uint32_t(second.x) << 16;
+    };
+    static const BFloat16 kZeros[D] = {};
+    auto* key_words = static_cast<uint32_t*>(keys);
+    auto* value_words = reinterpret_cast<uint32_t*>(value_pairs);
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      const BFloat16* kj = j < n ? k_cache + rows[j] : kZeros;
+      for (int d = 0; d < D / 2; ++d) key_words[d * kKeyBlock + j] = word(kj[2 * d], kj[2 * d + 1]);
+    }
+    for (int64_t j = 0; j < kKeyBlock; j += 2) {
+      const BFloat16* v0 = j < n ? v_cache + rows[j] : kZeros;
+      const BFloat16* v1 = j + 1 < n ? v_cache + rows[j + 1] : kZeros;
+      for (int d = 0; d < D; ++d) value_words[j / 2 * D + d] = word(v0[d], v1[d]);
+    }
+  } else {
+    auto* columns = static_cast<float*>(keys);
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      const KT* kj = j < n ? k_cache + rows[j] : nullptr;
+      const float ks = kj && std::is_same_v<KT, int8_t> ? kv_row_scale(
+          reinterpret_cast<const int8_t*>(kj), D) : 1.f;
+      for (int d = 0; d < D; ++d) columns[d * kKeyBlock + j] = kj ? float(kj[d]) * ks : 0.f;
+    }
+  }
+}
+
+// A (sequence, KV head)'s packed blocks: block b's keys at keys + b * D * kKeyBlock (bf16 pairs or
+// fp32 columns), its value pairs (paired scores only) at value_pairs + b * D * kKeyBlock.
+struct PackedBlocks {
+  void* keys;
+  BFloat16* value_pairs;
+};
+
 // One task: `rows` query positions from chunk row `row0` of a sequence whose chunk of `chunk`
 // rows ends its context of seq_len tokens, times the `group` query heads of KV head kv_head.
 // q and out: the chunk's first row, `stride` elements a row (all heads).
 template <typename T, typename KT, int D>
 void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, int64_t rows,
-                            int64_t chunk, const KT* k_cache, const KT* v_cache,
+                            int64_t chunk, const PackedBlocks& blocks, const KT* v_cache,
                             const int64_t* pages, int64_t seq_len, int64_t block_size,
                             int64_t num_kv_heads, int64_t kv_head, int64_t group, float scale,
                             PrefillScratch& s) {
+  constexpr bool kPairs = kPairedScores<T, KT>;
+  constexpr int64_t kBlockValues = D * kKeyBlock;
   const int64_t R = rows * group, first_pos = seq_len - chunk + row0;
   const int64_t visible = first_pos + rows;  // the last row's keys: 0 .. visible - 1
-  s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock);
+  s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock), s.rescale.resize(R);
   s.row_max.assign(R, -INFINITY), s.row_sum.assign(R, 0.f);
-  std::vector<float> rescale(R);
-  token_offsets(pages, visible, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D), s.offsets);
   // query vector r: position row0 + r / group, head kv_head * group + r % group
   const auto query = [&](int64_t r) {
     return q + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
   };
-  if constexpr (kPairedScores<T, KT>) {
-    s.q_pairs.resize(R * D), s.key_pairs.resize(D * kKeyBlock);
+  if constexpr (kPairs) {
+    s.q_pairs.resize(R * D), s.weights.resize(R * kKeyBlock);
     for (int64_t r = 0; r < R; ++r) std::copy(query(r), query(r) + D, s.q_pairs.data() + r * D);
   } else {
-    s.q.resize(R * D), s.keys.resize(D * kKeyBlock);
+    // where the values are in the cache (and an INT8 cache's scales)
+    token_offsets(pages, visible, block_size, num_kv_heads, kv_head, kv_row_width<KT>(D),
+                  s.offsets);
+    s.q.resize(R * D);
     for (int64_t r = 0; r < R; ++r)
       for (int d = 0; d < D; d += kLanes)
         vec::store(s.q.data() + r * D + d, vec::mul(vec::load(query(r) + d), vec::set1(scale)));
   }
   for (int64_t k0 = 0; k0 < visible; k0 += kKeyBlock) {
     const int64_t n = std::min<int64_t>(kKeyBlock, visible - k0);
-    if constexpr (kPairedScores<T, KT>) {
-      static const BFloat16 kZeros[D] = {};
-      for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as pairs (zeros past n)
-        const BFloat16* kj = j < n ? k_cache + s.offsets[k0 + j] : kZeros;
-        BFloat16* slots = s.key_pairs.data() + (j / kLanes) * 2 * kLanes;
-        for (int d = 0; d < D; d += 2) {
-          BFloat16* pair = slots + (d / 2) * 4 * 2 * kLanes;
-          pair[vec::pair_slot(j % kLanes, 0)] = kj[d];
-          pair[vec::pair_slot(j % kLanes, 1)] = kj[d + 1];
-        }
-      }
-      block_scores_pairs<D>(s.q_pairs.data(), R, s.key_pairs.data(), scale, s.scores.data());
+    const int64_t block = k0 / kKeyBlock;
+    if constexpr (kPairs)
+      block_scores_pairs<D>(s.q_pairs.data(), R,
+                            static_cast<const BFloat16*>(blocks.keys) + block * kBlockValues,
+                            scale, s.scores.data());
+    else
+      block_scores<D>(s.q.data(), R, static_cast<const float*>(blocks.keys) + block * kBlockValues,
+                      s.scores.data());
+    const auto seen = [&](int64_t r) {  // row r's keys in the block: causal, and the block's
+      return std::min(n, first_pos + r / group + 1 - k0);
+    };
+    if constexpr (kPairs) {
+      online_softmax(s.scores.data(), R, seen, s.row_max.data(), s.row_sum.data(),
+                     s.rescale.data(), s.weights.data());
     } else {
-      for (int64_t j = 0; j < kKeyBlock; ++j) {  // the block's keys as columns (zeros past n)
-        const KT* kj = j < n ? k_cache + s.offsets[k0 + j] : nullptr;
-        const float ks = kj && std::is_same_v<KT, int8_t> ? kv_row_scale(
-            reinterpret_cast<const int8_t*>(kj), D) : 1.f;
-        for (int d = 0; d < D; ++d) s.keys[d * kKeyBlock + j] = kj ? float(kj[d]) * ks : 0.f;
-      }
-      block_scores<D>(s.q.data(), R, s.keys.data(), s.scores.data());
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      float* sr = s.scores.data() + r * kKeyBlock;
-      const int64_t seen = std::min(n, first_pos + r / group + 1 - k0);  // causal, and the block
-      std::fill(sr + std::max<int64_t>(seen, 0), sr + kKeyBlock, -INFINITY);
-      Vec block_max = vec::set1(s.row_max[r]);  // (the keys past `seen` hold -inf)
-      for (int64_t j = 0; j < kKeyBlock; j += kLanes)
-        block_max = vec::max(block_max, vec::load(sr + j));
-      const float m = vec::reduce_max(block_max);
-      const float correction = std::exp(s.row_max[r] - m);  // 0 for the first block
-      float sum = 0.f;
-      for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
-        const Vec e = vec::exp(vec::sub(vec::load(sr + j), vec::set1(m)));
-        const Vec kept = vec::keep_first(e, int(std::clamp<int64_t>(seen - j, 0, kLanes)));
-        vec::store(sr + j, kept);
-        sum += vec::reduce_add(kept);
-      }
+      online_softmax(s.scores.data(), R, seen, s.row_max.data(), s.row_sum.data(),
+                     s.rescale.data(), s.scores.data());
       if constexpr (std::is_same_v<KT, int8_t>)  // each value row's scale, into its weight
-        for (int64_t j = 0; j < seen; ++j) sr[j] *= kv_row_scale(v_cache + s.offsets[k0 + j], D);
-      s.row_sum[r] = s.row_sum[r] * correction + sum;
-      s.row_max[r] = m;
-      rescale[r] = correction;
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = 0; j < seen(r); ++j)
+            s.scores[r * kKeyBlock + j] *= kv_row_scale(v_cache + s.offsets[k0 + j], D);
     }
-    add_weighted_values<KT, D>(s.scores.data(), rescale.data(), R, v_cache, s.offsets.data() + k0,
-                               n, s.out.data());
+    if constexpr (kPairs)
+      add_weighted_value_pairs<D>(s.weights.data(), s.rescale.data(), R,
+                                  blocks.value_pairs + block * kBlockValues, n, s.out.data());
+    else
+      add_weighted_values<KT, D>(s.scores.data(), s.rescale.data(), R, v_cache,
+                                 s.offsets.data() + k0, n, s.out.data());
   }
   for (int64_t r = 0; r < R; ++r) {
     T* o = out + (row0 + r / group) * stride + (kv_head * group + r % group) * D;
@@ -224,16 +336,21 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
   }
 }
 
+// A head dim's kernels: packing a block, and a task.
 template <typename T, typename KT>
-using PrefillTaskFn = void (*)(const T*, T*, int64_t, int64_t, int64_t, int64_t, const KT*,
-                               const KT*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                               int64_t, float, PrefillScratch&);
+struct PrefillKernels {
+  void (*pack)(const KT*, const KT*, const int64_t*, int64_t, void*, BFloat16*);
+  void (*task)(const T*, T*, int64_t, int64_t, int64_t, int64_t, const PackedBlocks&, const KT*,
+               const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+               PrefillScratch&);
+};
 
 template <typename T, typename KT, int... Ds>
-PrefillTaskFn<T, KT> prefill_task_for(int64_t D, std::integer_sequence<int, Ds...>) {
-  PrefillTaskFn<T, KT> task = nullptr;
-  ((D == Ds ? task = prefill_attention_task<T, KT, Ds> : task), ...);
-  return task;
+PrefillKernels<T, KT> prefill_kernels_for(int64_t D, std::integer_sequence<int, Ds...>) {
+  PrefillKernels<T, KT> kernels{nullptr, nullptr};
+  ((D == Ds ? kernels = {pack_block<T, KT, Ds>, prefill_attention_task<T, KT, Ds>} : kernels),
+   ...);
+  return kernels;
 }
 
 // q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], the last
@@ -275,10 +392,45 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
                    [](const Task& a, const Task& b) { return a.keys > b.keys; });
   auto out = at::empty_like(q);
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
+  // every (sequence, KV head)'s blocks of keys, packed once for all its tasks: sequence b's
+  // from block first_block[b] of KV head 0, each KV head's after the last's
+  std::vector<int64_t> first_block(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    first_block[b + 1] = first_block[b] + KV * ((lens[b] + kKeyBlock - 1) / kKeyBlock);
+  const int64_t block_values = D * kKeyBlock;
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "prefill_attn", [&] {
     with_kv_caches<scalar_t>(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
       using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
-      const auto task = prefill_task_for<scalar_t, KT>(D, DecodeHeadDims{});
+      constexpr bool kPairs = kPairedScores<scalar_t, KT>;
+      const auto kernels = prefill_kernels_for<scalar_t, KT>(D, DecodeHeadDims{});
+      const at::Tensor keys = at::empty({first_block[B] * block_values},
+                                        q.options().dtype(kPairs ? at::kBFloat16 : at::kFloat));
+      const at::Tensor value_pairs =
+          at::empty({kPairs ? first_block[B] * block_values : 0}, q.options().dtype(at::kBFloat16));
+      const auto blocks_at = [&](int64_t block) {  // the packed blocks from this one on
+        return PackedBlocks{
+            static_cast<char*>(keys.data_ptr()) + block * block_values * keys.element_size(),
+            kPairs ? value_pairs.data_ptr<BFloat16>() + block * block_values : nullptr};
+      };
+      const int64_t width = kv_row_width<KT>(D);
+      at::parallel_for(0, first_block[B], 1, [&](int64_t u0, int64_t u1) {
+        int64_t rows[kKeyBlock];
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b =
+              std::upper_bound(first_block.begin(), first_block.end(), u) - first_block.begin() - 1;
+          const int64_t per_head = (first_block[b + 1] - first_block[b]) / KV;
+          const int64_t h = (u - first_block[b]) / per_head;
+          const int64_t k0 = (u - first_block[b]) % per_head * kKeyBlock;
+          const int64_t n = std::min<int64_t>(kKeyBlock, lens[b] - k0);
+          const int64_t* pages = tables + b * max_blocks;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t t = k0 + j, slot = pages[t / block_size] * block_size + t % block_size;
+            rows[j] = (slot * KV + h) * width;
+          }
+          const PackedBlocks to = blocks_at(u);
+          kernels.pack(kc, vc, rows, n, to.keys, to.value_pairs);
+        }
+      });
       const auto* qp = q.data_ptr<scalar_t>();
       auto* op = out.data_ptr<scalar_t>();
       std::atomic<int64_t> next{0};  // each thread takes the next task when it is done
@@ -287,9 +439,11 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
         for (int64_t i; (i = next++) < int64_t(tasks.size());) {
           const Task& t = tasks[i];
           const int64_t start = starts[t.b], chunk = starts[t.b + 1] - start;
-          task(qp + start * H * D, op + start * H * D, H * D, t.row0, t.rows, chunk, kc, vc,
-               tables + t.b * max_blocks, lens[t.b], block_size, KV, t.kv_head, group,
-               float(scale), scratch);
+          const int64_t per_head = (first_block[t.b + 1] - first_block[t.b]) / KV;
+          kernels.task(qp + start * H * D, op + start * H * D, H * D, t.row0, t.rows, chunk,
+                       blocks_at(first_block[t.b] + t.kv_head * per_head), vc,
+                       tables + t.b * max_blocks, lens[t.b], block_size, KV, t.kv_head, group,
+                       float(scale), scratch);
         }
       });
     });
