@@ -83,7 +83,10 @@ inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const 
 
 // ---- SiLU and multiply --------------------------------------------------------------------------
 
-// [T, 2I] -> [T, I]: silu(gate) * up, each op rounded to the dtype as PyTorch's two ops are.
+// [T, 2I] -> [T, I]: silu(gate) * up, each op rounded to the dtype as PyTorch's two ops are. A
+// thread takes at least kSiluValues outputs: a decode step of 16 rows through a small model's
+// MLP (I = 2048) is split, one row is not (a fork and join cost about as much as its exps).
+constexpr int64_t kSiluValues = 8192;
 inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);
   check_rows("silu_and_mul", gate_up);
@@ -91,7 +94,7 @@ inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   DISPATCH_ACTIVATION_TYPES(gate_up.scalar_type(), "silu", [&] {
     const auto* gp = gate_up.data_ptr<scalar_t>();
     auto* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T_, 16, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, T_, std::max<int64_t>(1, kSiluValues / I), [&](int64_t t0, int64_t t1) {
       const Vec one = vec::set1(1.f);
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t i = 0; i < I; i += kLanes) {
