@@ -35,7 +35,7 @@ inline std::string paged_attention_prefill_rejects(int64_t head_dim, at::ScalarT
 struct PrefillScratch {
   std::vector<float> q, scores, out, row_max, row_sum, rescale;
   std::vector<BFloat16> q_pairs, weights;  // bf16 queries and softmax weights, where paired
-  std::vector<int64_t> offsets;
+  std::vector<int64_t> offsets, seen;
 };
 
 // Whether a task's scores are bf16 dot products of pairs along the head dim (one vdpbf16ps for
@@ -148,17 +148,17 @@ inline void add_weighted_values(const float* p, const float* rescale, int64_t R,
 }
 
 // One block of the online softmax of R rows: scores [R][kKeyBlock], of which row r sees the first
-// seen(r) (overwritten past them). Each row's running maximum and sum take the block in; rescale[r]
+// seen[r] (overwritten past them). Each row's running maximum and sum take the block in; rescale[r]
 // is what the row's weighted values so far are to be multiplied by, and weights [R][kKeyBlock]
-// (fp32, which may be the scores, or bf16) get exp(score - maximum), zero past seen(r). The
+// (fp32, which may be the scores, or bf16) get exp(score - maximum), zero past seen[r]. The
 // corrections exp(old - new maximum) are computed kLanes rows at a time, and each row's sum is
 // reduced once (a scalar exp and a reduction per vector, a row, took 7-17% more time).
-template <typename Seen, typename W>
-inline void online_softmax(float* scores, int64_t R, const Seen& seen, float* row_max,
+template <typename W>
+inline void online_softmax(float* scores, int64_t R, const int64_t* seen, float* row_max,
                            float* row_sum, float* rescale, W* weights) {
   for (int64_t r = 0; r < R; ++r) {  // the new maxima, in rescale for now
     float* sr = scores + r * kKeyBlock;
-    std::fill(sr + std::max<int64_t>(seen(r), 0), sr + kKeyBlock, -INFINITY);
+    std::fill(sr + std::max<int64_t>(seen[r], 0), sr + kKeyBlock, -INFINITY);
     Vec block_max = vec::set1(row_max[r]);
     for (int64_t j = 0; j < kKeyBlock; j += kLanes) block_max = vec::max(block_max, vec::load(sr + j));
     rescale[r] = vec::reduce_max(block_max);
@@ -171,13 +171,18 @@ inline void online_softmax(float* scores, int64_t R, const Seen& seen, float* ro
   }
   for (int64_t r = 0; r < R; ++r) {
     const float* sr = scores + r * kKeyBlock;
+    W* wr = weights + r * kKeyBlock;
     const Vec m = vec::set1(row_max[r]);
     Vec sum = vec::zero();
     for (int64_t j = 0; j < kKeyBlock; j += kLanes) {
-      const Vec e = vec::exp(vec::sub(vec::load(sr + j), m));
-      const Vec kept = vec::keep_first(e, int(std::clamp<int64_t>(seen(r) - j, 0, kLanes)));
-      vec::store(weights + r * kKeyBlock + j, kept);
-      sum = vec::add(sum, kept);
+      const int64_t lanes = std::clamp<int64_t>(seen[r] - j, 0, kLanes);
+      if (lanes == 0) {  // past the row's last key (a block on the diagonal)
+        vec::store(wr + j, vec::zero());
+        continue;
+      }
+      const Vec e = vec::keep_first(vec::exp(vec::sub(vec::load(sr + j), m)), int(lanes));
+      vec::store(wr + j, e);
+      sum = vec::add(sum, e);
     }
     row_sum[r] = row_sum[r] * rescale[r] + vec::reduce_add(sum);
   }
@@ -280,7 +285,7 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
   constexpr int64_t kBlockValues = D * kKeyBlock;
   const int64_t R = rows * group, first_pos = seq_len - chunk + row0;
   const int64_t visible = first_pos + rows;  // the last row's keys: 0 .. visible - 1
-  s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock), s.rescale.resize(R);
+  s.out.assign(R * D, 0.f), s.scores.resize(R * kKeyBlock), s.rescale.resize(R), s.seen.resize(R);
   s.row_max.assign(R, -INFINITY), s.row_sum.assign(R, 0.f);
   // query vector r: position row0 + r / group, head kv_head * group + r % group
   const auto query = [&](int64_t r) {
@@ -308,18 +313,19 @@ void prefill_attention_task(const T* q, T* out, int64_t stride, int64_t row0, in
     else
       block_scores<D>(s.q.data(), R, static_cast<const float*>(blocks.keys) + block * kBlockValues,
                       s.scores.data());
-    const auto seen = [&](int64_t r) {  // row r's keys in the block: causal, and the block's
-      return std::min(n, first_pos + r / group + 1 - k0);
-    };
+    // each row's keys in the block (causal, and the block's): position i's group of rows sees
+    // first_pos + i + 1 - k0
+    for (int64_t i = 0, r = 0; i < rows; ++i)
+      for (int64_t h = 0; h < group; ++h, ++r) s.seen[r] = std::min(n, first_pos + i + 1 - k0);
     if constexpr (kPairs) {
-      online_softmax(s.scores.data(), R, seen, s.row_max.data(), s.row_sum.data(),
+      online_softmax(s.scores.data(), R, s.seen.data(), s.row_max.data(), s.row_sum.data(),
                      s.rescale.data(), s.weights.data());
     } else {
-      online_softmax(s.scores.data(), R, seen, s.row_max.data(), s.row_sum.data(),
+      online_softmax(s.scores.data(), R, s.seen.data(), s.row_max.data(), s.row_sum.data(),
                      s.rescale.data(), s.scores.data());
       if constexpr (std::is_same_v<KT, int8_t>)  // each value row's scale, into its weight
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = 0; j < seen(r); ++j)
+          for (int64_t j = 0; j < s.seen[r]; ++j)
             s.scores[r * kKeyBlock + j] *= kv_row_scale(v_cache + s.offsets[k0 + j], D);
     }
     if constexpr (kPairs)
