@@ -113,13 +113,21 @@ inline void block_scores_pairs(const BFloat16* q, int64_t R, const BFloat16* key
   for (; r < R; ++r) rows(r, std::integral_constant<int, 1>{});
 }
 
-// out[r] = out[r] * rescale[r] + sum_j p[r][j] v_j for R rows, over the n <= kKeyBlock values of
-// the block (value j at v_cache + offsets[j], a scale per row from an INT8 cache folded into p).
-template <typename KT, int D>
-inline void add_weighted_values(const float* p, const float* rescale, int64_t R, const KT* v_cache,
-                                const int64_t* offsets, int64_t n, float* out) {
-  constexpr int DV = D / kLanes, DC = largest_divisor_at_most(DV, vec::kRegisters / 4);
-  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - DC) / DC);  // beside the values
+// The weighted values' register tiles: kValueTileRows rows x kValueTileDims vectors of the head,
+// within three quarters of the target's registers beside a key's kValueTileDims values.
+template <int D>
+constexpr int kValueTileDims = largest_divisor_at_most(D / kLanes, vec::kRegisters / 4);
+template <int D>
+constexpr int kValueTileRows =
+    std::max(1, (vec::kRegisters * 3 / 4 - kValueTileDims<D>) / kValueTileDims<D>);
+
+// out[r] = out[r] * rescale[r] + (the block's weighted values of row r) for R rows [R][D], a tile
+// at a time: add_block(acc, r0, rows, d0) adds the block's products for rows r0 .. r0 + rows - 1
+// and the tile's vectors from d0 into acc [kValueTileRows][kValueTileDims].
+template <int D, typename AddBlock>
+inline void add_to_value_tiles(const float* rescale, int64_t R, float* out,
+                               const AddBlock& add_block) {
+  constexpr int DV = D / kLanes, DC = kValueTileDims<D>, RB = kValueTileRows<D>;
   for (int d0 = 0; d0 < DV; d0 += DC) {
     for (int64_t r0 = 0; r0 < R; r0 += RB) {
       const int64_t rows = std::min<int64_t>(RB, R - r0);
@@ -130,21 +138,32 @@ inline void add_weighted_values(const float* p, const float* rescale, int64_t R,
         for (int d = 0; d < DC; ++d)
           acc[i][d] = vec::mul(vec::load(out + (r0 + i) * D + (d0 + d) * kLanes), c);
       }
-      for (int64_t j = 0; j < n; ++j) {
-        Vec vv[DC];
-        for (int d = 0; d < DC; ++d) vv[d] = vec::load(v_cache + offsets[j] + (d0 + d) * kLanes);
-        for (int i = 0; i < RB; ++i) {
-          if (i >= rows) break;
-          const Vec w = vec::set1(p[(r0 + i) * kKeyBlock + j]);
-          for (int d = 0; d < DC; ++d) acc[i][d] = vec::fmadd(w, vv[d], acc[i][d]);
-        }
-      }
+      add_block(acc, r0, rows, d0);
       for (int i = 0; i < RB; ++i) {
         if (i >= rows) break;
         for (int d = 0; d < DC; ++d) vec::store(out + (r0 + i) * D + (d0 + d) * kLanes, acc[i][d]);
       }
     }
   }
+}
+
+// out[r] = out[r] * rescale[r] + sum_j p[r][j] v_j for R rows, over the n <= kKeyBlock values of
+// the block (value j at v_cache + offsets[j], a scale per row from an INT8 cache folded into p).
+template <typename KT, int D>
+inline void add_weighted_values(const float* p, const float* rescale, int64_t R, const KT* v_cache,
+                                const int64_t* offsets, int64_t n, float* out) {
+  constexpr int DC = kValueTileDims<D>, RB = kValueTileRows<D>;
+  add_to_value_tiles<D>(rescale, R, out, [&](Vec (&acc)[RB][DC], int64_t r0, int64_t rows, int d0) {
+    for (int64_t j = 0; j < n; ++j) {
+      Vec vv[DC];
+      for (int d = 0; d < DC; ++d) vv[d] = vec::load(v_cache + offsets[j] + (d0 + d) * kLanes);
+      for (int i = 0; i < RB; ++i) {
+        if (i >= rows) break;
+        const Vec w = vec::set1(p[(r0 + i) * kKeyBlock + j]);
+        for (int d = 0; d < DC; ++d) acc[i][d] = vec::fmadd(w, vv[d], acc[i][d]);
+      }
+    }
+  });
 }
 
 // One block of the online softmax of R rows: scores [R][kKeyBlock], of which row r sees the first
@@ -194,34 +213,19 @@ inline void online_softmax(float* scores, int64_t R, const int64_t* seen, float*
 template <int D>
 inline void add_weighted_value_pairs(const BFloat16* p, const float* rescale, int64_t R,
                                      const BFloat16* value_pairs, int64_t n, float* out) {
-  constexpr int DV = D / kLanes, DC = largest_divisor_at_most(DV, vec::kRegisters / 4);
-  constexpr int RB = std::max(1, (vec::kRegisters * 3 / 4 - DC) / DC);  // beside the values
-  for (int d0 = 0; d0 < DV; d0 += DC) {
-    for (int64_t r0 = 0; r0 < R; r0 += RB) {
-      const int64_t rows = std::min<int64_t>(RB, R - r0);
-      Vec acc[RB][DC];
+  constexpr int DV = D / kLanes, DC = kValueTileDims<D>, RB = kValueTileRows<D>;
+  add_to_value_tiles<D>(rescale, R, out, [&](Vec (&acc)[RB][DC], int64_t r0, int64_t rows, int d0) {
+    for (int64_t j = 0; j < n; j += 2) {
+      vec::Bf16Pairs vv[DC];
+      for (int d = 0; d < DC; ++d)
+        vv[d] = vec::load_pairs(value_pairs + (j / 2 * DV + d0 + d) * 2 * kLanes);
       for (int i = 0; i < RB; ++i) {
         if (i >= rows) break;
-        const Vec c = vec::set1(rescale[r0 + i]);
-        for (int d = 0; d < DC; ++d)
-          acc[i][d] = vec::mul(vec::load(out + (r0 + i) * D + (d0 + d) * kLanes), c);
-      }
-      for (int64_t j = 0; j < n; j += 2) {
-        vec::Bf16Pairs vv[DC];
-        for (int d = 0; d < DC; ++d)
-          vv[d] = vec::load_pairs(value_pairs + (j / 2 * DV + d0 + d) * 2 * kLanes);
-        for (int i = 0; i < RB; ++i) {
-          if (i >= rows) break;
-          const vec::Bf16Pairs w = vec::set1_pair(p + (r0 + i) * kKeyBlock + j);
-          for (int d = 0; d < DC; ++d) acc[i][d] = vec::dot_pairs(acc[i][d], w, vv[d]);
-        }
-      }
-      for (int i = 0; i < RB; ++i) {
-        if (i >= rows) break;
-        for (int d = 0; d < DC; ++d) vec::store(out + (r0 + i) * D + (d0 + d) * kLanes, acc[i][d]);
+        const vec::Bf16Pairs w = vec::set1_pair(p + (r0 + i) * kKeyBlock + j);
+        for (int d = 0; d < DC; ++d) acc[i][d] = vec::dot_pairs(acc[i][d], w, vv[d]);
       }
     }
-  }
+  });
 }
 
 // One block of a KV head's keys as every task of the call reads it (each task once transposed its
