@@ -202,6 +202,31 @@ def test_rotary_and_a_write_into_an_int8_kv_cache_equal_reference(
         )
 
 
+@pytest.mark.parametrize("kernel_set", TARGETS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_prefill_attention_run_in_rounds_of_packed_blocks_gets_the_same_bits(
+    kernel_set, dtype, cache_dtype
+):
+    # a call packs its sequences' keys (and values) once for all their tasks; where that would
+    # take more than its budget it runs them in rounds (a budget of 1 byte: each sequence alone),
+    # and every row must come out the same
+    lens, query_lens = [70, 130, 17, 95], [70, 40, 17, 20]
+    q, kc, vc, meta = paged_batch(
+        lens, query_lens, 16, 8, 2, 64, dtype, seed=5, cache_dtype=cache_dtype
+    )
+    args = (
+        q, kc, vc, meta.block_tables, torch.tensor(lens), torch.tensor(meta.query_start_loc), 0.125
+    )  # fmt: skip
+    prefill = _device(kernel_set).native.paged_attention_prefill
+    whole = prefill(*args)
+    assert torch.equal(prefill(*args, pack_bytes=1), whole)
+    if cache_dtype is None:
+        torch.testing.assert_close(
+            whole, kernels.paged_attention(q, kc, vc, meta, scale=0.125), **_tol(dtype)
+        )
+
+
 @pytest.mark.parametrize("kernel_set", KERNEL_SETS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (12, 2, 64), (32, 2, 128)])

@@ -64,7 +64,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_write_kv", &rotary_and_write_kv);
   m.attr("FEW_QUERY_ROWS") = kFewQueryRows;
   m.def("paged_attention_decode", &paged_attention_decode);
-  m.def("paged_attention_prefill", &paged_attention_prefill);
+  m.def("paged_attention_prefill", &paged_attention_prefill, pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"), pybind11::arg("scale"),
+        pybind11::arg("pack_bytes") = kPackBytes);
   m.def("argmax_rows", &argmax_rows);
   m.def("categorical_rows", &categorical_rows);
 #if PAGEDSERVE_HAS_INT4

@@ -23,6 +23,10 @@ namespace pagedserve {
 
 constexpr int kKeyBlock = 4 * kLanes;  // a score tile's width: 4 vectors
 constexpr int64_t kPrefillRows = 16;   // query positions a task takes
+// The most bytes of packed keys and values a call holds at once (paged_attention_prefill's
+// rounds), beyond one sequence's: GLM-4-9B's two KV heads of a 128K-token context in bf16 take
+// 128 MiB.
+constexpr int64_t kPackBytes = int64_t{256} << 20;
 
 // What paged_attention_prefill takes: the head dims decode attention is compiled for, queries in
 // an activation dtype. The kernel checks its input with it, and the Python dispatch (CpuDevice)
@@ -179,12 +183,14 @@ inline void online_softmax(float* scores, int64_t R, const int64_t* seen, float*
     float* sr = scores + r * kKeyBlock;
     std::fill(sr + std::max<int64_t>(seen[r], 0), sr + kKeyBlock, -INFINITY);
     Vec block_max = vec::set1(row_max[r]);
-    for (int64_t j = 0; j < kKeyBlock; j += kLanes) block_max = vec::max(block_max, vec::load(sr + j));
+    for (int64_t j = 0; j < kKeyBlock; j += kLanes)
+      block_max = vec::max(block_max, vec::load(sr + j));
     rescale[r] = vec::reduce_max(block_max);
   }
   for (int64_t r = 0; r < R; r += kLanes) {  // (every row sees key 0: each maximum is finite)
     const int left = int(std::min<int64_t>(kLanes, R - r));
-    const Vec old_max = vec::load_first(row_max + r, left), new_max = vec::load_first(rescale + r, left);
+    const Vec old_max = vec::load_first(row_max + r, left);
+    const Vec new_max = vec::load_first(rescale + r, left);
     vec::store_first(rescale + r, vec::exp(vec::sub(old_max, new_max)), left);
     vec::store_first(row_max + r, new_max, left);
   }
@@ -365,12 +371,14 @@ PrefillKernels<T, KT> prefill_kernels_for(int64_t D, std::integer_sequence<int, 
 
 // q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], the last
 // positions of its context of seq_lens[b] tokens (all of them a prefill chunk's). The caches are
-// in q's dtype, or INT8 rows (codes and scale) read as they are.
+// in q's dtype, or INT8 rows (codes and scale) read as they are. pack_bytes: the most bytes of
+// packed blocks held at once (kPackBytes; a test asks for less, to run a call in rounds).
 inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor& k_cache,
                                           const at::Tensor& v_cache,
                                           const at::Tensor& block_tables,
                                           const at::Tensor& seq_lens,
-                                          const at::Tensor& query_start_loc, double scale) {
+                                          const at::Tensor& query_start_loc, double scale,
+                                          int64_t pack_bytes = kPackBytes) {
   const int64_t H = q.size(1), D = q.size(2), B = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
   const bool int8_cache = k_cache.scalar_type() == at::kChar;
@@ -402,60 +410,84 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
                    [](const Task& a, const Task& b) { return a.keys > b.keys; });
   auto out = at::empty_like(q);
   const int64_t max_blocks = block_tables.size(1), group = H / KV;
-  // every (sequence, KV head)'s blocks of keys, packed once for all its tasks: sequence b's
-  // from block first_block[b] of KV head 0, each KV head's after the last's
-  std::vector<int64_t> first_block(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b)
-    first_block[b + 1] = first_block[b] + KV * ((lens[b] + kKeyBlock - 1) / kKeyBlock);
   const int64_t block_values = D * kKeyBlock;
+  // the sequences in the order of their longest task
+  std::vector<int64_t> sequences;
+  std::vector<bool> listed(B, false);
+  for (const Task& t : tasks)
+    if (!listed[t.b]) listed[t.b] = true, sequences.push_back(t.b);
   DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "prefill_attn", [&] {
     with_kv_caches<scalar_t>(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
       using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
       constexpr bool kPairs = kPairedScores<scalar_t, KT>;
       const auto kernels = prefill_kernels_for<scalar_t, KT>(D, DecodeHeadDims{});
-      const at::Tensor keys = at::empty({first_block[B] * block_values},
-                                        q.options().dtype(kPairs ? at::kBFloat16 : at::kFloat));
-      const at::Tensor value_pairs =
-          at::empty({kPairs ? first_block[B] * block_values : 0}, q.options().dtype(at::kBFloat16));
-      const auto blocks_at = [&](int64_t block) {  // the packed blocks from this one on
-        return PackedBlocks{
-            static_cast<char*>(keys.data_ptr()) + block * block_values * keys.element_size(),
-            kPairs ? value_pairs.data_ptr<BFloat16>() + block * block_values : nullptr};
-      };
       const int64_t width = kv_row_width<KT>(D);
-      at::parallel_for(0, first_block[B], 1, [&](int64_t u0, int64_t u1) {
-        int64_t rows[kKeyBlock];
-        for (int64_t u = u0; u < u1; ++u) {
-          const int64_t b =
-              std::upper_bound(first_block.begin(), first_block.end(), u) - first_block.begin() - 1;
-          const int64_t per_head = (first_block[b + 1] - first_block[b]) / KV;
-          const int64_t h = (u - first_block[b]) / per_head;
-          const int64_t k0 = (u - first_block[b]) % per_head * kKeyBlock;
-          const int64_t n = std::min<int64_t>(kKeyBlock, lens[b] - k0);
-          const int64_t* pages = tables + b * max_blocks;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t t = k0 + j, slot = pages[t / block_size] * block_size + t % block_size;
-            rows[j] = (slot * KV + h) * width;
-          }
-          const PackedBlocks to = blocks_at(u);
-          kernels.pack(kc, vc, rows, n, to.keys, to.value_pairs);
-        }
-      });
+      const int64_t key_bytes = kPairs ? sizeof(BFloat16) : sizeof(float);
+      const int64_t block_bytes = block_values * (kPairs ? 2 * sizeof(BFloat16) : sizeof(float));
+      const auto blocks_of = [&](int64_t b) {  // a sequence's blocks, of all its KV heads
+        return KV * ((lens[b] + kKeyBlock - 1) / kKeyBlock);
+      };
       const auto* qp = q.data_ptr<scalar_t>();
       auto* op = out.data_ptr<scalar_t>();
-      std::atomic<int64_t> next{0};  // each thread takes the next task when it is done
-      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        thread_local PrefillScratch scratch;
-        for (int64_t i; (i = next++) < int64_t(tasks.size());) {
-          const Task& t = tasks[i];
-          const int64_t start = starts[t.b], chunk = starts[t.b + 1] - start;
-          const int64_t per_head = (first_block[t.b + 1] - first_block[t.b]) / KV;
-          kernels.task(qp + start * H * D, op + start * H * D, H * D, t.row0, t.rows, chunk,
-                       blocks_at(first_block[t.b] + t.kv_head * per_head), vc,
-                       tables + t.b * max_blocks, lens[t.b], block_size, KV, t.kv_head, group,
-                       float(scale), scratch);
+      // Rounds of sequences: each packs its sequences' blocks (every KV head's of a sequence
+      // after the last's), then runs their tasks. A round packs at most pack_bytes, or one
+      // sequence's blocks: without rounds, a call over many long contexts would hold a copy of a
+      // layer's keys and values of them all.
+      std::vector<int64_t> round, first_block, slot(B), round_of(B, -1);
+      for (size_t next = 0, rounds = 0; next < sequences.size(); ++rounds) {
+        round.assign(1, sequences[next++]);
+        int64_t packed = blocks_of(round[0]);
+        while (next < sequences.size() &&
+               (packed + blocks_of(sequences[next])) * block_bytes <= pack_bytes)
+          packed += blocks_of(sequences[next]), round.push_back(sequences[next++]);
+        first_block.assign(1, 0);
+        for (const int64_t b : round) {
+          slot[b] = first_block.back(), round_of[b] = int64_t(rounds);
+          first_block.push_back(first_block.back() + blocks_of(b));
         }
-      });
+        const at::Tensor keys =
+            at::empty({packed * block_values * key_bytes}, q.options().dtype(at::kByte));
+        const at::Tensor value_pairs =
+            at::empty({kPairs ? packed * block_values : 0}, q.options().dtype(at::kBFloat16));
+        const auto blocks_at = [&](int64_t block) {  // the round's packed blocks from this one on
+          return PackedBlocks{
+              keys.data_ptr<uint8_t>() + block * block_values * key_bytes,
+              kPairs ? value_pairs.data_ptr<BFloat16>() + block * block_values : nullptr};
+        };
+        at::parallel_for(0, packed, 1, [&](int64_t u0, int64_t u1) {
+          int64_t rows[kKeyBlock];
+          for (int64_t u = u0; u < u1; ++u) {
+            const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), u) -
+                              first_block.begin() - 1;
+            const int64_t b = round[i], per_head = blocks_of(b) / KV;
+            const int64_t h = (u - first_block[i]) / per_head;
+            const int64_t k0 = (u - first_block[i]) % per_head * kKeyBlock;
+            const int64_t n = std::min<int64_t>(kKeyBlock, lens[b] - k0);
+            const int64_t* pages = tables + b * max_blocks;
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t t = k0 + j;
+              rows[j] = ((pages[t / block_size] * block_size + t % block_size) * KV + h) * width;
+            }
+            const PackedBlocks to = blocks_at(u);
+            kernels.pack(kc, vc, rows, n, to.keys, to.value_pairs);
+          }
+        });
+        std::vector<const Task*> round_tasks;  // (longest first, as the call's)
+        for (const Task& t : tasks)
+          if (round_of[t.b] == int64_t(rounds)) round_tasks.push_back(&t);
+        std::atomic<int64_t> next_task{0};  // each thread takes the next task when it is done
+        at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+          thread_local PrefillScratch scratch;
+          for (int64_t i; (i = next_task++) < int64_t(round_tasks.size());) {
+            const Task& t = *round_tasks[i];
+            const int64_t start = starts[t.b], chunk = starts[t.b + 1] - start;
+            kernels.task(qp + start * H * D, op + start * H * D, H * D, t.row0, t.rows, chunk,
+                         blocks_at(slot[t.b] + t.kv_head * blocks_of(t.b) / KV), vc,
+                         tables + t.b * max_blocks, lens[t.b], block_size, KV, t.kv_head, group,
+                         float(scale), scratch);
+          }
+        });
+      }
     });
   });
   return out;
