@@ -85,7 +85,7 @@ inline at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const 
 
 // [T, 2I] -> [T, I]: silu(gate) * up, each op rounded to the dtype as PyTorch's two ops are. A
 // thread takes at least kSiluValues outputs: a decode step of 16 rows through a small model's
-// MLP (I = 2048) is split, one row is not (a fork and join cost about as much as its exps).
+// MLP (I = 2048) is split between the threads, a few rows are not.
 constexpr int64_t kSiluValues = 8192;
 inline at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2, T_ = gate_up.numel() / (2 * I);
