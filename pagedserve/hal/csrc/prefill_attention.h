@@ -4,12 +4,13 @@
 // A task is one (sequence, KV head, block of query positions): the block's positions times the
 // KV head's group of query heads make one matrix of query vectors that reads each key and value
 // of the KV head once (GQA's reuse). Keys come in blocks of kKeyBlock, which each call packs once
-// for all its tasks (pack_block): transposed into fp32 columns, or bf16 pairs along the head dim
-// (kPairedScores), with the values then as pairs of keys. The scores of every query vector with a
-// block are a small GEMM (register tiles of rows x 4 vectors of keys), an online softmax keeps
-// each row's running maximum and sum (FlashAttention's), and the weighted values add into fp32
-// outputs (register tiles of rows x up to 8 vectors of the head). Row i of a chunk of L rows in a
-// context of C tokens sees keys 0 .. C - L + i. Threads take the tasks, longest context first.
+// for all its tasks (pack_block; in rounds of sequences, at most kPackBytes a round): transposed
+// into fp32 columns, or bf16 pairs along the head dim (kPairedScores), with the values then as
+// pairs of keys. The scores of every query vector with a block are a small GEMM (register tiles
+// of rows x 4 vectors of keys), an online softmax keeps each row's running maximum and sum
+// (FlashAttention's), and the weighted values add into fp32 outputs (register tiles of rows x up
+// to 8 vectors of the head). Row i of a chunk of L rows in a context of C tokens sees keys
+// 0 .. C - L + i. Threads take the tasks, longest context first.
 #pragma once
 
 #include <algorithm>
