@@ -33,16 +33,23 @@ void with_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
     fn(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
 }
 
-// Where each token's key (and value) of one KV head starts in the caches (rows of `width`
-// elements), page by page.
+// Where tokens first .. first + count - 1 of one KV head start in the caches (rows of `width`
+// elements), page by page, into offsets[0 .. count).
+inline void token_offsets(const int64_t* pages, int64_t first, int64_t count, int64_t block_size,
+                          int64_t num_kv_heads, int64_t kv_head, int64_t width,
+                          int64_t* offsets) {
+  for (int64_t i = 0, b = first / block_size, in_page = first % block_size; i < count;
+       ++b, in_page = 0)
+    for (int64_t slot = pages[b] * block_size + in_page;
+         slot < (pages[b] + 1) * block_size && i < count; ++slot, ++i)
+      offsets[i] = (slot * num_kv_heads + kv_head) * width;
+}
+// ... of every token of a context of seq_len, into offsets (resized).
 inline void token_offsets(const int64_t* pages, int64_t seq_len, int64_t block_size,
                           int64_t num_kv_heads, int64_t kv_head, int64_t width,
                           std::vector<int64_t>& offsets) {
   offsets.resize(seq_len);
-  for (int64_t t = 0, b = 0; t < seq_len; ++b)
-    for (int64_t slot = pages[b] * block_size; slot < (pages[b] + 1) * block_size && t < seq_len;
-         ++slot, ++t)
-      offsets[t] = (slot * num_kv_heads + kv_head) * width;
+  token_offsets(pages, 0, seq_len, block_size, num_kv_heads, kv_head, width, offsets.data());
 }
 
 // q . k for kLanes tokens at once (fewer at the end of the context: n). bf16: exact products of

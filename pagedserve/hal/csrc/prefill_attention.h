@@ -464,11 +464,7 @@ inline at::Tensor paged_attention_prefill(const at::Tensor& q, const at::Tensor&
             const int64_t h = (u - first_block[i]) / per_head;
             const int64_t k0 = (u - first_block[i]) % per_head * kKeyBlock;
             const int64_t n = std::min<int64_t>(kKeyBlock, lens[b] - k0);
-            const int64_t* pages = tables + b * max_blocks;
-            for (int64_t j = 0; j < n; ++j) {
-              const int64_t t = k0 + j;
-              rows[j] = ((pages[t / block_size] * block_size + t % block_size) * KV + h) * width;
-            }
+            token_offsets(tables + b * max_blocks, k0, n, block_size, KV, h, width, rows);
             const PackedBlocks to = blocks_at(u);
             kernels.pack(kc, vc, rows, n, to.keys, to.value_pairs);
           }
