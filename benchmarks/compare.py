@@ -55,6 +55,14 @@ PROMPT_LEN, NEW_TOKENS, REPEATS = 32, 64, 5
 OFFLINE_PROMPTS = 16
 PP_TOKENS = 512  # prompt processing: one prompt of this many tokens, in one step
 LONG_CONTEXT = 1536  # decode after a prompt of this many tokens
+WORKLOAD = {  # (recorded with the figures)
+    "prompt_processing_tokens": PP_TOKENS,
+    "batch1_prompt_tokens": PROMPT_LEN,
+    "new_tokens": NEW_TOKENS,
+    "long_context_tokens": LONG_CONTEXT,
+    "offline_prompts": OFFLINE_PROMPTS,
+    "repeats": REPEATS,
+}
 
 
 # ---- workers (each runs in its own process: `compare.py --worker NAME ...`) ---------------------
@@ -383,6 +391,7 @@ def report(runs: list[dict], args: argparse.Namespace, kernels: str, llama_build
         "llama_cpp_build": llama_build,
         "transformers_dtype": args.transformers_dtype,
         "lm_head": args.lm_head,
+        "workload": WORKLOAD,
         "runs": runs,
         "summary": {},
     }
