@@ -1,7 +1,7 @@
 """Executors: how rank 0's steps reach the other tensor-parallel ranks (vLLM's executor classes).
 
 ``Executor`` (tp 1) runs each step on the one card. ``MultiprocExecutor`` (tp > 1) starts the
-ranks of this machine with torch.multiprocessing (spawn), joins torch.distributed's rendezvous
+ranks of this machine with torch.multiprocessing (spawn, or a forkserver: ``rank_context``), joins torch.distributed's rendezvous
 (gloo on CPU and kunlun-emu, nccl on CUDA; ``--dist-init-addr`` across machines) and, each step,
 broadcasts the scheduler's decisions as one compact ``ModelInput`` (token ids, positions, slot
 mapping, block tables, logits rows, page copies) before rank 0 runs its own shard. Every rank's
@@ -48,6 +48,15 @@ GROUP_TIMEOUT = timedelta(days=30)  # an idle worker waits this long for rank 0'
 JOIN_TIMEOUT_S = 10.0
 JOIN_POLL_S = 0.05  # how often rank 0 looks at the rendezvous and its ranks while they join
 JOINED_KEY = "pagedserve/joined"  # in the TCP store: how many ranks other than 0 have arrived
+# How the ranks of this machine start (PAGEDSERVE_WORKER_MULTIPROC_METHOD, as vLLM's
+# VLLM_WORKER_MULTIPROC_METHOD): "spawn", a fresh interpreter per rank, or "forkserver", a fork of
+# one server process that imported torch and this module once. A rank's imports take 4-5 s of a
+# core on a 2-core Zen 3, so a process that starts engine after engine (a notebook, a test suite)
+# pays them once with the forkserver. Either way a rank re-imports the main module (SPAWN_HINT)
+# and runs in the environment that its engine started in.
+START_METHOD_ENV = "PAGEDSERVE_WORKER_MULTIPROC_METHOD"
+START_METHODS = ("spawn", "forkserver")
+
 SPAWN_HINT = (
     "Tensor-parallel ranks are processes started with multiprocessing's spawn, which re-imports "
     "the program's main module first: run the program from a script file (not from standard "
@@ -148,12 +157,12 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start_ranks(self, log_level: str) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx, environ = rank_context()
         for rank in range(1, self.config.parallel.ranks_per_node):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=run_worker,
-                args=(self.config, rank, self.address, child, log_level),
+                args=(self.config, rank, self.address, child, log_level, environ),
                 name=f"pagedserve-tp-rank-{rank}",
                 daemon=True,
             )
@@ -469,15 +478,35 @@ def _free_port() -> int:
 
 
 # ---- the other ranks --------------------------------------------------------------------------
+def rank_context() -> tuple[multiprocessing.context.BaseContext, dict[str, str] | None]:
+    """The multiprocessing context that starts this machine's ranks (START_METHOD_ENV), and the
+    environment a forked rank takes on: a forkserver keeps the one it started in."""
+    method = os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(
+            f"{START_METHOD_ENV}={method!r}: choose one of {', '.join(START_METHODS)} (or unset it)"
+        )
+    ctx = torch.multiprocessing.get_context(method)
+    if method == "spawn":
+        return ctx, None
+    ctx.set_forkserver_preload([__name__])
+    return ctx, dict(os.environ)
+
+
 def run_worker(
     config: EngineConfig,
     rank: int,
     address: str,
     conn: multiprocessing.connection.Connection | None = None,
     log_level: str = "info",
+    environ: dict[str, str] | None = None,
 ) -> None:
     """A rank's process (or a node's first rank, in ``serve --node-rank N``): join, load its
-    shard, report to ``conn`` (rank 0's end, on the same machine), then run steps until STOP."""
+    shard, report to ``conn`` (rank 0's end, on the same machine), then run steps until STOP.
+    ``environ``: the starting engine's environment, for a rank forked from a forkserver."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     if conn is not None:  # the engine core owns this process's lifetime
         conn.send(("started",))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -551,11 +580,11 @@ def serve_node(config: EngineConfig, log_level: str = "info") -> int:
     parallel = config.parallel
     check_parallel_config(config, UsageContext.OPENAI_API_SERVER)
     first = parallel.node_rank * parallel.ranks_per_node
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx, environ = rank_context()
     procs = [
         ctx.Process(
             target=run_worker,
-            args=(config, rank, parallel.dist_init_addr, None, log_level),
+            args=(config, rank, parallel.dist_init_addr, None, log_level, environ),
             daemon=True,
         )
         for rank in range(first + 1, first + parallel.ranks_per_node)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
@@ -225,14 +226,43 @@ def test_each_local_rank_starts_as_a_spawned_daemon_holding_its_end_of_a_pipe(mo
     e._start_ranks("warning")
     assert [m for m, _ in made] == ["spawn", "spawn"]
     for rank, (_, kwargs) in zip((1, 2), made, strict=True):
-        config, r, address, child, log_level = kwargs["args"]
+        config, r, address, child, log_level, environ = kwargs["args"]
         assert kwargs["target"] is ex.run_worker and kwargs["daemon"] is True
         assert kwargs["name"] == f"pagedserve-tp-rank-{rank}"
         assert (config, r, address, log_level) == (e.config, rank, "h:1", "warning")
+        assert environ is None  # a spawned rank inherits the environment of the moment itself
         assert child.closed  # the rank's end, closed here once the rank has it
         assert e.procs[rank].started and e.reports[rank] == []
         e.conns[rank].close()
     assert list(e.procs) == list(e.conns) == [1, 2]
+
+
+def test_with_a_forkserver_each_rank_takes_on_the_environment_its_engine_started_in(monkeypatch):
+    made, preloads = [], []
+
+    class Ctx:
+        def __init__(self, method):
+            self.method = method
+
+        def set_forkserver_preload(self, modules):
+            preloads.append(modules)
+
+        def Pipe(self):
+            return multiprocessing.Pipe()
+
+        def Process(self, **kwargs):
+            made.append((self.method, kwargs["args"][-1]))
+            return _Proc(pid=100 + len(made))
+
+    monkeypatch.setattr(ex.torch.multiprocessing, "get_context", Ctx)
+    monkeypatch.setenv(ex.START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv("PAGEDSERVE_PROBE", "set after the forkserver may have started")
+    e = _executor(0, dist_init_addr="h:1")
+    e.config = _config(tensor_parallel_size=2, dist_init_addr="h:1")
+    e.address = "h:1"
+    e._start_ranks("info")
+    assert made == [("forkserver", dict(os.environ))] and preloads == [[ex.__name__]]
+    e.conns[1].close()
 
 
 def test_rank_0_joins_the_rendezvous_on_its_cards_backend_watching_its_ranks(monkeypatch):
@@ -1063,8 +1093,9 @@ def test_a_node_other_than_0_starts_its_ranks_and_runs_its_first_itself(monkeypa
     assert ex.serve_node(config, "warning") == 0
     assert calls == [("check", config, SERVER), ("run", config, 3, "h:29500")]
     assert [k["args"] for k in made] == [
-        (config, 4, "h:29500", None, "warning"), (config, 5, "h:29500", None, "warning")
-    ]  # fmt: skip
+        (config, 4, "h:29500", None, "warning", None),
+        (config, 5, "h:29500", None, "warning", None),
+    ]
     assert all(k["target"] is ex.run_worker and k["daemon"] is True for k in made)
 
 
@@ -1087,7 +1118,7 @@ def test_a_nodes_ranks_are_started_before_its_first_and_joined_after_it(monkeypa
     config = _config(tensor_parallel_size=2, nnodes=1, dist_init_addr="h:1")
     assert ex.serve_node(config) == 0
     assert seen == [[True]] and procs[0].joins == [JOIN_TIMEOUT_S]
-    assert args == [(config, 1, "h:1", None, "info")]  # the default log level
+    assert args == [(config, 1, "h:1", None, "info", None)]  # the default log level
 
 
 def test_every_message_lives_in_the_cards_own_memory_on_both_ends(monkeypatch):

@@ -27,7 +27,7 @@ import torch.multiprocessing
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.config import EngineConfig, UsageContext
-from pagedserve.engine.executor import check_parallel_config
+from pagedserve.engine.executor import START_METHOD_ENV, check_parallel_config, rank_context
 from pagedserve.engine.memory_plan import weight_bytes
 from pagedserve.hal import load_device_preset
 from pagedserve.models import load_config, load_state_dict
@@ -62,6 +62,15 @@ def no_rank_outlives_its_test():
     if group:
         dist.destroy_process_group()
     assert not ranks and not group, f"left behind: ranks {ranks}, a process group: {group}"
+
+
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """The ranks of this process's engines fork from one forkserver that imported torch once
+    (START_METHOD_ENV): a rank starts in a fraction of a second instead of the 4-5 s of a core
+    that spawn's fresh interpreter takes on a 2-core Zen 3, and the file's in-process engines
+    start about 20 ranks. The scripts and servers below keep the default, spawn."""
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
 
 
 # ---- cards ------------------------------------------------------------------------------------
@@ -267,8 +276,9 @@ def _collectives(rank: int, address: str, results) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_device_collectives_combine_the_ranks_and_count_the_bytes_sent():
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx, _ = rank_context()  # forkserver: the forked_ranks fixture's, for the same reason
     results = ctx.Queue()
     address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_collectives, args=(r, address, results)) for r in range(2)]
@@ -328,6 +338,7 @@ def _greedy(path, **kwargs) -> list[list[int]]:
         ("glm4", 4, {}),  # 2 KV heads over 4 ranks: each KV head on two ranks
     ],
 )
+@pytest.mark.usefixtures("forked_ranks")
 def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(tp_model_dirs, arch, tp, kwargs):
     reference = _greedy(tp_model_dirs[arch], **kwargs)
     with _llm(tp_model_dirs[arch], tensor_parallel_size=tp, **kwargs) as llm:
@@ -338,6 +349,7 @@ def test_greedy_tokens_at_tensor_parallel_size_equal_one_card(tp_model_dirs, arc
         assert llm.llm_engine.get_stats()["collective_bytes_sent_total"] > 0
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs, tmp_path):
     import argparse
 
@@ -349,6 +361,7 @@ def test_an_autoawq_checkpoint_shards_and_keeps_tp_1_greedy_tokens(tp_model_dirs
     assert _greedy(tmp_path / "awq", tensor_parallel_size=2) == _greedy(tmp_path / "awq")
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_swapped_pages_move_on_every_rank_and_keep_tp_1_greedy_tokens(tp_model_dirs):
     """Every rank holds the same pages of its own KV heads, so each step's swaps run on each."""
     from tests.helpers.models import host_tier_gib
@@ -379,6 +392,7 @@ def test_swapped_pages_move_on_every_rank_and_keep_tp_1_greedy_tokens(tp_model_d
     assert outs[2] == outs[1]
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_bf16_logprobs_at_tp_2_stay_close_to_tp_1(tp_model_dirs):
     from tests.helpers.models import prompt_logprobs
 
@@ -458,6 +472,7 @@ def _greedy_outputs(path, **kwargs):
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("quant", DENSE_AND_INT4)
+@pytest.mark.usefixtures("forked_ranks")
 def test_an_odd_vocabulary_gives_one_cards_greedy_tokens_and_logprobs(
     odd_vocab_dir, odd_vocab_one_card, quant, tp
 ):
@@ -477,6 +492,7 @@ def test_an_odd_vocabulary_gives_one_cards_greedy_tokens_and_logprobs(
             assert logprobs == pytest.approx(ref_logprobs, abs=LOGPROB_TOLERANCE[quant])
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_sampling_and_grammars_at_tp_2_never_see_the_padding(odd_vocab_dir):
     """Seeded sampling over the whole distribution (the padding's zero logits would hold about 4%
     of it) and a grammar's mask give what one card gives, and no id past the vocabulary."""
@@ -505,6 +521,7 @@ def _answer(llm: LLM) -> list[int]:
     return _greedy_tokens(llm, PROMPTS[:1])[0]
 
 
+@pytest.mark.usefixtures("forked_ranks")
 def test_sequential_engines_of_tp_2_4_and_1_in_one_process_each_shut_down_all_answer(
     odd_vocab_dir,
 ):
@@ -535,6 +552,28 @@ def test_sequential_engines_of_tp_2_4_and_1_in_one_process_each_shut_down_all_an
     assert answers == answers[:1] * 4
 
 
+def test_a_forked_rank_runs_in_the_environment_its_engine_started_in(
+    odd_vocab_dir, forked_ranks, monkeypatch
+):
+    """The forkserver keeps the environment it started in; a rank forked from it takes on that
+    of its engine, as a spawned one does: here a CPU without AVX2 (PAGEDSERVE_CPU_FLAGS), set
+    after the forkserver began. Rank 0 chose its kernels once for this process."""
+    with _llm(odd_vocab_dir, tensor_parallel_size=2) as llm:  # starts the forkserver, if not yet
+        if llm.llm_engine.get_device_stats()[1]["kernels"] in ("portable", "eager"):
+            pytest.skip("this CPU runs the portable kernels anyway")
+    monkeypatch.setenv("PAGEDSERVE_CPU_FLAGS", "fpu sse2")
+    with _llm(odd_vocab_dir, tensor_parallel_size=2) as llm:
+        assert llm.llm_engine.get_device_stats()[1]["kernels"] in ("portable", "eager")
+        assert _answer(llm)
+
+
+def test_an_unknown_start_method_is_refused_naming_the_variable(odd_vocab_dir, monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='fork': choose one of spawn, fork"):
+        _llm(odd_vocab_dir, tensor_parallel_size=2)
+    assert not _rank_processes() and not dist.is_initialized()
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [
@@ -543,6 +582,7 @@ def test_sequential_engines_of_tp_2_4_and_1_in_one_process_each_shut_down_all_an
     ],
     ids=["refused-before-the-ranks", "after-loading"],
 )
+@pytest.mark.usefixtures("forked_ranks")
 def test_a_start_that_fails_part_way_leaves_nothing_and_the_next_one_starts(
     odd_vocab_dir, kwargs, error
 ):
