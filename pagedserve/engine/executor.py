@@ -1,11 +1,12 @@
 """Executors: how rank 0's steps reach the other tensor-parallel ranks (vLLM's executor classes).
 
 ``Executor`` (tp 1) runs each step on the one card. ``MultiprocExecutor`` (tp > 1) starts the
-ranks of this machine with torch.multiprocessing (spawn, or a forkserver: ``rank_context``), joins torch.distributed's rendezvous
-(gloo on CPU and kunlun-emu, nccl on CUDA; ``--dist-init-addr`` across machines) and, each step,
-broadcasts the scheduler's decisions as one compact ``ModelInput`` (token ids, positions, slot
-mapping, block tables, logits rows, page copies) before rank 0 runs its own shard. Every rank's
-model all-reduces after its row-parallel layers and all-gathers the logits.
+ranks of this machine with torch.multiprocessing (spawn, or a forkserver: ``rank_context``),
+joins torch.distributed's rendezvous (gloo on CPU and kunlun-emu, nccl on CUDA;
+``--dist-init-addr`` across machines) and, each step, broadcasts the scheduler's decisions as one
+compact ``ModelInput`` (token ids, positions, slot mapping, block tables, logits rows, page
+copies) before rank 0 runs its own shard. Every rank's model all-reduces after its row-parallel
+layers and all-gathers the logits.
 
 A rank that dies makes the executor unhealthy (``check_health`` raises): the engine core then
 reports itself dead, so ``/health`` answers 503 and the requests in flight fail. A rank that dies
