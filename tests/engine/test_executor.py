@@ -204,40 +204,10 @@ def test_a_start_that_fails_stops_what_it_began_and_raises(monkeypatch, no_atexi
     assert register[0] == "register" and unregister == ("unregister", register[1])
 
 
-def test_each_local_rank_starts_as_a_spawned_daemon_holding_its_end_of_a_pipe(monkeypatch):
-    made = []
-
-    class Ctx:
-        def __init__(self, method):
-            self.method = method
-
-        def Pipe(self):
-            parent, child = multiprocessing.Pipe()
-            return parent, child
-
-        def Process(self, **kwargs):
-            made.append((self.method, kwargs))
-            return _Proc(pid=100 + len(made))
-
-    monkeypatch.setattr(ex.torch.multiprocessing, "get_context", Ctx)
-    e = _executor(0, nnodes=2, dist_init_addr="h:1")
-    e.config = _config(tensor_parallel_size=6, nnodes=2, dist_init_addr="h:1")  # 3 per node
-    e.address = "h:1"
-    e._start_ranks("warning")
-    assert [m for m, _ in made] == ["spawn", "spawn"]
-    for rank, (_, kwargs) in zip((1, 2), made, strict=True):
-        config, r, address, child, log_level, environ = kwargs["args"]
-        assert kwargs["target"] is ex.run_worker and kwargs["daemon"] is True
-        assert kwargs["name"] == f"pagedserve-tp-rank-{rank}"
-        assert (config, r, address, log_level) == (e.config, rank, "h:1", "warning")
-        assert environ is None  # a spawned rank inherits the environment of the moment itself
-        assert child.closed  # the rank's end, closed here once the rank has it
-        assert e.procs[rank].started and e.reports[rank] == []
-        e.conns[rank].close()
-    assert list(e.procs) == list(e.conns) == [1, 2]
-
-
-def test_with_a_forkserver_each_rank_takes_on_the_environment_its_engine_started_in(monkeypatch):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_each_local_rank_starts_as_a_daemon_holding_its_end_of_a_pipe(monkeypatch, method):
+    """Spawned or forked from a forkserver (START_METHOD_ENV); a forked rank takes on the
+    environment its engine started in, which the forkserver may not have."""
     made, preloads = [], []
 
     class Ctx:
@@ -248,21 +218,36 @@ def test_with_a_forkserver_each_rank_takes_on_the_environment_its_engine_started
             preloads.append(modules)
 
         def Pipe(self):
-            return multiprocessing.Pipe()
+            parent, child = multiprocessing.Pipe()
+            return parent, child
 
         def Process(self, **kwargs):
-            made.append((self.method, kwargs["args"][-1]))
+            made.append((self.method, kwargs))
             return _Proc(pid=100 + len(made))
 
     monkeypatch.setattr(ex.torch.multiprocessing, "get_context", Ctx)
-    monkeypatch.setenv(ex.START_METHOD_ENV, "forkserver")
+    if method == "spawn":
+        monkeypatch.delenv(ex.START_METHOD_ENV, raising=False)  # the default
+    else:
+        monkeypatch.setenv(ex.START_METHOD_ENV, method)
     monkeypatch.setenv("PAGEDSERVE_PROBE", "set after the forkserver may have started")
-    e = _executor(0, dist_init_addr="h:1")
-    e.config = _config(tensor_parallel_size=2, dist_init_addr="h:1")
+    e = _executor(0, nnodes=2, dist_init_addr="h:1")
+    e.config = _config(tensor_parallel_size=6, nnodes=2, dist_init_addr="h:1")  # 3 per node
     e.address = "h:1"
-    e._start_ranks("info")
-    assert made == [("forkserver", dict(os.environ))] and preloads == [[ex.__name__]]
-    e.conns[1].close()
+    e._start_ranks("warning")
+    assert [m for m, _ in made] == [method, method]
+    assert preloads == ([] if method == "spawn" else [[ex.__name__]])
+    for rank, (_, kwargs) in zip((1, 2), made, strict=True):
+        config, r, address, child, log_level, environ = kwargs["args"]
+        assert kwargs["target"] is ex.run_worker and kwargs["daemon"] is True
+        assert kwargs["name"] == f"pagedserve-tp-rank-{rank}"
+        assert (config, r, address, log_level) == (e.config, rank, "h:1", "warning")
+        # a spawned rank inherits the environment of the moment itself
+        assert environ == (None if method == "spawn" else dict(os.environ))
+        assert child.closed  # the rank's end, closed here once the rank has it
+        assert e.procs[rank].started and e.reports[rank] == []
+        e.conns[rank].close()
+    assert list(e.procs) == list(e.conns) == [1, 2]
 
 
 def test_rank_0_joins_the_rendezvous_on_its_cards_backend_watching_its_ranks(monkeypatch):
