@@ -372,9 +372,9 @@ def test_int4_prompt_rows_equal_the_dequantized_weights_with_vectors_and_with_am
 def test_an_int4_rows_result_does_not_depend_on_the_rows_beside_it(unit, abits, group_size):
     # each kernel sums a row alike for any count of rows in a pass (the tile unit's, the vector
     # passes' fp32 chains, the integer sums of W4A8) and whether its pass takes one tile or two
-    # (avx512's W4A16 from 64 rows; 144 outputs: 9 tiles, so a thread ends on a single one), so
-    # that drafts leave greedy INT4 output as it was and a seeded request's tokens do not change
-    # with the batch
+    # (avx512's W4A16 from 64 rows, avx2's W4A16 and W4A8 from 8; 144 outputs: 9 tiles, so a
+    # thread ends on a single one), so that drafts leave greedy INT4 output as it was and a
+    # seeded request's tokens do not change with the batch
     g = torch.Generator().manual_seed(5)
     q, s, z = quantize_rtn(torch.randn(144, 4096, generator=g), group_size)
     x = torch.randn(150, 4096, generator=g).to(torch.bfloat16)  # a prompt's rows among them

@@ -25,7 +25,8 @@ constexpr const char* kInt4A8Layout = "tiles8_a8";
 constexpr int kTileRows = 8;
 // Activation rows one pass over a tile serves, their sums and accumulators beside the unpacked
 // codes in the 16 ymm registers (W4A16: 4 code vectors, 2 registers a row; W4A8: 2 code vectors,
-// 2 registers a row).
+// 2 registers a row). A pass over two tiles takes as many rows; the compiler keeps some of their
+// float accumulators on the stack, which the sums of each block of products far outweigh.
 constexpr int kInt16RowsPerPass = 4;
 constexpr int kInt8RowsPerPass = 5;
 // How far ahead of the chunk being multiplied its thread asks for weight bytes. A decode step
@@ -65,59 +66,107 @@ inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
 // 0x43 trick of the avx512 target): 25.7 vs 20.5 GB/s at one row on 2 Zen 3 cores, and no more
 // rounding than FMAs with that offset have (benchmarks/linear_paths.py).
 
+// dot += the products of int16 code pairs with a broadcast activation pair, the add written in
+// place as W4A8's is (add_products has why).
 #if defined(__AVXVNNI__)
-inline __m256i add_pair_products(__m256i dot, __m256i pairs, int32_t x) {
-  return _mm256_dpwssd_avx_epi32(dot, pairs, _mm256_set1_epi32(x));
+inline void add_pair_products(__m256i& dot, __m256i pairs, __m256i x) {
+  dot = _mm256_dpwssd_avx_epi32(dot, pairs, x);
 }
 #else
-inline __m256i add_pair_products(__m256i dot, __m256i pairs, int32_t x) {
-  return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi32(x)));
+inline void add_pair_products(__m256i& dot, __m256i pairs, __m256i x) {
+  asm("vpaddd %1, %0, %0" : "+x"(dot) : "x"(_mm256_madd_epi16(pairs, x)));
 }
 #endif
 
-// One tile of 8 output rows for MB activation rows from row m0.
-template <int MB, typename T>
-struct Int4Tile {
+// W4A16 passes of 8 rows and more take two tiles at once, as W4A8's do (kInt8TilePairsFromRows
+// has why): with the add in place and the group size known when compiled, 1.10-1.17x the
+// earlier one-tile kernel at 8 to 512 rows (~1B qkv and down, 2 threads, Zen 3, outputs
+// identical), where one tile gains 1.02-1.11x.
+constexpr int64_t kInt16TilePairsFromRows = 8;
+
+// Tiles (1 or 2) tiles of 8 output rows from tile t, for MB activation rows from row m0.
+template <int MB, typename T, int Tiles>
+struct Int4Tiles {
   static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
+    switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
+      case 32: return run_groups<4>(op, t, m0);
+      case 64: return run_groups<8>(op, t, m0);
+      case 128: return run_groups<16>(op, t, m0);
+      default: return run_groups<0>(op, t, m0);
+    }
+  }
+
+  // k-pairs unpacked at once: all four of a chunk for one tile; for two, one at a time (the
+  // registers then hold both tiles' codes and every row's sums).
+  static constexpr int kPairsAtOnce = Tiles == 1 ? 4 : 1;
+
+  // A group's chunks of 8 k as a count known when compiled (0: read from op.G).
+  template <int ChunksPerGroup>
+  static void run_groups(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F), zero_bytes = _mm256_setzero_si256();
-    const int64_t K = op.K, num_groups = K / op.G, chunks_per_group = op.G / 8;
-    const uint8_t* w = op.w + t * K * 4;
-    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
+    const int64_t K = op.K, num_groups = K / op.G;
+    const int64_t chunks_per_group = ChunksPerGroup ? ChunksPerGroup : op.G / 8;
+    const uint8_t* w[Tiles];
+    const uint8_t* sz[Tiles];
+    for (int j = 0; j < Tiles; ++j) {
+      w[j] = op.w + (t + j) * K * 4;
+      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+    }
     // int16 pairs as int32
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
-    __m256 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc[Tiles][MB];
+    for (int j = 0; j < Tiles; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {
-      __m256i dot[MB];
-      for (int m = 0; m < MB; ++m) dot[m] = _mm256_setzero_si256();
+      __m256i dot[Tiles][MB];
+      for (int j = 0; j < Tiles; ++j)
+        for (int m = 0; m < MB; ++m) dot[j][m] = _mm256_setzero_si256();
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        prefetch_weights(w + c * 32, kPrefetchBytes);
-        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-        const __m256i lo = _mm256_and_si256(codes, low_nibbles);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
-        // int16 codes, lane r of each: row r at k = 8c + (0, 1), (2, 3), (4, 5), (6, 7)
-        const __m256i pairs[4] = {
-            _mm256_unpacklo_epi8(lo, zero_bytes), _mm256_unpackhi_epi8(lo, zero_bytes),
-            _mm256_unpacklo_epi8(hi, zero_bytes), _mm256_unpackhi_epi8(hi, zero_bytes)};
-  #pragma GCC unroll 4
-        for (int m = 0; m < MB; ++m) {
-          const int32_t* xk = x + m * K / 2 + 4 * c;
-          for (int p = 0; p < 4; ++p) dot[m] = add_pair_products(dot[m], pairs[p], xk[p]);
+        __m256i lo[Tiles], hi[Tiles];
+        for (int j = 0; j < Tiles; ++j) {
+          prefetch_weights(w[j] + c * 32, kPrefetchBytes);
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + c * 32));
+          lo[j] = _mm256_and_si256(codes, low_nibbles);
+          hi[j] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
+        }
+        // int16 codes, lane r of pair p: row r at k = 8c + 2p, 8c + 2p + 1
+        for (int p0 = 0; p0 < 4; p0 += kPairsAtOnce) {
+          __m256i pairs[Tiles][kPairsAtOnce];
+          for (int j = 0; j < Tiles; ++j)
+            for (int i = 0; i < kPairsAtOnce; ++i) {
+              const int p = p0 + i;
+              const __m256i nibbles = p < 2 ? lo[j] : hi[j];
+              pairs[j][i] = p % 2 ? _mm256_unpackhi_epi8(nibbles, zero_bytes)
+                                  : _mm256_unpacklo_epi8(nibbles, zero_bytes);
+            }
+          for (int m = 0; m < MB; ++m)
+            for (int i = 0; i < kPairsAtOnce; ++i) {
+              const __m256i xp = _mm256_set1_epi32(x[m * K / 2 + 4 * c + p0 + i]);
+              for (int j = 0; j < Tiles; ++j) add_pair_products(dot[j][m], pairs[j][i], xp);
+            }
         }
       }
-      const GroupScales s = group_scales(sz, g);
-      for (int m = 0; m < MB; ++m) {
-        const int64_t i = (m0 + m) * num_groups + g;
-        const __m256 d = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[i]),
-                                          _mm256_mul_ps(s.scale, _mm256_cvtepi32_ps(dot[m])));
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(op.xscale[i]), d, acc[m]);
+      for (int j = 0; j < Tiles; ++j) {
+        const GroupScales s = group_scales(sz[j], g);
+        for (int m = 0; m < MB; ++m) {
+          const int64_t i = (m0 + m) * num_groups + g;
+          const __m256 d = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[i]),
+                                            _mm256_mul_ps(s.scale, _mm256_cvtepi32_ps(dot[j][m])));
+          acc[j][m] = _mm256_fmadd_ps(_mm256_set1_ps(op.xscale[i]), d, acc[j][m]);
+        }
       }
     }
-    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-    for (int m = 0; m < MB; ++m)
-      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
+    for (int j = 0; j < Tiles; ++j) {
+      const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
+      for (int m = 0; m < MB; ++m)
+        store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
+    }
   }
 };
+template <int MB, typename T>
+using Int4Tile = Int4Tiles<MB, T, 1>;
+template <int MB, typename T>
+using Int4TilePair = Int4Tiles<MB, T, 2>;
 
 // x rows [m0, m1) -> int16 per (row, group) with a power-of-two scale, the scales, and the
 // per-group sums of the int16 values.
@@ -153,67 +202,113 @@ void quantize_rows_int16(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t 
 
 // ---- W4A8: int8 activations per block of 32, integer products -----------------------------------
 
-// The integer dot products of one chunk (8 k of the tile's 8 rows) with broadcast int8
-// activations. Without AVX-VNNI: vpmaddubsw multiplies the unsigned codes (0..15) with the signed
-// activations and adds pairs into 16 int16 lanes; the eight of a block of 32 fit in int16
-// (8 x 2 x 15 x 127 < 2^15) before vpmaddwd widens them to the 8 rows. With AVX-VNNI: vpdpbusd
-// does all three steps into the 8 int32 lanes.
+// acc += the products of a chunk's codes (8 k of a tile's 8 rows, their low or high nibbles) with
+// broadcast int8 activations. Without AVX-VNNI: vpmaddubsw multiplies the unsigned codes (0..15)
+// with the signed activations and adds pairs into 16 int16 lanes; the eight of a block of 32 fit
+// in int16 (8 x 2 x 15 x 127 < 2^15) before vpmaddwd widens them to the 8 rows. The add is
+// written in place: given the intrinsic (which returns a new sum), GCC kept each row's sum in two
+// registers and copied it across on every chunk (seen in the code it generated). With AVX-VNNI:
+// vpdpbusd does all three steps into the 8 int32 lanes.
 #if defined(__AVXVNNI__)
-inline __m256i add_chunk_products(__m256i sums, __m256i lo, __m256i hi, const int32_t* x) {
-  sums = _mm256_dpbusd_avx_epi32(sums, lo, _mm256_set1_epi32(x[0]));
-  return _mm256_dpbusd_avx_epi32(sums, hi, _mm256_set1_epi32(x[1]));
+inline void add_products(__m256i& acc, __m256i codes, __m256i x) {
+  acc = _mm256_dpbusd_avx_epi32(acc, codes, x);
 }
 inline __m256 block_sums_to_float(__m256i sums) { return _mm256_cvtepi32_ps(sums); }
 #else
-inline __m256i add_chunk_products(__m256i sums16, __m256i lo, __m256i hi, const int32_t* x) {
-  sums16 = _mm256_add_epi16(sums16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[0])));
-  return _mm256_add_epi16(sums16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[1])));
+inline void add_products(__m256i& acc16, __m256i codes, __m256i x) {
+  asm("vpaddw %1, %0, %0" : "+x"(acc16) : "x"(_mm256_maddubs_epi16(codes, x)));
 }
 inline __m256 block_sums_to_float(__m256i sums16) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums16, _mm256_set1_epi16(1)));
 }
 #endif
 
-// One tile of 8 output rows for MB activation rows from row m0: per block of 32 values, each
-// row's integer sums times the weights' scale and the block's; the zero point once per group, as
-// scale * zero * (the group's scaled activation sum).
-template <int MB, typename T>
-struct Int4Int8Tile {
+// W4A8 passes of 8 rows and more take two tiles at once, so that each broadcast activation feeds
+// 16 output rows, not 8: on Zen 3 a vpbroadcastd from memory takes a vector pipe as the products
+// do. With the add in place and the group size known when compiled: 1.19-1.38x the earlier
+// one-tile kernel at 8 to 512 rows (~1B qkv and down, 2 threads, Zen 3, same codes in turn,
+// outputs identical), where one tile gains 1.12-1.25x; at 1 and 2 rows, which stream the codes
+// from memory, one tile and two ran alike.
+constexpr int64_t kInt8TilePairsFromRows = 8;
+
+// Tiles (1 or 2) tiles of 8 output rows from tile t, for MB activation rows from row m0: per block
+// of 32 values, each row's integer sums times the weights' scale and the block's; the zero point
+// once per group, as scale * zero * (the group's scaled activation sum). A row's float steps are
+// the same whatever the tiles and rows beside it.
+template <int MB, typename T, int Tiles>
+struct Int4Int8Tiles {
   static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
+    switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
+      case 32: return run_groups<1>(op, t, m0);
+      case 64: return run_groups<2>(op, t, m0);
+      case 128: return run_groups<4>(op, t, m0);
+      default: return run_groups<0>(op, t, m0);
+    }
+  }
+
+  // A group's blocks of 32 values as a count known when compiled (0: read from op.G): at group 32
+  // the loop over one block is then no loop at all.
+  template <int BlocksPerGroup>
+  static void run_groups(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
-    const uint8_t* w = op.w + t * K * 4;
-    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
-    __m256 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+    const int64_t K = op.K, num_groups = K / op.G;
+    const int64_t blocks_per_group = BlocksPerGroup ? BlocksPerGroup : op.G / 32;
+    const uint8_t* w[Tiles];
+    const uint8_t* sz[Tiles];
+    for (int j = 0; j < Tiles; ++j) {
+      w[j] = op.w + (t + j) * K * 4;
+      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+    }
+    __m256 acc[Tiles][MB];
+    for (int j = 0; j < Tiles; ++j)
+      for (int m = 0; m < MB; ++m) acc[j][m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {
-      const GroupScales s = group_scales(sz, g);
+      GroupScales s[Tiles];
+      for (int j = 0; j < Tiles; ++j) s[j] = group_scales(sz[j], g);
       for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-        __m256i sums[MB];
-        for (int m = 0; m < MB; ++m) sums[m] = _mm256_setzero_si256();
+        __m256i sums[Tiles][MB];
+        for (int j = 0; j < Tiles; ++j)
+          for (int m = 0; m < MB; ++m) sums[j][m] = _mm256_setzero_si256();
         for (int64_t c = 4 * b; c < 4 * b + 4; ++c) {
-          prefetch_weights(w + c * 32, kPrefetchBytes);
-          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-          const __m256i lo = _mm256_and_si256(codes, low_nibbles);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
-          for (int m = 0; m < MB; ++m)
-            sums[m] = add_chunk_products(
-                sums[m], lo, hi, reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c));
+          __m256i lo[Tiles], hi[Tiles];
+          for (int j = 0; j < Tiles; ++j) {
+            prefetch_weights(w[j] + c * 32, kPrefetchBytes);
+            const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + c * 32));
+            lo[j] = _mm256_and_si256(codes, low_nibbles);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
+          }
+          for (int m = 0; m < MB; ++m) {
+            // the row's 8 activations of the chunk: k 0..3 against the low nibbles, 4..7 the high
+            const int32_t* x = reinterpret_cast<const int32_t*>(op.x + (m0 + m) * K + 8 * c);
+            const __m256i x_lo = _mm256_set1_epi32(x[0]), x_hi = _mm256_set1_epi32(x[1]);
+            for (int j = 0; j < Tiles; ++j) add_products(sums[j][m], lo[j], x_lo);
+            for (int j = 0; j < Tiles; ++j) add_products(sums[j][m], hi[j], x_hi);
+          }
         }
         for (int m = 0; m < MB; ++m) {
-          const __m256 scale = _mm256_mul_ps(s.scale, _mm256_set1_ps(op.xscale[(m0 + m) * K / 32 + b]));
-          acc[m] = _mm256_fmadd_ps(scale, block_sums_to_float(sums[m]), acc[m]);
+          const __m256 xscale = _mm256_set1_ps(op.xscale[(m0 + m) * K / 32 + b]);
+          for (int j = 0; j < Tiles; ++j)
+            acc[j][m] = _mm256_fmadd_ps(_mm256_mul_ps(s[j].scale, xscale),
+                                        block_sums_to_float(sums[j][m]), acc[j][m]);
         }
       }
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm256_fnmadd_ps(s.scaled_zero, _mm256_set1_ps(op.xsum[(m0 + m) * num_groups + g]),
-                                  acc[m]);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xsum = _mm256_set1_ps(op.xsum[(m0 + m) * num_groups + g]);
+        for (int j = 0; j < Tiles; ++j)
+          acc[j][m] = _mm256_fnmadd_ps(s[j].scaled_zero, xsum, acc[j][m]);
+      }
     }
-    const T* bias = op.bias ? op.bias + t * kTileRows : nullptr;
-    for (int m = 0; m < MB; ++m)
-      store_output(op.out + (m0 + m) * op.N + t * kTileRows, Vec{acc[m]}, bias);
+    for (int j = 0; j < Tiles; ++j) {
+      const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
+      for (int m = 0; m < MB; ++m)
+        store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
+    }
   }
 };
+template <int MB, typename T>
+using Int4Int8Tile = Int4Int8Tiles<MB, T, 1>;
+template <int MB, typename T>
+using Int4Int8TilePair = Int4Int8Tiles<MB, T, 2>;
 
 // x rows [m0, m1) -> int8 per block of 32 (round(x / scale), scale = max(amax, 1e-8) / 127, as
 // int4.quantize_activations_int8), each block's scale, and per group the sum over its blocks of
@@ -261,17 +356,19 @@ void quantize_rows_int8(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t g
 inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scales_zeros, int64_t group_size,
                               const c10::optional<at::Tensor>& bias) {
-  return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass>(
+  return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass, Int4TilePair>(
       "int4_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / group_size,
-      [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); });
+      [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); },
+      x.size(0) >= kInt16TilePairsFromRows);
 }
 
 inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
                                    const at::Tensor& scales_zeros, int64_t group_size,
                                    const c10::optional<at::Tensor>& bias) {
-  return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass>(
+  return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass, Int4Int8TilePair>(
       "int4_int8_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / 32,
-      [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); });
+      [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); },
+      x.size(0) >= kInt8TilePairsFromRows);
 }
 
 }  // namespace pagedserve
