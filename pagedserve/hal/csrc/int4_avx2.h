@@ -56,6 +56,18 @@ inline GroupScales group_scales(const uint8_t* sz, int64_t g) {
   return {scale, _mm256_mul_ps(scale, zero)};
 }
 
+// A pass's sums into out [M, N] (+ bias): Tiles tiles of 8 output rows from tile t, MB activation
+// rows from row m0.
+template <typename T, typename X, int Tiles, int MB>
+void store_tiles(const Int4Operands<T, X>& op, int64_t t, int64_t m0,
+                 const __m256 (&acc)[Tiles][MB]) {
+  for (int j = 0; j < Tiles; ++j) {
+    const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
+    for (int m = 0; m < MB; ++m)
+      store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
+  }
+}
+
 // ---- W4A16: 16-bit integer activations, integer products -----------------------------------------
 //
 // Each activation row is rounded per group (the weight's) to int16 with a power-of-two scale
@@ -156,11 +168,7 @@ struct Int4Tiles {
         }
       }
     }
-    for (int j = 0; j < Tiles; ++j) {
-      const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
-      for (int m = 0; m < MB; ++m)
-        store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
-    }
+    store_tiles(op, t, m0, acc);
   }
 };
 template <int MB, typename T>
@@ -298,11 +306,7 @@ struct Int4Int8Tiles {
           acc[j][m] = _mm256_fnmadd_ps(s[j].scaled_zero, xsum, acc[j][m]);
       }
     }
-    for (int j = 0; j < Tiles; ++j) {
-      const T* bias = op.bias ? op.bias + (t + j) * kTileRows : nullptr;
-      for (int m = 0; m < MB; ++m)
-        store_output(op.out + (m0 + m) * op.N + (t + j) * kTileRows, Vec{acc[j][m]}, bias);
-    }
+    store_tiles(op, t, m0, acc);
   }
 };
 template <int MB, typename T>
