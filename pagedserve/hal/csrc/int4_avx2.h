@@ -25,8 +25,9 @@ constexpr const char* kInt4A8Layout = "tiles8_a8";
 constexpr int kTileRows = 8;
 // Activation rows one pass over a tile serves, their sums and accumulators beside the unpacked
 // codes in the 16 ymm registers (W4A16: 4 code vectors, 2 registers a row; W4A8: 2 code vectors,
-// 2 registers a row). A pass over two tiles takes as many rows; the compiler keeps some of their
-// float accumulators on the stack, which the sums of each block of products far outweigh.
+// 2 registers a row). A pass over two tiles takes as many rows: its products' sums stay in
+// registers, and the compiler keeps some of its float accumulators on the stack, which a pass
+// touches once a block of 32 values.
 constexpr int kInt16RowsPerPass = 4;
 constexpr int kInt8RowsPerPass = 5;
 // How far ahead of the chunk being multiplied its thread asks for weight bytes. A decode step
@@ -281,7 +282,8 @@ struct Int4Int8Tiles {
           __m256i lo[Tiles], hi[Tiles];
           for (int j = 0; j < Tiles; ++j) {
             prefetch_weights(w[j] + c * 32, kPrefetchBytes);
-            const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + c * 32));
+            const __m256i codes =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j] + c * 32));
             lo[j] = _mm256_and_si256(codes, low_nibbles);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low_nibbles);
           }
