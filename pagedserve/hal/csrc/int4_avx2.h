@@ -236,8 +236,8 @@ inline __m256 block_sums_to_float(__m256i sums16) {
 // 16 output rows, not 8: on Zen 3 a vpbroadcastd from memory takes a vector pipe as the products
 // do. With the add in place and the group size known when compiled: 1.19-1.38x the earlier
 // one-tile kernel at 8 to 512 rows (~1B qkv and down, 2 threads, Zen 3, same codes in turn,
-// outputs identical), where one tile gains 1.12-1.25x; at 1 and 2 rows, which stream the codes
-// from memory, one tile and two ran alike.
+// outputs identical), where one tile gains 1.12-1.25x. At 8 rows two tiles ran 0.97-1.08x one;
+// fewer rows keep one tile.
 constexpr int64_t kInt8TilePairsFromRows = 8;
 
 // Tiles (1 or 2) tiles of 8 output rows from tile t, for MB activation rows from row m0: per block
