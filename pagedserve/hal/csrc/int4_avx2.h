@@ -101,12 +101,9 @@ constexpr int64_t kInt16TilePairsFromRows = 8;
 template <int MB, typename T, int Tiles>
 struct Int4Tiles {
   static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
-    switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
-      case 32: return run_groups<4>(op, t, m0);
-      case 64: return run_groups<8>(op, t, m0);
-      case 128: return run_groups<16>(op, t, m0);
-      default: return run_groups<0>(op, t, m0);
-    }
+    with_steps_per_group<8>(op.G, [&](auto steps) {
+      run_groups<decltype(steps)::value>(op, t, m0);
+    });
   }
 
   // k-pairs unpacked at once: all four of a chunk for one tile; for two, one at a time (the
@@ -247,12 +244,9 @@ constexpr int64_t kInt8TilePairsFromRows = 8;
 template <int MB, typename T, int Tiles>
 struct Int4Int8Tiles {
   static void run(const Int4Operands<T, int8_t>& op, int64_t t, int64_t m0) {
-    switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
-      case 32: return run_groups<1>(op, t, m0);
-      case 64: return run_groups<2>(op, t, m0);
-      case 128: return run_groups<4>(op, t, m0);
-      default: return run_groups<0>(op, t, m0);
-    }
+    with_steps_per_group<32>(op.G, [&](auto steps) {
+      run_groups<decltype(steps)::value>(op, t, m0);
+    });
   }
 
   // A group's blocks of 32 values as a count known when compiled (0: read from op.G): at group 32

@@ -107,12 +107,9 @@ inline void dpbusd_in_place(__m512i& acc, __m512i a, __m512i b) {
 template <int MB, typename T, int Tiles>
 struct Int4Tiles {
   static void run(const Int4Operands<T, int16_t>& op, int64_t t, int64_t m0) {
-    switch (op.G) {  // the group sizes the quantizers write; others take a count read at run time
-      case 32: return run_groups<4>(op, t, m0);
-      case 64: return run_groups<8>(op, t, m0);
-      case 128: return run_groups<16>(op, t, m0);
-      default: return run_groups<0>(op, t, m0);
-    }
+    with_steps_per_group<8>(op.G, [&](auto steps) {
+      run_groups<decltype(steps)::value>(op, t, m0);
+    });
   }
 
   // k-pairs unpacked at once: all four of a chunk for one tile; for two, one at a time (eight

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <array>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -65,6 +66,20 @@ template <template <int, typename> class Kernel, typename T, int... Rows>
 constexpr auto tile_kernels(std::integer_sequence<int, Rows...>) {
   using Fn = decltype(&Kernel<1, T>::run);
   return std::array<Fn, sizeof...(Rows) + 1>{nullptr, &Kernel<Rows + 1, T>::run...};
+}
+
+// Calls run with the count of Unit-value steps in a group of G values (chunks of 8, blocks of 32)
+// as a constant known when compiled, std::integral_constant<int, G / Unit>, for the group sizes the
+// quantizers write (32, 64, 128), and as std::integral_constant<int, 0> for others, whose count a
+// tile kernel then reads from G at run time.
+template <int Unit, typename Run>
+void with_steps_per_group(int64_t G, const Run& run) {
+  switch (G) {
+    case 32: return run(std::integral_constant<int, 32 / Unit>{});
+    case 64: return run(std::integral_constant<int, 64 / Unit>{});
+    case 128: return run(std::integral_constant<int, 128 / Unit>{});
+    default: return run(std::integral_constant<int, 0>{});
+  }
 }
 
 // One call's operands as the tile kernels read them. Activations: W4A16 int16 per (row, group)
