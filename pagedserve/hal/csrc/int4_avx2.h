@@ -119,8 +119,8 @@ struct Int4Tiles {
     const uint8_t* w[Tiles];
     const uint8_t* sz[Tiles];
     for (int j = 0; j < Tiles; ++j) {
-      w[j] = op.w + (t + j) * K * 4;
-      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+      w[j] = op.tile_codes(t + j, kTileRows);
+      sz[j] = op.tile_scales(t + j, kTileRows);
     }
     // int16 pairs as int32
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);
@@ -259,8 +259,8 @@ struct Int4Int8Tiles {
     const uint8_t* w[Tiles];
     const uint8_t* sz[Tiles];
     for (int j = 0; j < Tiles; ++j) {
-      w[j] = op.w + (t + j) * K * 4;
-      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+      w[j] = op.tile_codes(t + j, kTileRows);
+      sz[j] = op.tile_scales(t + j, kTileRows);
     }
     __m256 acc[Tiles][MB];
     for (int j = 0; j < Tiles; ++j)

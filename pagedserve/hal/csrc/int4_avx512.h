@@ -127,8 +127,8 @@ struct Int4Tiles {
     const uint8_t* w[Tiles];
     const uint8_t* sz[Tiles];
     for (int j = 0; j < Tiles; ++j) {
-      w[j] = op.w + (t + j) * K * 8;
-      sz[j] = op.sz + (t + j) * num_groups * kGroupBytes;
+      w[j] = op.tile_codes(t + j, kTileRows);
+      sz[j] = op.tile_scales(t + j, kTileRows);
     }
     const int32_t* x = reinterpret_cast<const int32_t*>(op.x + m0 * K);  // int16 pairs
     __m512 acc[Tiles][MB];
@@ -225,8 +225,8 @@ struct Int4Int8Tile {
     constexpr int C = kInt8Chains<MB>;
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     const int64_t K = op.K, num_groups = K / op.G, blocks_per_group = op.G / 32;
-    const uint8_t* w = op.w + t * K * 8;
-    const uint8_t* sz = op.sz + t * num_groups * kGroupBytes;
+    const uint8_t* w = op.tile_codes(t, kTileRows);
+    const uint8_t* sz = op.tile_scales(t, kTileRows);
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < num_groups; ++g) {

@@ -88,8 +88,8 @@ void with_steps_per_group(int64_t G, const Run& run) {
 // group) the sum of scale * sum(int8) over the group's blocks.
 template <typename T, typename X>
 struct Int4Operands {
-  const uint8_t* w;  // tile t's codes at w + t * K * TileRows / 2
-  const uint8_t* sz;  // tile t's scales and zeros at sz + t * (K / G) * 3 * TileRows
+  const uint8_t* w;  // tile t's codes: tile_codes
+  const uint8_t* sz;  // tile t's scales and zeros: tile_scales
   const X* x;        // [M, K]
   const float* xscale;  // W4A16 [M, K / G]; W4A8 [M, K / 32]
   const float* xsum;    // [M, K / G]
@@ -97,6 +97,15 @@ struct Int4Operands {
   const T* bias;
   T* out;  // [M, N]
   int64_t N;
+
+  // Tile t of the packed layout, tiles of tile_rows rows: its codes (K values of each row, two a
+  // byte), and per group its fp16 scales then one-byte zero points (3 bytes a row).
+  const uint8_t* tile_codes(int64_t t, int64_t tile_rows) const {
+    return w + t * K * tile_rows / 2;
+  }
+  const uint8_t* tile_scales(int64_t t, int64_t tile_rows) const {
+    return sz + t * (K / G) * 3 * tile_rows;
+  }
 };
 
 // An [M, K] x [N, K]^T INT4 product with the activations quantized by Quantize into X, tiles by
