@@ -145,6 +145,13 @@ def test_a_build_is_keyed_by_its_target_and_flags_not_by_the_machine_it_was_made
     assert all("-march=native" not in native.target_cflags(t) for t in native.TARGETS.values())
 
 
+def test_every_translation_unit_of_the_kernels_is_built():
+    # a .cpp left out of native.SOURCES would leave its ops undefined in the library (an import
+    # error on first start), or its code unbuilt
+    assert set(native.SOURCES) == set(native.CSRC.glob("*.cpp"))
+    assert native.SOURCES[0].name == "bindings.cpp"  # the syntax check's binding (below)
+
+
 def _unrunnable_builds() -> list[tuple[str, tuple[str, ...]]]:
     """The targets (and AVX-VNNI's branch of avx2) this CPU cannot execute, with their flags."""
     builds = [(n, ()) for n, t in native.TARGETS.items() if native.missing_flags(t)]
@@ -154,15 +161,16 @@ def _unrunnable_builds() -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _kernels_source(tmp_path) -> Path:
-    """The kernels the binding includes, without the binding itself: pybind11's and torch's
-    Python headers took half of each check (24 of 48 s on a 2-core Zen 3). The kernels' inline
-    functions instantiate every tile and vector template of the target, so an error in one still
-    fails the check; the binding's few lines of its own (amx_enable on avx512) are compiled where
-    the target is built."""
-    includes = re.findall(r'^#include "([^"]+)"', native.SOURCE.read_text(), flags=re.MULTILINE)
-    assert includes, f"{native.SOURCE} includes no kernel header"
+    """The library's sources in one file: the headers the binding includes and the other
+    translation units (int4.cpp, attention.cpp), whose functions instantiate every tile and vector
+    template of the target, so that an error in one fails the check. Not the binding itself:
+    pybind11's and torch's Python headers took half of each check (24 of 48 s on a 2-core Zen 3),
+    and its few lines of its own (amx_enable on avx512) are compiled where the target is built."""
+    binding, *units = native.SOURCES
+    includes = re.findall(r'^#include "([^"]+)"', binding.read_text(), flags=re.MULTILINE)
+    assert includes, f"{binding} includes no kernel header"
     source = tmp_path / "kernels_syntax_check.cpp"
-    source.write_text("".join(f'#include "{h}"\n' for h in includes))
+    source.write_text("".join(f'#include "{h}"\n' for h in [*includes, *(u.name for u in units)]))
     return source
 
 
@@ -177,7 +185,7 @@ def syntax_checks(
     from torch.utils import cpp_extension
 
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{native.SOURCE.parent}"]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{native.CSRC}"]
     source = _kernels_source(tmp_path_factory.mktemp("syntax"))
     checks = {}
     for name, extra in _unrunnable_builds():

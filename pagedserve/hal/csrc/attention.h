@@ -369,11 +369,16 @@ std::string head_dims_text(std::integer_sequence<int, Ds...>) {
   return text;
 }
 
+template <int... Ds>
+constexpr bool is_one_of(int64_t head_dim, std::integer_sequence<int, Ds...>) {
+  return ((head_dim == Ds) || ...);
+}
+
 // What paged_attention_decode takes: a compiled head dim, queries in an activation dtype (the
 // caches in that dtype or INT8, as the engine allocates them). The kernel checks its input with
 // it, and the Python dispatch (CpuDevice) asks it when a model loads.
 inline std::string paged_attention_decode_rejects(int64_t head_dim, at::ScalarType dtype) {
-  if (decode_task_for<float, float>(head_dim, DecodeHeadDims{}) == nullptr)
+  if (!is_one_of(head_dim, DecodeHeadDims{}))
     return "head_dim " + std::to_string(head_dim) + " is not one the kernel is compiled for (" +
            head_dims_text(DecodeHeadDims{}) + ")";
   return rows_rejects(dtype);
@@ -386,51 +391,9 @@ constexpr int64_t kFewQueryRows = 8;
 // q [T, H, D]: sequence b's query rows are query_start_loc[b] .. query_start_loc[b + 1], at the
 // last positions of its context of seq_lens[b] tokens (one row each when decoding). The caches are
 // in q's dtype, or INT8 rows (codes and scale) read as they are.
-inline at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
-                                         const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                         const at::Tensor& seq_lens,
-                                         const at::Tensor& query_start_loc, double scale) {
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), B = seq_lens.size(0);
-  const int64_t block_size = k_cache.size(1), KV = k_cache.size(2);
-  const bool int8_cache = k_cache.scalar_type() == at::kChar;
-  const std::string why = paged_attention_decode_rejects(D, q.scalar_type());
-  TORCH_CHECK(why.empty(), "paged_attention_decode: ", why);
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == B + 1,
-              "paged_attention_decode: block_tables, seq_lens, query_start_loc [B + 1]: int64");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D &&
-                  (int8_cache || q.scalar_type() == k_cache.scalar_type()) &&
-                  k_cache.size(3) == (int8_cache ? D + kKvScaleBytes : D),
-              "paged_attention_decode: q rows of contiguous heads, caches in q's dtype or INT8");
-  const int64_t q_stride = q.stride(0);
-  auto out = at::empty({T_, H, D}, q.options());
-  const auto* tables = block_tables.data_ptr<int64_t>();
-  const auto* lens = seq_lens.data_ptr<int64_t>();
-  const auto* starts = query_start_loc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(starts[b + 1] - starts[b] >= 1 && starts[b + 1] - starts[b] <= kFewQueryRows &&
-                    starts[b + 1] - starts[b] <= lens[b],
-                "paged_attention_decode: 1 to ", kFewQueryRows, " query rows per sequence");
-  const int64_t max_blocks = block_tables.size(1), group = H / KV;
-  DISPATCH_ACTIVATION_TYPES(q.scalar_type(), "decode_attn", [&] {
-    with_kv_caches<scalar_t>(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
-      using KT = std::remove_cv_t<std::remove_pointer_t<decltype(kc)>>;
-      const auto* qp = q.data_ptr<scalar_t>();
-      auto* op = out.data_ptr<scalar_t>();
-      const auto task = decode_task_for<scalar_t, KT>(D, DecodeHeadDims{});
-      at::parallel_for(0, B * KV, 1, [&](int64_t i0, int64_t i1) {
-        thread_local std::vector<float> scores;
-        thread_local std::vector<int64_t> offsets;
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t b = i / KV, kvh = i % KV, start = starts[b];
-          task(qp + start * q_stride + kvh * group * D, q_stride, starts[b + 1] - start, kc, vc,
-               tables + b * max_blocks, lens[b], block_size, KV, kvh, group, float(scale),
-               op + (start * H + kvh * group) * D, H * D, scores, offsets);
-        }
-      });
-    });
-  });
-  return out;
-}
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                  double scale);  // (attention.cpp)
 
 }  // namespace pagedserve

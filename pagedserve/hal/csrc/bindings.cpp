@@ -1,17 +1,21 @@
 // Native CPU kernels for the `cpu` and `kunlun-emu` backends: the PyTorch binding of one target.
-// pagedserve/hal/native.py compiles this file once per instruction-set target the CPU can run,
-// with PAGEDSERVE_TARGET naming it and only that target's compiler flags:
+// pagedserve/hal/native.py compiles this file with int4.cpp and attention.cpp (the INT4 GEMMs
+// and the attention ops, whose instances took most of a one-file build, as translation units of
+// their own, compiled at once) into one library per instruction-set target the CPU can run, with
+// PAGEDSERVE_TARGET naming it and only that target's compiler flags:
 //
 //   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
 //   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax,
 //                           the random draw
 //   attention.h             paged attention for decoding rows, straight from the pages
 //   prefill_attention.h     paged causal attention for prefill chunks (online softmax)
+//                           (both ops compiled in attention.cpp)
 //   dense.h                 a bf16 GEMV for a few rows (amx.h: on the AMX tile unit, and
 //                           there a GEMM for a prompt's rows)
 //     (these are written once against the vector API)
 //   int4_avx512.h           INT4 GEMMs per target, each with its own packed layout (int4.py)
 //   int4_avx2.h
+//   int4.h                  the target's INT4 layouts and layers, compiled in int4.cpp
 //   int4_limits.h           what the INT4 kernels take (each op states its limits beside it:
 //                           rows_rejects, paged_attention_decode_rejects, int4_linear_rejects)
 //   linear.h                one linear layer: the target's INT4 kernel, PyTorch's, or dense
@@ -74,17 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT4_LAYOUT") = kInt4Layout;
   m.attr("INT4_A8_LAYOUT") = kInt4A8Layout;
   m.attr("INT4_TILE_ROWS") = kTileRows;
-  m.def("int4_linear", [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
-                          int64_t group_size, const c10::optional<at::Tensor>& bias,
-                          int64_t out_features) {
-    return with_padded_rows(int4_linear, x, packed, sz, group_size, bias, out_features, kTileRows);
-  });
-  m.def("int4_int8_linear", [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
-                               int64_t group_size, const c10::optional<at::Tensor>& bias,
-                               int64_t out_features) {
-    return with_padded_rows(int4_int8_linear, x, packed, sz, group_size, bias, out_features,
-                            kTileRows);
-  });
+  m.def("int4_linear", &int4_linear);
+  m.def("int4_int8_linear", &int4_int8_linear);
 #endif
   m.def("dense_linear", &dense_linear);
   m.def("lora_add", [](at::Tensor y, const at::Tensor& x, const at::Tensor& a,

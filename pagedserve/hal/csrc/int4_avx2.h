@@ -353,18 +353,18 @@ void quantize_rows_int8(const T* x, int64_t m0, int64_t m1, int64_t K, int64_t g
 
 // ---- the calls ----------------------------------------------------------------------------------
 
-inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales_zeros, int64_t group_size,
-                              const c10::optional<at::Tensor>& bias) {
+inline at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scales_zeros, int64_t group_size,
+                               const c10::optional<at::Tensor>& bias) {
   return int4_gemm<kTileRows, int16_t, Int4Tile, kInt16RowsPerPass, Int4TilePair>(
       "int4_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / group_size,
       [](const auto* xp, auto... args) { quantize_rows_int16(xp, args...); },
       x.size(0) >= kInt16TilePairsFromRows);
 }
 
-inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                                   const at::Tensor& scales_zeros, int64_t group_size,
-                                   const c10::optional<at::Tensor>& bias) {
+inline at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales_zeros, int64_t group_size,
+                              const c10::optional<at::Tensor>& bias) {
   return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass, Int4Int8TilePair>(
       "int4_int8_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / 32,
       [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); },

@@ -384,9 +384,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4_tiles_amx(
   _tile_release();
 }
 
-inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
-                              const at::Tensor& scales_zeros, int64_t group_size,
-                              const c10::optional<at::Tensor>& bias) {
+inline at::Tensor w4a16_linear(const at::Tensor& x, const at::Tensor& packed,
+                               const at::Tensor& scales_zeros, int64_t group_size,
+                               const c10::optional<at::Tensor>& bias) {
   // On the tile unit: every count of rows, one row too, so that a row's sums do not depend on
   // the rows beside it (the vector pass rounds its activations otherwise): a decode row and the
   // same position verified beside drafts, or batched with other requests, get the same bits. One
@@ -432,9 +432,9 @@ inline at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-inline at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& packed,
-                                   const at::Tensor& scales_zeros, int64_t group_size,
-                                   const c10::optional<at::Tensor>& bias) {
+inline at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed,
+                              const at::Tensor& scales_zeros, int64_t group_size,
+                              const c10::optional<at::Tensor>& bias) {
   return int4_gemm<kTileRows, int8_t, Int4Int8Tile, kInt8RowsPerPass>(
       "int4_int8_linear", x, packed, scales_zeros, group_size, bias, x.size(1) / 32,
       [](const auto* xp, auto... args) { quantize_rows_int8(xp, args...); });

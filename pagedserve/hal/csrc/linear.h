@@ -7,24 +7,10 @@
 #include <string>
 
 #include "dense.h"
+#include "int4.h"
 #include "vec.h"
 
-#if PAGEDSERVE_TARGET == PAGEDSERVE_AVX512
-#include "int4_avx512.h"
-#define PAGEDSERVE_HAS_INT4 1
-#elif PAGEDSERVE_TARGET == PAGEDSERVE_AVX2
-#include "int4_avx2.h"
-#define PAGEDSERVE_HAS_INT4 1
-#else
-#define PAGEDSERVE_HAS_INT4 0
-#endif
-
 namespace pagedserve {
-
-#if !PAGEDSERVE_HAS_INT4
-constexpr const char* kInt4Layout = "";  // no INT4 kernel of its own: PyTorch's ("aten")
-constexpr const char* kInt4A8Layout = "";
-#endif
 
 // W4A8's activations as PyTorch rounds them (int4.quantize_activations_int8): int8 per block of 32
 // values of each row, then back to the input dtype (the INT4 layers' K is whole blocks).
@@ -95,10 +81,8 @@ struct NativeLinear {
       case Kind::kTargetInt4:
 #if PAGEDSERVE_HAS_INT4
         return int8_activations
-                   ? with_padded_rows(int4_int8_linear, x, packed, scales_zeros, group_size, bias,
-                                      out_features, kTileRows)
-                   : with_padded_rows(int4_linear, x, packed, scales_zeros, group_size, bias,
-                                      out_features, kTileRows);
+                   ? int4_int8_linear(x, packed, scales_zeros, group_size, bias, out_features)
+                   : int4_linear(x, packed, scales_zeros, group_size, bias, out_features);
 #endif
       case Kind::kAtenInt4: {
         const at::Tensor rows = int8_activations ? quantize_activations_int8(x) : x;
