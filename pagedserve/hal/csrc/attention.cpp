@@ -1,6 +1,6 @@
 // The two paged attention ops (attention.h: decode rows, prefill_attention.h: prefill chunks),
-// compiled in a translation unit of their own: their kernels' instances over the head dims and
-// dtypes are a third of a target's build, which native.py's build then runs beside the others.
+// compiled in a translation unit of their own (their kernels' instances over every head dim and
+// dtype make it the longest of a target's units), which native.py's build runs beside the others.
 #include "prefill_attention.h"  // and attention.h
 
 namespace pagedserve {

@@ -1,8 +1,8 @@
 // Native CPU kernels for the `cpu` and `kunlun-emu` backends: the PyTorch binding of one target.
 // pagedserve/hal/native.py compiles this file with int4.cpp and attention.cpp (the INT4 GEMMs
-// and the attention ops, whose instances took most of a one-file build, as translation units of
-// their own, compiled at once) into one library per instruction-set target the CPU can run, with
-// PAGEDSERVE_TARGET naming it and only that target's compiler flags:
+// and the attention ops, whose instances took about half of a one-file build, as translation units
+// of their own, compiled at once) into one library per instruction-set target the CPU can run,
+// with PAGEDSERVE_TARGET naming it and only that target's compiler flags:
 //
 //   vec.h, vec/<target>.h   the vector API: avx512 (16 lanes), avx2 (8), portable (plain C++)
 //   elementwise.h           RMSNorm (+ residual add), SiLU-and-mul, rotary + KV write, argmax,
