@@ -1,6 +1,6 @@
-// What the targets' INT4 kernels (int4_linear, int4_int8_linear; int4_<target>.h) take, stated
-// once: groups of a multiple of 32 values that divide the input (any number of output rows: the
-// packing pads them to whole tiles, int4_gemm.h's with_padded_rows cuts the padding off).
+// What the targets' INT4 kernels (int4_linear, int4_int8_linear: int4.h; int4_<target>.h) take,
+// stated once: groups of a multiple of 32 values that divide the input (any number of output rows:
+// the packing pads them to whole tiles, int4_gemm.h's with_padded_rows cuts the padding off).
 // The kernels check their weights with it, and CpuDevice.prepare_int4 asks it for each layer when
 // a model loads (a layer it refuses runs PyTorch's kernel or the reference).
 #pragma once
