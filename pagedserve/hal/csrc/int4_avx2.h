@@ -2,7 +2,8 @@
 // unsigned codes and the zero point applied once per group (int4_gemm.h walks them over an
 // [M, N] product): W4A16 with int16 activations through vpmaddwd, and W4A8 with int8 activations
 // per block of 32 values (llama.cpp's Q8_0) through vpmaddubsw summed in int16, then vpmaddwd;
-// vpdpbusd and vpdpwssd where the CPU has AVX-VNNI.
+// vpdpbusd and vpdpwssd where the CPU has AVX-VNNI (tests/hal/test_avx_vnni_emulated.py runs that
+// branch on a CPU without it, the two instructions emulated).
 //
 // Layout "tiles8" (W4A16, pack_tiles8 in int4.py): a tile's K/8 chunks of 32 bytes each hold
 // k = 8c .. 8c+7 of its 8 rows; splitting a chunk's nibbles and interleaving each byte with a zero
