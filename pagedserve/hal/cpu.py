@@ -161,8 +161,8 @@ class CpuDevice(Device):
     def int4_linear(
         self, x: torch.Tensor, w: Int4Linear, b: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Native: the target's W4A16 (bf16 activation pairs on avx512, fp32 FMAs on avx2) or
-        W4A8 (int8 activations, integer products). PyTorch's kernel: bf16 activations always
+        """Native: the target's W4A16 (int16 activations, integer products; bf16 tiles on AMX)
+        or W4A8 (int8 activations, integer products). PyTorch's kernel: bf16 activations always
         (20-60x slower with fp32 or fp16 ones, GLM4.md); W4A8 rounds them to int8 first."""
         if w.layout == "reference":
             return super().int4_linear(x, w, b)
