@@ -12,7 +12,8 @@
   and torch.mv (1 row): the dense few-row paths.
 
     python -m benchmarks.linear_paths [--model 122m|1b] [--kernels auto|avx512|avx2] [--isa avx2]
-        [--rows 1 2 4 8 16 32 64 128 512] [--huge-pages on|off] [--output NAME]
+        [--rows 1 2 4 8 16 32 64 128 512] [--group-size 32|64|128] [--huge-pages on|off]
+        [--output NAME]
 
 ``--isa avx2`` measures as on a Zen 3, on any x86 CPU: pagedserve sees this CPU's flags without
 AVX-512, AVX-VNNI and AMX, and PyTorch's and oneDNN's kernels are held to AVX2 (compare.py's
@@ -24,8 +25,8 @@ microseconds per call and GFLOP/s, and for the native INT4 paths their multiply-
 core against the int8 peak of the target's instructions (``benchmarks.cpu_clock``: the clock
 measured here, the peak from the microarchitecture), and writes them all to
 benchmarks/results/NAME.json (default
-linear_paths_MODEL_KERNELS; give a run of other rows its own NAME, so that it does not replace the
-full run the README quotes)."""
+linear_paths_MODEL_KERNELS, and _gG at a group size G other than 32; give a run of other rows its
+own NAME, so that it does not replace the full run the README quotes)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from pagedserve.hal import get_device
 from pagedserve.hal.int4 import cpu_int4_scales_and_zeros
 from pagedserve.models.quant_formats import quantize_rtn
 
-GROUP = 32
+GROUP_SIZES = (32, 64, 128)  # what the quantizers write (--quant-group-size)
 PATHS = [
     "native int4",
     "native w4a8",
@@ -83,17 +84,19 @@ def per_call_us(fns: list[Callable[[], torch.Tensor]], min_seconds: float = 0.2)
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def measure(n: int, k: int, rows: list[int], kernels: str) -> dict[int, dict[str, float]]:
+def measure(
+    n: int, k: int, rows: list[int], kernels: str, group: int
+) -> dict[int, dict[str, float]]:
     native = get_device("cpu", kernels=kernels)
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
-    q, s, z = quantize_rtn(w.float(), GROUP)
+    q, s, z = quantize_rtn(w.float(), group)
     copies = range(max(1, COPIES_BYTES // (n * k // 2)))
     dense_copies = [w.clone() for _ in range(max(1, COPIES_BYTES // (2 * n * k)))]
     has_int4 = native.native is not None and hasattr(native.native, "int4_linear")
-    layers = [native.prepare_int4(q, s, z, GROUP, f"w{i}") for i in copies] if has_int4 else []
+    layers = [native.prepare_int4(q, s, z, group, f"w{i}") for i in copies] if has_int4 else []
     layers_a8 = (
-        [native.prepare_int4(q, s, z, GROUP, f"a{i}", 8) for i in copies] if has_int4 else []
+        [native.prepare_int4(q, s, z, group, f"a{i}", 8) for i in copies] if has_int4 else []
     )
     aten = [
         torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1) for _ in copies
@@ -104,7 +107,7 @@ def measure(n: int, k: int, rows: list[int], kernels: str) -> dict[int, dict[str
         m = x.shape[0]
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         t = {
-            "aten int4": per_call_us([lambda a=a: mm(x, a, GROUP, aten_sz) for a in aten]),
+            "aten int4": per_call_us([lambda a=a: mm(x, a, group, aten_sz) for a in aten]),
             "bf16 F.linear": per_call_us([lambda d=d: F.linear(x, d) for d in dense_copies]),
         }
         if has_int4:
@@ -139,13 +142,22 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument(
+        "--group-size",
+        type=int,
+        default=32,
+        choices=GROUP_SIZES,
+        help="values a weight scale and zero point cover (default 32, --quant-group-size's)",
+    )
+    ap.add_argument(
         "--huge-pages",
         choices=["on", "off"],
         default="on",
         help="INT4 weights on transparent huge pages where the OS has them (hal/huge_pages.py); "
         "off: on 4 KiB pages, to measure what they bring",
     )
-    ap.add_argument("--output", default=None, help="results file name (default linear_paths_MODEL)")
+    ap.add_argument(
+        "--output", default=None, help="results file name (default linear_paths_MODEL_KERNELS[_gG])"
+    )
     args = ap.parse_args()
     os.environ["PAGEDSERVE_HUGE_PAGES"] = args.huge_pages
     if args.isa == "avx2" and "PAGEDSERVE_CPU_FLAGS" not in os.environ:
@@ -164,10 +176,12 @@ def main() -> None:
           f"{microarchitecture()} at {ghz:.2f} GHz "
           f"(int8 peak {peak} MACs a cycle a core); microseconds per call (GFLOP/s)")  # fmt: skip
     print(f"{'layer':8s} {'M':>4s} " + " ".join(f"{p:>20s}" for p in PATHS))
+    # (a run at another group size gets a file of its own, not the default one the README quotes)
+    group_suffix = "" if args.group_size == 32 else f"_g{args.group_size}"
     table = {}
     for name, n, k in layer_shapes(args.model):
         table[name] = {"n": n, "k": k, "rows": {}, "gflops": {}, "macs_per_cycle_per_core": {}}
-        for m, t in measure(n, k, args.rows, kernels).items():
+        for m, t in measure(n, k, args.rows, kernels, args.group_size).items():
             gflops = {p: round(2 * m * n * k / us / 1e3, 1) for p, us in t.items()}
             table[name]["rows"][m] = {p: round(us, 1) for p, us in t.items()}
             table[name]["gflops"][m] = gflops
@@ -183,7 +197,7 @@ def main() -> None:
             print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells) + f"  {of_peak}",
                   flush=True)  # fmt: skip
     path = write_result(
-        args.output or f"linear_paths_{args.model}_{kernels}",
+        args.output or f"linear_paths_{args.model}_{kernels}{group_suffix}",
         {
             "model": args.model,
             "kernels": kernels,
@@ -193,7 +207,7 @@ def main() -> None:
             "microarchitecture": microarchitecture(),
             "clock_ghz": round(ghz, 3),
             "int8_peak_macs_per_cycle_per_core": peak,
-            "group_size": GROUP,
+            "group_size": args.group_size,
             "huge_pages": args.huge_pages,
             "us_per_call": table,
         },
