@@ -29,7 +29,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -126,12 +126,29 @@ class KernelBuildError(RuntimeError):
     """A target's kernels could not be had here (no compiler, a failed build)."""
 
 
+def build_library(
+    name: str, sources: Sequence[Path], cflags: list[str], build_dir: Path
+) -> ModuleType:
+    """The Python module ``name`` compiled from ``sources`` with ``cflags`` (and OpenMP) in
+    ``build_dir``, or loaded from there where it is built; one process at a time (_exclusive)."""
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(build_dir):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
 @cache
 def load_target(name: str) -> ModuleType:
     """The compiled kernels of target ``name``, built on first use; raises if this CPU cannot
     execute them or they cannot be built."""
-    from torch.utils import cpp_extension
-
     target = TARGETS[name]
     missing = missing_flags(target)
     if missing:
@@ -150,15 +167,9 @@ def load_target(name: str) -> ModuleType:
         )
     start = time.monotonic()
     try:
-        with _exclusive(build_dir):
-            module = cpp_extension.load(
-                name=f"pagedserve_kernels_{name}",
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=target_cflags(target),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+        module = build_library(
+            f"pagedserve_kernels_{name}", SOURCES, target_cflags(target), build_dir
+        )
     except (OSError, RuntimeError, ImportError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise KernelBuildError(f"building the {name} kernels failed: {first_line}") from e

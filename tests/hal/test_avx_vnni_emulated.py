@@ -45,29 +45,22 @@ def emulated():
     """int4.cpp and its binding built for avx2 with the emulation included first; cached beside
     the kernels' builds (not among them: those are one directory a target), keyed by every
     source."""
-    from torch.utils import cpp_extension
-
     if why := native._missing_tool():
         missing_tool(why)
     key = hashlib.sha256(native.build_key(AVX2).encode())
     for path in sorted(HERE.iterdir()):
         key.update(path.name.encode() + path.read_bytes())
-    build_dir = native.cache_dir().parent / "test-kernels" / f"avx2-vnni-{key.hexdigest()[:16]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with native._exclusive(build_dir):  # one xdist worker builds, the other waits and loads
-        module = cpp_extension.load(
-            name="pagedserve_avx2_emulated_vnni",
-            sources=[str(HERE / "avx_vnni_binding.cpp"), str(native.CSRC / "int4.cpp")],
-            extra_cflags=[
-                *native.target_cflags(AVX2),
-                f"-I{native.CSRC}",
-                "-include",
-                str(HERE / "avx_vnni_emulation.h"),
-            ],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+    module = native.build_library(
+        "pagedserve_avx2_emulated_vnni",
+        [HERE / "avx_vnni_binding.cpp", native.CSRC / "int4.cpp"],
+        [
+            *native.target_cflags(AVX2),
+            f"-I{native.CSRC}",
+            "-include",
+            str(HERE / "avx_vnni_emulation.h"),
+        ],
+        native.cache_dir().parent / "test-kernels" / f"avx2-vnni-{key.hexdigest()[:16]}",
+    )
     assert module.AVX_VNNI  # the branch this test is for
     return module
 
